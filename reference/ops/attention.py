@@ -1,0 +1,263 @@
+r"""``ggml_soft_max_ext`` and llama.cpp's attention, ``llm_graph_context::build_attn_mha``.
+
+**Softmax with mask, scale and ALiBi.** ``ggml_soft_max_ext(x, mask, scale, max_bias)``
+normalizes every row (last axis) of ``x`` of shape ``(..., n_head, n_tokens, n_kv)``:
+
+$$
+w_{h,t,j} = \mathrm{scale}\cdot x_{h,t,j} + m_h\, \mathrm{mask}_{t,j},\qquad
+\mathrm{soft\_max\_ext}(x)_{h,t,j} = \frac{e^{w_{h,t,j} - \max_{j'} w_{h,t,j'}}}
+    {\sum_{j'} e^{w_{h,t,j'} - \max_{j'} w_{h,t,j'}}}.
+$$
+
+The mask is additive: $0$ where key $j$ is visible to query $t$, $-\infty$ where it is not, so
+a hidden key gets exactly zero weight. It is shared by all heads (its leading dimensions tile
+into ``x``'s, ``i12 = i02 % ne12``). $m_h$ is the ALiBi slope of head $h$; it is 1 for every
+head when ``max_bias == 0`` (no ALiBi). Otherwise, with $n_h$ heads (ggml's
+``n_head_log2`` is the largest power of two $\le n_h$, $H = 2^{\lfloor\log_2 n_h\rfloor}$):
+
+$$
+m_0 = 2^{-\mathrm{max\_bias}/H},\quad m_1 = 2^{-\mathrm{max\_bias}/(2H)},\qquad
+m_h = \begin{cases} m_0^{\,h+1} & h < H\\ m_1^{\,2(h-H)+1} & h \ge H \end{cases}
+$$
+
+and the mask holds $-|i - j|$-style distances instead of zeros, so the slope scales a distance.
+
+Precision, as in ``ggml_compute_forward_soft_max_f32``: $w$ and the exponentials are float,
+their sum is accumulated in double (``ggml_float``), and the row is multiplied by
+``float(1.0 / sum)``.
+
+**A fully masked row** (every key hidden from a query) has maximum $-\infty$; ggml's softmax
+then computes $e^{-\infty - (-\infty)} = e^{\mathrm{NaN}}$ and returns NaN for the whole row
+(a debug build asserts ``sum > 0``). ggml's own ``flash_attn_ext`` returns zeros for such a
+row (``S_inv = S == 0 ? 0 : 1/S``). The specification follows the flash path: **the row is all
+zeros** (nothing is visible, so nothing contributes). In llama.cpp this never happens for a
+real token, which always sees at least its own cell.
+
+**Attention.** ``build_attn_mha`` (the non-flash branch of ``src/llama-graph.cpp``) is built
+from the ops above, in this order, with ``q`` ``(n_tokens, n_head, d_k)``, ``k``
+``(n_kv, n_head_kv, d_k)``, ``v`` ``(n_kv, n_head_kv, d_v)``:
+
+1. permute ``q``, ``k``, ``v`` to put the head first (``ggml_permute(.., 0, 2, 1, 3)``);
+2. ``kq = mul_mat(k, q)``: $(n_\text{head}, n_\text{tokens}, n_\text{kv})$, GQA by
+   ``mul_mat``'s block broadcast (query head $h$ uses KV head
+   $\lfloor h / (n_\text{head}/n_\text{head\_kv}) \rfloor$);
+3. ``kq = soft_max_ext(kq, kq_mask, kq_scale, max_bias)``;
+4. ``kqv = mul_mat(v^T, kq)``: $(n_\text{head}, n_\text{tokens}, d_v)$ (llama.cpp's cache stores
+   V already transposed when flash attention is off; otherwise it transposes here);
+5. permute back and make contiguous: $(n_\text{tokens}, n_\text{head} \cdot d_v)$.
+
+$$
+\mathrm{out}_{t,h} = \sum_j \mathrm{softmax}_j\!\big(\mathrm{kq\_scale}\; q_{t,h}\cdot k_{j,g(h)}
+    + \mathrm{mask}_{t,j}\big)\, v_{j,g(h)},\qquad g(h) = \lfloor h\, n_\text{head\_kv} /
+    n_\text{head} \rfloor.
+$$
+
+Not covered here (other ``build_attn_mha`` branches): logit soft-capping (Gemma 2, Grok),
+``kq_b``, attention sinks, MLA, and the stream dimension of a multi-sequence KV cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference.ops.errors import OpShapeError
+from reference.ops.matmul import mul_mat
+
+
+# --8<-- [start:alibi_slopes]
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    r"""The per-head ALiBi slopes of ``ggml_soft_max_ext``, as float32 (``powf`` in ggml).
+
+    Args:
+        n_head: number of heads ($\ge 1$).
+        max_bias: ``f_max_alibi_bias``; ``0`` disables ALiBi (every slope is 1).
+
+    Returns:
+        ``(n_head,)`` float32.
+
+    Raises:
+        OpShapeError: if ``n_head < 1``.
+
+    Example:
+        >>> alibi_slopes(4, 8.0)
+        array([0.25      , 0.0625    , 0.015625  , 0.00390625], dtype=float32)
+        >>> alibi_slopes(3, 0.0)
+        array([1., 1., 1.], dtype=float32)
+    """
+    if n_head < 1:
+        raise OpShapeError(f"alibi_slopes: n_head must be at least 1, got {n_head}")
+    if max_bias <= 0.0:
+        return np.ones(n_head, dtype=np.float32)
+    n_head_log2 = 1 << int(np.floor(np.log2(n_head)))  # largest power of 2 <= n_head
+    m0 = np.float32(2.0) ** np.float32(-max_bias / n_head_log2)
+    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n_head_log2)
+    h = np.arange(n_head)
+    return np.where(
+        h < n_head_log2,
+        m0 ** (h + 1).astype(np.float32),
+        m1 ** (2 * (h - n_head_log2) + 1).astype(np.float32),
+    ).astype(np.float32)  # (n_head,)
+
+
+# --8<-- [end:alibi_slopes]
+
+
+def _check_soft_max_args(x: np.ndarray, mask: np.ndarray | None, max_bias: float) -> None:
+    """The asserts of ``ggml_soft_max_impl``, as exceptions."""
+    if x.ndim < 1:
+        raise OpShapeError("soft_max_ext: x must have at least one dimension")
+    if mask is None:
+        if max_bias > 0.0:
+            raise OpShapeError("soft_max_ext: ALiBi (max_bias > 0) needs a mask")
+        return
+    ok = mask.ndim >= 2 and x.ndim >= 2 and mask.ndim <= x.ndim
+    ok = ok and mask.shape[-1] == x.shape[-1] and mask.shape[-2] >= x.shape[-2]
+    if ok:
+        lead_x = x.shape[: x.ndim - 2][x.ndim - mask.ndim:]
+        ok = all(m and dx % m == 0 for dx, m in zip(lead_x, mask.shape[:-2], strict=True))
+    if not ok:
+        raise OpShapeError(
+            f"soft_max_ext: mask must be (..., n_rows >= n_tokens, n_kv) with leading dims "
+            f"dividing x's; got x.shape={x.shape}, mask.shape={mask.shape}"
+        )
+
+
+# --8<-- [start:soft_max_ext]
+def soft_max_ext(
+    x: np.ndarray,
+    mask: np.ndarray | None = None,
+    scale: float = 1.0,
+    max_bias: float = 0.0,
+) -> np.ndarray:
+    r"""``ggml_soft_max_ext(x, mask, scale, max_bias)``: softmax of ``scale*x + slope*mask``.
+
+    Args:
+        x: ``(..., n_head, n_tokens, n_kv)`` (a 2-D ``(n_tokens, n_kv)`` is one head).
+        mask: additive mask ``(n_tokens_pad, n_kv)`` (``0`` visible, ``-inf`` hidden), or with
+            leading dimensions that tile into ``x``'s; only its first ``n_tokens`` rows are
+            read (llama.cpp pads the mask's rows). ``None``: no mask.
+        scale: multiplies ``x`` before the mask is added (``kq_scale``, $1/\sqrt{d_k}$).
+        max_bias: ALiBi maximum bias; ``0`` disables ALiBi. Needs a mask when ``> 0``.
+
+    Returns:
+        Same shape and dtype as ``x``; every row sums to 1, except a fully masked row,
+        which is all zeros (ggml's non-flash kernel gives NaN there, see the module docstring).
+
+    Raises:
+        OpShapeError: if the mask does not fit ``x``, or ``max_bias > 0`` without a mask.
+
+    Example:
+        >>> import numpy as np
+        >>> kq = np.zeros((1, 2, 3))                      # (n_head, n_tokens, n_kv)
+        >>> causal = np.array([[0.0, -np.inf, -np.inf],
+        ...                    [0.0, 0.0, -np.inf]])      # (n_tokens, n_kv)
+        >>> soft_max_ext(kq, causal)
+        array([[[1. , 0. , 0. ],
+                [0.5, 0.5, 0. ]]])
+    """
+    _check_soft_max_args(x, mask, max_bias)
+    t = x.dtype.type
+    w = x * t(scale)  # (..., n_head, n_tokens, n_kv)
+    if mask is not None:
+        n_head = x.shape[-3] if x.ndim >= 3 else 1  # a 2-D x is head 0 of 1
+        slope = alibi_slopes(n_head, max_bias).astype(x.dtype)  # (n_head,)
+        slope = slope.reshape((n_head, 1, 1)[3 - min(x.ndim, 3):])  # (n_head, 1, 1)
+        m = np.tile(mask[..., : x.shape[-2], :], _tile_reps(mask.shape, x.shape))  # x.shape
+        w = w + slope * m.astype(x.dtype)  # (..., n_head, n_tokens, n_kv)
+    row_max = np.max(w, axis=-1, keepdims=True)  # (..., n_tokens, 1)
+    visible = np.isfinite(row_max)  # False for a fully masked row
+    e = np.exp(w - np.where(visible, row_max, t(0)))  # (..., n_tokens, n_kv)
+    total = np.sum(e, axis=-1, dtype=np.float64, keepdims=True)  # ggml_float accumulation
+    # 1/sum in double, applied in float (ggml_vec_scale_f32); a fully masked row stays zero
+    with np.errstate(divide="ignore"):
+        inv = np.where(total > 0, 1.0 / total, 0.0).astype(x.dtype)  # (..., n_tokens, 1)
+    return e * inv  # (..., n_head, n_tokens, n_kv)
+
+
+# --8<-- [end:soft_max_ext]
+
+
+def _tile_reps(mask_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """How many times each dimension of the mask repeats to cover ``x`` (rows/cols once)."""
+    lead = (1,) * (len(x_shape) - len(mask_shape)) + tuple(mask_shape[:-2])
+    return tuple(dx // dm for dx, dm in zip(x_shape[:-2], lead, strict=True)) + (1, 1)
+
+
+# --8<-- [start:build_attn_mha]
+def build_attn_mha(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    kq_mask: np.ndarray,
+    kq_scale: float,
+    max_bias: float = 0.0,
+) -> np.ndarray:
+    r"""Multi-head attention as ``llm_graph_context::build_attn_mha`` builds it (no flash attn).
+
+    Args:
+        q: queries ``(n_tokens, n_head, d_k)``, already RoPE'd.
+        k: keys ``(n_kv, n_head_kv, d_k)`` (the visible part of the cache plus the new ones).
+        v: values ``(n_kv, n_head_kv, d_v)``.
+        kq_mask: additive mask ``(n_tokens_pad >= n_tokens, n_kv)``, built by the memory.
+        kq_scale: the scale applied to $QK^T$, usually $1/\sqrt{d_k}$.
+        max_bias: ALiBi maximum bias (``f_max_alibi_bias``), 0 for none.
+
+    Returns:
+        ``(n_tokens, n_head * d_v)``: for every token, the heads' outputs side by side.
+
+    Raises:
+        OpShapeError: if the arguments are not 3-D, the dimensions disagree, or ``n_head`` is
+            not a multiple of ``n_head_kv``.
+
+    Example:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> q = rng.standard_normal((2, 4, 8))   # (n_tokens, n_head, d_k)
+        >>> k = rng.standard_normal((2, 2, 8))   # (n_kv, n_head_kv, d_k): GQA, 2 heads per KV head
+        >>> v = rng.standard_normal((2, 2, 3))   # (n_kv, n_head_kv, d_v)
+        >>> causal = np.array([[0.0, -np.inf], [0.0, 0.0]])
+        >>> out = build_attn_mha(q, k, v, causal, kq_scale=8 ** -0.5)
+        >>> out.shape
+        (2, 12)
+        >>> bool(np.allclose(out[0].reshape(4, 3), v[0, [0, 0, 1, 1]]))   # token 0 sees key 0
+        True
+    """
+    _check_attn_args(q, k, v, kq_mask)
+    n_tokens, n_head, _ = q.shape
+    q = q.transpose(1, 0, 2)  # (n_head, n_tokens, d_k)
+    k = k.transpose(1, 0, 2)  # (n_head_kv, n_kv, d_k)
+    v = v.transpose(1, 0, 2)  # (n_head_kv, n_kv, d_v)
+    kq = mul_mat(k, q)  # (n_head, n_tokens, n_kv)
+    kq = soft_max_ext(kq, kq_mask, kq_scale, max_bias)  # (n_head, n_tokens, n_kv)
+    v_t = np.ascontiguousarray(v.transpose(0, 2, 1))  # (n_head_kv, d_v, n_kv)
+    kqv = mul_mat(v_t, kq)  # (n_head, n_tokens, d_v)
+    cur = kqv.transpose(1, 0, 2)  # (n_tokens, n_head, d_v)
+    return np.ascontiguousarray(cur).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
+
+
+# --8<-- [end:build_attn_mha]
+
+
+def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray) -> None:
+    """Shape checks of ``build_attn_mha``, with messages naming llama.cpp's dimensions."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise OpShapeError(
+            f"build_attn_mha: q, k, v must be 3-D (tokens, heads, dim); "
+            f"got q={q.shape}, k={k.shape}, v={v.shape}"
+        )
+    n_tokens, n_head, d_k = q.shape
+    n_kv, n_head_kv, _ = k.shape
+    if k.shape[2] != d_k or v.shape[:2] != (n_kv, n_head_kv):
+        raise OpShapeError(
+            f"build_attn_mha: need k (n_kv, n_head_kv, d_k={d_k}) and v (n_kv, n_head_kv, d_v); "
+            f"got q={q.shape}, k={k.shape}, v={v.shape}"
+        )
+    if n_head_kv == 0 or n_head % n_head_kv != 0:
+        raise OpShapeError(
+            f"build_attn_mha: n_head={n_head} must be a multiple of n_head_kv={n_head_kv}"
+        )
+    if kq_mask.ndim != 2 or kq_mask.shape[1] != n_kv or kq_mask.shape[0] < n_tokens:
+        raise OpShapeError(
+            f"build_attn_mha: kq_mask must be (n_tokens_pad >= {n_tokens}, n_kv={n_kv}); "
+            f"got {kq_mask.shape}"
+        )

@@ -1,0 +1,31 @@
+"""The exceptions the operators raise.
+
+ggml checks an operator's arguments with ``GGML_ASSERT`` when the graph is built (shapes) or
+when it runs (row indices), and aborts the process. The specification raises a typed
+exception instead, with a message that says which argument was wrong, before anything is
+computed or written. Every exception derives from :class:`OpError`, and from the built-in
+exception a Python reader expects (``ValueError`` for shapes, ``IndexError`` for indices,
+``TypeError`` for dtypes), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+# --8<-- [start:errors]
+class OpError(Exception):
+    """Base class of every error raised by ``reference.ops``."""
+
+
+class OpShapeError(OpError, ValueError):
+    """The shapes of an operator's arguments do not fit together (ggml would assert)."""
+
+
+class OpIndexError(OpError, IndexError):
+    """A row index is outside the tensor it indexes (``GGML_ASSERT(i01 >= 0 && i01 < ne01)``)."""
+
+
+class OpTypeError(OpError, TypeError):
+    """An argument has a dtype the operator does not accept (e.g. float row indices)."""
+
+
+# --8<-- [end:errors]

@@ -1,0 +1,103 @@
+r"""``ggml_mul_mat``: the one matrix product every layer is made of.
+
+ggml has a single matrix product, ``ggml_mul_mat(ctx, a, b)``, and its convention is not
+NumPy's. Both operands are read as *rows of length K*: ``a`` has ``ne = [K, M, ne2, ne3]``
+(M rows of K: this is how every weight matrix is stored, one output feature per row) and
+``b`` has ``ne = [K, N, ne2', ne3']`` (N rows of K: one activation vector per row). The
+result has ``ne = [M, N, ne2', ne3']``: for every row of ``b``, its dot product with every
+row of ``a``. In NumPy order (the reverse of ``ne``):
+
+$$
+a \in \mathbb{R}^{\dots \times M \times K},\quad
+b \in \mathbb{R}^{\dots \times N \times K},\qquad
+\mathrm{mul\_mat}(a, b)_{\dots, n, m} = \sum_{k} b_{\dots, n, k}\, a_{\dots, m, k},
+$$
+
+that is ``b @ a.T``. "``a`` is the weight": ``mul_mat(W, x)`` with ``W`` of shape
+``(n_out, n_in)`` (the GGUF shape of ``blk.0.attn_q``, read in NumPy order) and ``x`` of shape
+``(n_tokens, n_in)`` gives ``(n_tokens, n_out)``.
+
+**Broadcasting is by blocks, not by tiling.** ``ggml_can_mul_mat`` asks that each leading
+dimension of ``b`` be a *multiple* of ``a``'s (``ne12 % ne02 == 0``, ``ne13 % ne03 == 0``), and
+the CPU kernel maps the ``i12``-th matrix of ``b`` to the ``i02 = i12 / r2``-th matrix of ``a``
+with ``r2 = ne12 / ne02`` (the same for dimension 3). Each matrix of ``a`` therefore serves a
+*contiguous block* of ``r2`` matrices of ``b`` (``np.repeat``), not every ``ne02``-th one
+(``np.tile``). This is what makes grouped-query attention work without copying K and V:
+with ``n_head`` query heads and ``n_head_kv`` KV heads, query head ``h`` meets KV head
+``h // (n_head / n_head_kv)``. The element-wise ops broadcast the other way (see
+``reference.ops.elementwise``).
+
+Precision: the specification computes in the dtype of its inputs (NumPy's ``matmul``, a
+float32 BLAS for float32). ggml's CPU ``vec_dot_f32`` also sums float32 products; for
+float16 or quantized weights ggml first converts ``b`` to the weight's ``vec_dot_type``
+(F16, Q8_0, Q8_1, ...) and the result differs from a float32 product by that rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference.ops.errors import OpShapeError
+
+
+def _pad_leading(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """``shape`` left-padded with 1s to ``n`` dimensions (ggml tensors always have four)."""
+    return (1,) * (n - len(shape)) + tuple(shape)
+
+
+# --8<-- [start:mul_mat]
+def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``ggml_mul_mat(a, b)``: every row of ``b`` dotted with every row of ``a``.
+
+    Args:
+        a: the "weight", shape ``(..., M, K)`` (ggml ``ne = [K, M, ...]``). Each leading
+            dimension must divide the matching one of ``b`` (missing ones count as 1).
+        b: the "activations", shape ``(..., N, K)`` (ggml ``ne = [K, N, ...]``).
+
+    Returns:
+        ``b @ a^T`` of shape ``(..., N, M)`` with ``b``'s leading dimensions; the matrix
+        ``a[..., i, :, :]`` is used for the block of ``b``-matrices ``i * r .. (i + 1) * r - 1``
+        where ``r = b.shape[d] // a.shape[d]`` (block broadcast, ``i02 = i12 / r2`` in ggml).
+
+    Raises:
+        OpShapeError: if an operand has fewer than 2 dimensions, if the K dimensions differ,
+            or if a leading dimension of ``b`` is not a multiple of ``a``'s.
+
+    Example:
+        >>> import numpy as np
+        >>> W = np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])  # (n_out=3, n_in=2)
+        >>> x = np.array([[1.0, 2.0]])                           # (n_tokens=1, n_in=2)
+        >>> mul_mat(W, x)
+        array([[1., 4., 3.]])
+        >>> k = np.arange(2.0).reshape(2, 1, 1)   # 2 KV heads, one key each
+        >>> q = np.ones((4, 1, 1))                # 4 query heads
+        >>> mul_mat(k, q)[:, 0, 0]                # heads 0,1 see KV head 0; 2,3 see KV head 1
+        array([0., 0., 1., 1.])
+    """
+    if a.ndim < 2 or b.ndim < 2:
+        raise OpShapeError(
+            f"mul_mat needs matrices: got a.shape={a.shape}, b.shape={b.shape}"
+        )
+    if a.shape[-1] != b.shape[-1]:
+        raise OpShapeError(
+            f"mul_mat: a and b must have the same row length K (last axis): "
+            f"a.shape={a.shape}, b.shape={b.shape}"
+        )
+    n = max(a.ndim, b.ndim)
+    a_lead = _pad_leading(a.shape[:-2], n - 2)
+    b_lead = _pad_leading(b.shape[:-2], n - 2)
+    for da, db in zip(a_lead, b_lead, strict=True):
+        if (db % da != 0) if da else (db != 0):
+            raise OpShapeError(
+                f"mul_mat: each leading dimension of b must be a multiple of a's "
+                f"(ggml_can_mul_mat): a.shape={a.shape}, b.shape={b.shape}"
+            )
+    a = a.reshape(a_lead + a.shape[-2:])  # (..., M, K) with as many dims as b
+    for axis, (da, db) in enumerate(zip(a_lead, b_lead, strict=True)):
+        if da:
+            # block broadcast: matrix i of a serves matrices i*r .. i*r + r-1 of b
+            a = np.repeat(a, db // da, axis=axis)  # (..., M, K) with b's leading dims
+    return b.reshape(b_lead + b.shape[-2:]) @ np.swapaxes(a, -1, -2)  # (..., N, M)
+
+
+# --8<-- [end:mul_mat]
