@@ -49,6 +49,7 @@ class GgmlCpu:
             "ggml_mul_mat": ([p, p, p], p), "ggml_add": ([p, p, p], p),
             "ggml_mul": ([p, p, p], p), "ggml_get_rows": ([p, p, p], p),
             "ggml_scale": ([p, p, f32], p),
+            "ggml_rope_ext": ([p, p, p, p] + [ctypes.c_int] * 3 + [f32] * 6, p),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(self.base, name)

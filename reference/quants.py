@@ -1,0 +1,1082 @@
+r"""GGUF block formats: how ggml stores quantized weights, and how to read them back.
+
+A quantized GGUF tensor is a sequence of *blocks*. Each row of a weight matrix (the last
+dimension in NumPy order, ``ne[0]`` in ggml) is cut into blocks of ``block_size`` consecutive
+weights, and each block is stored in ``type_size`` bytes: one or two float16 numbers that set
+the scale of the block, followed by small integers (4, 5, 6 or 8 bits) packed into bytes.
+Dequantization of one weight is an affine map of its integer $q$: $w = d \cdot q$ for the
+symmetric types (Q4_0, Q5_0 and Q6_K after an offset, Q8_0), $w = d \cdot q + m$ for the
+types with a minimum (Q4_1, Q5_1; Q4_K and Q5_K subtract a quantized minimum).
+
+Why blocks: one scale per tensor would let one outlier weight flatten every other weight to
+zero; one scale per block of 32 keeps the error of each weight proportional to the largest
+weight *near it*, for the price of 16 bits of scale per 32 weights (0.5 bit per weight).
+The K-quants (Q4_K, Q5_K, Q6_K) go one step further: a *super-block* of ``QK_K = 256``
+weights has one float16 scale, and its 8 (or 16) sub-blocks have their own scales quantized
+to 6 (or 8) bits relative to it, which brings the overhead down to about 0.5 bit per weight
+with smaller sub-blocks.
+
+This module mirrors ggml at the pinned commit:
+
+- the block structs of ``ggml/src/ggml-common.h`` (``block_q4_0``, ``block_q4_K``, ...) become
+  :data:`BLOCK_LAYOUTS` and the byte tables in each function's docstring;
+- ``dequantize_row_*`` of ``ggml/src/ggml-quants.c`` become ``dequantize_q4_0`` and friends,
+  bit-identical to ``gguf.quants.dequantize`` and to ggml's C loops evaluated as written
+  (float32 arithmetic in the same order; a C compiler that contracts ``d1 * q - m1`` into a
+  fused multiply-add may differ in the last bit);
+- ``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``, ``quantize_row_q4_1_ref`` (the
+  reference quantizers used to make model files deterministically) become ``quantize_q8_0``,
+  ``quantize_q4_0``, ``quantize_q4_1``, byte-identical to ``gguf.quants.quantize``.
+
+Every per-format function works on all blocks at once: its input is ``(..., type_size)`` bytes
+(or ``(..., block_size)`` floats) with any leading dimensions, and the fields of the block are
+slices of the last axis. :func:`dequantize` and :func:`quantize` cut whole rows into blocks.
+All quantization arithmetic is float32, as in ggml, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+# --8<-- [start:constants]
+QK_K = 256  # weights per super-block of the K-quants
+K_SCALE_SIZE = 12  # bytes of packed 6-bit scales and mins in block_q4_K / block_q5_K
+QK4_0 = 32  # weights per block of the "legacy" quants
+QK4_1 = 32
+QK5_0 = 32
+QK5_1 = 32
+QK8_0 = 32
+# --8<-- [end:constants]
+
+
+# --8<-- [start:QuantError]
+class QuantError(ValueError):
+    """A block format cannot be read or written: unsupported type, or sizes that do not fit."""
+
+
+# --8<-- [end:QuantError]
+
+
+# --8<-- [start:BlockLayout]
+@dataclass(frozen=True)
+class BlockLayout:
+    """How many weights one block holds and how many bytes it takes.
+
+    These are ggml's ``type_traits[type].blck_size`` and ``.type_size``; a row of ``n``
+    weights takes ``n // block_size * type_size`` bytes (``ggml_row_size``).
+
+    Example:
+        >>> BLOCK_LAYOUTS[GGMLQuantizationType.Q4_K]
+        BlockLayout(block_size=256, type_size=144)
+        >>> BLOCK_LAYOUTS[GGMLQuantizationType.Q4_K].bits_per_weight
+        4.5
+    """
+
+    block_size: int  # weights per block
+    type_size: int  # bytes per block
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage cost: ``8 * type_size / block_size``."""
+        return 8 * self.type_size / self.block_size
+
+
+# --8<-- [end:BlockLayout]
+
+# --8<-- [start:BLOCK_LAYOUTS]
+T = GGMLQuantizationType
+F16_SIZE = 2  # sizeof(ggml_half)
+
+BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
+    # Plain floats: a "block" is one weight.
+    T.F32: BlockLayout(1, 4),
+    T.F16: BlockLayout(1, F16_SIZE),
+    T.BF16: BlockLayout(1, 2),
+    # Legacy quants: 32 weights, one f16 scale d (and a min m), packed quants.
+    T.Q4_0: BlockLayout(QK4_0, F16_SIZE + QK4_0 // 2),
+    T.Q4_1: BlockLayout(QK4_1, 2 * F16_SIZE + QK4_1 // 2),
+    T.Q5_0: BlockLayout(QK5_0, F16_SIZE + 4 + QK5_0 // 2),
+    T.Q5_1: BlockLayout(QK5_1, 2 * F16_SIZE + 4 + QK5_1 // 2),
+    T.Q8_0: BlockLayout(QK8_0, F16_SIZE + QK8_0),
+    # K-quants: super-blocks of 256 weights with quantized sub-block scales.
+    T.Q4_K: BlockLayout(QK_K, 2 * F16_SIZE + K_SCALE_SIZE + QK_K // 2),
+    T.Q5_K: BlockLayout(QK_K, 2 * F16_SIZE + K_SCALE_SIZE + QK_K // 8 + QK_K // 2),
+    T.Q6_K: BlockLayout(QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + F16_SIZE),
+}
+# --8<-- [end:BLOCK_LAYOUTS]
+
+
+# --8<-- [start:row_size]
+def row_size(qtype: GGMLQuantizationType, n_per_row: int) -> int:
+    """``ggml_row_size``: the bytes of one row of ``n_per_row`` weights of type ``qtype``.
+
+    Args:
+        qtype: a type in :data:`BLOCK_LAYOUTS`.
+        n_per_row: weights per row; a multiple of the type's block size.
+
+    Returns:
+        ``n_per_row // block_size * type_size``.
+
+    Raises:
+        QuantError: if the type is not supported or the row does not split into whole blocks.
+
+    Example:
+        >>> row_size(GGMLQuantizationType.Q4_1, 576)   # 18 blocks of 20 bytes
+        360
+    """
+    layout = _layout(qtype)
+    if n_per_row % layout.block_size != 0:
+        raise QuantError(
+            f"a row of {n_per_row} weights is not a whole number of {qtype.name} blocks "
+            f"({layout.block_size} weights each)"
+        )
+    return n_per_row // layout.block_size * layout.type_size
+
+
+# --8<-- [end:row_size]
+
+
+def _layout(qtype: GGMLQuantizationType) -> BlockLayout:
+    if qtype not in BLOCK_LAYOUTS:
+        name = getattr(qtype, "name", repr(qtype))
+        raise QuantError(
+            f"{name} is not a supported block format; supported: "
+            + ", ".join(t.name for t in BLOCK_LAYOUTS)
+        )
+    return BLOCK_LAYOUTS[qtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing the fields of a block
+# ---------------------------------------------------------------------------------------------
+
+
+def _f16(field: np.ndarray) -> np.ndarray:
+    """Little-endian float16 bytes ``(..., 2)`` -> float32 ``(..., 1)`` (GGML_FP16_TO_FP32)."""
+    return np.ascontiguousarray(field).view("<f2").astype(np.float32)
+
+
+def _f16_bytes(value: np.ndarray) -> np.ndarray:
+    """float32 ``(..., 1)`` -> little-endian float16 bytes ``(..., 2)`` (GGML_FP32_TO_FP16).
+
+    NumPy's cast rounds to nearest, ties to even, like ggml's; a scale beyond the float16
+    range becomes infinity there as here.
+    """
+    with np.errstate(over="ignore"):
+        return value.astype("<f2").view(np.uint8)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes ``(..., n)`` -> 4-bit values ``(..., 2n)``: all low nibbles, then all high ones.
+
+    This is the order of every ggml 4-bit field: byte ``j`` holds weight ``j`` in its low
+    nibble and weight ``j + n`` in its high nibble.
+    """
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _roundf(x: np.ndarray) -> np.ndarray:
+    """C's ``roundf``: round to nearest, ties away from zero (``np.round`` ties to even)."""
+    a = np.abs(x)
+    r = np.floor(a)
+    r = r + (a - r >= 0.5)  # a - r is exact in float32
+    return np.copysign(r, x)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """``id = d ? 1.0f/d : 0.0f``: the reciprocal scale, 0 for an all-zero block."""
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Floats
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:dequantize_f32]
+def dequantize_f32(blocks: np.ndarray) -> np.ndarray:
+    """F32 stored as raw bytes: little-endian IEEE float32, 4 bytes per weight.
+
+    Args:
+        blocks: uint8 ``(..., 4 * n)``.
+
+    Returns:
+        float32 ``(..., n)``.
+
+    Example:
+        >>> dequantize_f32(np.array([0, 0, 128, 63], dtype=np.uint8))
+        array([1.], dtype=float32)
+    """
+    return np.ascontiguousarray(blocks).view("<f4").astype(np.float32)
+
+
+# --8<-- [end:dequantize_f32]
+
+
+# --8<-- [start:dequantize_f16]
+def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
+    """F16 stored as raw bytes: little-endian IEEE half precision, 2 bytes per weight.
+
+    | bits  | field    | meaning                    |
+    |-------|----------|----------------------------|
+    | 15    | sign     |                            |
+    | 14-10 | exponent | bias 15                    |
+    | 9-0   | mantissa | 10 bits, implicit leading 1 |
+
+    The conversion to float32 is exact (``GGML_FP16_TO_FP32``).
+
+    Args:
+        blocks: uint8 ``(..., 2 * n)``.
+
+    Returns:
+        float32 ``(..., n)``.
+
+    Example:
+        >>> dequantize_f16(np.array([0x00, 0x3C, 0x00, 0xC0], dtype=np.uint8))
+        array([ 1., -2.], dtype=float32)
+    """
+    return _f16(blocks)
+
+
+# --8<-- [end:dequantize_f16]
+
+
+# --8<-- [start:dequantize_bf16]
+def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
+    """BF16 stored as raw bytes: the upper 16 bits of a float32, 2 bytes per weight.
+
+    | bits  | field    | meaning                    |
+    |-------|----------|----------------------------|
+    | 15    | sign     |                            |
+    | 14-7  | exponent | bias 127, as float32       |
+    | 6-0   | mantissa | the top 7 of float32's 23  |
+
+    ``ggml_compute_bf16_to_fp32``: shift the 16 bits up into a uint32 and read it as a float.
+
+    Args:
+        blocks: uint8 ``(..., 2 * n)``.
+
+    Returns:
+        float32 ``(..., n)``.
+
+    Example:
+        >>> dequantize_bf16(np.array([0x80, 0x3F, 0x40, 0xC0], dtype=np.uint8))
+        array([ 1., -3.], dtype=float32)
+    """
+    bits = np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
+# --8<-- [end:dequantize_bf16]
+
+
+# --8<-- [start:quantize_f32]
+def quantize_f32(x: np.ndarray) -> np.ndarray:
+    """float -> F32 raw bytes (little-endian).
+
+    Args:
+        x: float ``(..., n)``.
+
+    Returns:
+        uint8 ``(..., 4 * n)``.
+
+    Example:
+        >>> quantize_f32(np.array([1.0], dtype=np.float32))
+        array([  0,   0, 128,  63], dtype=uint8)
+    """
+    return np.ascontiguousarray(x, dtype="<f4").view(np.uint8)
+
+
+# --8<-- [end:quantize_f32]
+
+
+# --8<-- [start:quantize_f16]
+def quantize_f16(x: np.ndarray) -> np.ndarray:
+    """float32 -> F16 raw bytes: round to nearest, ties to even (``GGML_FP32_TO_FP16``).
+
+    Values beyond the float16 range (65504) become infinities.
+
+    Args:
+        x: float ``(..., n)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 2 * n)``.
+
+    Example:
+        >>> quantize_f16(np.array([1.0, -2.0], dtype=np.float32))
+        array([  0,  60,   0, 192], dtype=uint8)
+    """
+    return _f16_bytes(np.ascontiguousarray(x, dtype=np.float32))
+
+
+# --8<-- [end:quantize_f16]
+
+
+# --8<-- [start:quantize_bf16]
+def quantize_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 raw bytes, as ``ggml_compute_fp32_to_bf16``.
+
+    Keep the upper 16 bits of the float32, rounded to nearest with ties to even (add
+    ``0x7fff`` plus the lowest kept bit, then shift). A NaN is not rounded (that could carry
+    into the exponent and make an infinity): its upper half is kept and the quiet bit
+    (``64``) is set.
+
+    Args:
+        x: float ``(..., n)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 2 * n)``.
+
+    Example:
+        >>> quantize_bf16(np.array([1.0, -3.0], dtype=np.float32))
+        array([128,  63,  64, 192], dtype=uint8)
+    """
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16  # no overflow: u <= 0xff800000 here
+    bits = np.where(is_nan, (u >> 16) | 64, rounded)
+    return bits.astype("<u2").view(np.uint8)
+
+
+# --8<-- [end:quantize_bf16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Legacy quants: blocks of 32
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:dequantize_q8_0]
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q8_0``: 8-bit quants, one scale per 32 weights (8.5 bits/weight).
+
+    ``block_q8_0`` (34 bytes):
+
+    | byte offset | field | type       | meaning                         |
+    |------------:|-------|------------|---------------------------------|
+    | 0           | `d`   | f16        | scale (delta)                   |
+    | 2           | `qs`  | int8[32]   | quant $q_j$ of weight $j$       |
+
+    $$w_j = d \cdot q_j, \qquad q_j \in [-128, 127]$$
+
+    Args:
+        blocks: uint8 ``(..., 34)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Example:
+        >>> block = np.zeros(34, dtype=np.uint8)
+        >>> block[0:2] = np.array([0.5], dtype="<f2").view(np.uint8)   # d = 0.5
+        >>> block[2:5] = np.array([1, -2, 127], dtype=np.int8).view(np.uint8)
+        >>> dequantize_q8_0(block)[:4]
+        array([ 0.5, -1. , 63.5,  0. ], dtype=float32)
+    """
+    d = _f16(blocks[..., 0:2])  # (..., 1)
+    q = blocks[..., 2:34].view(np.int8)  # (..., 32)
+    return q.astype(np.float32) * d
+
+
+# --8<-- [end:dequantize_q8_0]
+
+
+# --8<-- [start:quantize_q8_0]
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    r"""``quantize_row_q8_0_ref``: float32 blocks of 32 -> ``block_q8_0`` bytes.
+
+    The scale maps the largest magnitude onto 127, and each weight is rounded to the
+    nearest integer, ties away from zero (C's ``roundf``):
+
+    $$d = \frac{\max_j |x_j|}{127}, \qquad q_j = \operatorname{roundf}(x_j \cdot d^{-1}),
+      \qquad d^{-1} = 0 \text{ if } d = 0$$
+
+    $d$ is computed in float32 and then stored as float16, so the weights come back as
+    $q_j \cdot \operatorname{f16}(d)$: the error of a weight is at most
+    $d/2 + 127\,|d - \operatorname{f16}(d)|$ (plus float32 rounding).
+
+    Args:
+        x: float ``(..., 32)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 34)``.
+
+    Example:
+        >>> x = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+        >>> block = quantize_q8_0(x)
+        >>> block.shape, block[2:6].view(np.int8)
+        ((34,), array([-127, -119, -111, -102], dtype=int8))
+        >>> bool(np.abs(dequantize_q8_0(block) - x).max() <= 0.5 / 127 + 1e-4)
+        True
+    """
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.max(np.abs(x), axis=-1, keepdims=True)  # (..., 1)
+    d = amax / np.float32(127)
+    q = _roundf(x * _inverse(d)).astype(np.int8)  # (..., 32)
+    return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=-1)  # (..., 34)
+
+
+# --8<-- [end:quantize_q8_0]
+
+
+# --8<-- [start:dequantize_q4_0]
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q4_0``: 4-bit quants with offset 8, one scale (4.5 bits/weight).
+
+    ``block_q4_0`` (18 bytes):
+
+    | byte offset | field | type       | meaning                                          |
+    |------------:|-------|------------|--------------------------------------------------|
+    | 0           | `d`   | f16        | scale (delta)                                    |
+    | 2           | `qs`  | uint8[16]  | byte $j$: $q_j$ in bits 0-3, $q_{j+16}$ in 4-7   |
+
+    $$w_j = d \cdot (q_j - 8), \qquad q_j \in [0, 15]$$
+
+    Args:
+        blocks: uint8 ``(..., 18)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Example:
+        >>> block = np.zeros(18, dtype=np.uint8)
+        >>> block[0:2] = np.array([0.25], dtype="<f2").view(np.uint8)   # d = 0.25
+        >>> block[2] = 0xF0        # q_0 = 0, q_16 = 15
+        >>> w = dequantize_q4_0(block)
+        >>> float(w[0]), float(w[1]), float(w[16])
+        (-2.0, -2.0, 1.75)
+    """
+    d = _f16(blocks[..., 0:2])  # (..., 1)
+    q = _nibbles(blocks[..., 2:18])  # (..., 32)
+    return (q.astype(np.int8) - np.int8(8)).astype(np.float32) * d
+
+
+# --8<-- [end:dequantize_q4_0]
+
+
+# --8<-- [start:quantize_q4_0]
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    r"""``quantize_row_q4_0_ref``: float32 blocks of 32 -> ``block_q4_0`` bytes.
+
+    The scale is signed: ``max`` is the weight of largest magnitude *with its sign* (the
+    first one when several tie), and $d = \mathrm{max} / -8$, so that this weight becomes
+    exactly $-8 \cdot d$ (quant 0) and the other 15 levels cover the opposite side. Quants
+    are truncated after adding 8.5 (round half up) and clipped to 15:
+
+    $$d = \frac{\mathrm{max}}{-8}, \qquad
+      q_j = \min\bigl(15, \operatorname{trunc}(x_j \cdot d^{-1} + 8.5)\bigr)$$
+
+    A weight of the opposite sign and the same magnitude as ``max`` would need quant 16 and
+    is clipped: the error bound is $|d|$ for weights with $x_j d^{-1} > 7.5$ and $|d|/2$
+    elsewhere (plus the float16 rounding of $d$, times $|q_j - 8| \le 8$).
+
+    For an all-zero block ggml's loop keeps ``max = 0.0f`` and stores $d = -0.0$; this
+    follows ``gguf.quants``, which takes ``max`` from the block, so a block whose first
+    weight is $-0.0$ stores $d = +0.0$. Both dequantize to zeros.
+
+    Args:
+        x: float ``(..., 32)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 18)``.
+
+    Example:
+        >>> x = np.zeros(32, dtype=np.float32)
+        >>> x[0], x[16] = -4.0, 2.0
+        >>> block = quantize_q4_0(x)
+        >>> float(block[0:2].view("<f2")[0])     # d = -4 / -8
+        0.5
+        >>> dequantize_q4_0(block)[[0, 1, 16]]
+        array([-4.,  0.,  2.], dtype=float32)
+    """
+    x = np.asarray(x, dtype=np.float32)
+    imax = np.argmax(np.abs(x), axis=-1, keepdims=True)  # (..., 1)
+    max = np.take_along_axis(x, imax, axis=-1)  # (..., 1)
+    d = max / np.float32(-8)
+    xi = np.trunc(x * _inverse(d) + np.float32(8.5)).astype(np.int8)  # (..., 32)
+    q = np.minimum(xi, 15).astype(np.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # (..., 16)
+    return np.concatenate([_f16_bytes(d), qs], axis=-1)  # (..., 18)
+
+
+# --8<-- [end:quantize_q4_0]
+
+
+# --8<-- [start:dequantize_q4_1]
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q4_1``: 4-bit quants, a scale and a minimum (5 bits/weight).
+
+    ``block_q4_1`` (20 bytes):
+
+    | byte offset | field | type       | meaning                                          |
+    |------------:|-------|------------|--------------------------------------------------|
+    | 0           | `d`   | f16        | scale (delta)                                    |
+    | 2           | `m`   | f16        | minimum of the block                             |
+    | 4           | `qs`  | uint8[16]  | byte $j$: $q_j$ in bits 0-3, $q_{j+16}$ in 4-7   |
+
+    $$w_j = d \cdot q_j + m, \qquad q_j \in [0, 15]$$
+
+    Args:
+        blocks: uint8 ``(..., 20)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Example:
+        >>> block = np.zeros(20, dtype=np.uint8)
+        >>> block[0:4] = np.array([0.5, -1.0], dtype="<f2").view(np.uint8)   # d, m
+        >>> block[4] = 0x3F        # q_0 = 15, q_16 = 3
+        >>> w = dequantize_q4_1(block)
+        >>> float(w[0]), float(w[1]), float(w[16])
+        (6.5, -1.0, 0.5)
+    """
+    d = _f16(blocks[..., 0:2])  # (..., 1)
+    m = _f16(blocks[..., 2:4])  # (..., 1)
+    q = _nibbles(blocks[..., 4:20])  # (..., 32)
+    return q.astype(np.float32) * d + m
+
+
+# --8<-- [end:dequantize_q4_1]
+
+
+# --8<-- [start:quantize_q4_1]
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    r"""``quantize_row_q4_1_ref``: float32 blocks of 32 -> ``block_q4_1`` bytes.
+
+    The 16 levels span the block's range $[\min, \max]$; quants are rounded half up
+    (truncation after adding 0.5) and clipped to 15:
+
+    $$d = \frac{\max_j x_j - \min_j x_j}{15}, \qquad
+      q_j = \min\bigl(15, \operatorname{trunc}((x_j - \min_j x_j) \cdot d^{-1} + 0.5)\bigr),
+      \qquad m = \min_j x_j$$
+
+    $d$ and $m$ are computed in float32, used so, and stored as float16: the error of a
+    weight is at most $d/2 + 15\,|d - \operatorname{f16}(d)| + |m - \operatorname{f16}(m)|$
+    (plus float32 rounding). The last term is why Q4_1 is poor for a block far from zero
+    with a small range.
+
+    Args:
+        x: float ``(..., 32)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 20)``.
+
+    Example:
+        >>> x = np.linspace(-1.0, 2.0, 32, dtype=np.float32)
+        >>> block = quantize_q4_1(x)
+        >>> block[0:4].view("<f2")         # d = 3/15, m = -1
+        array([ 0.2, -1. ], dtype=float16)
+        >>> bool(np.abs(dequantize_q4_1(block) - x).max() <= 0.1 + 1e-3)
+        True
+    """
+    x = np.asarray(x, dtype=np.float32)
+    min = np.min(x, axis=-1, keepdims=True)  # (..., 1)
+    max = np.max(x, axis=-1, keepdims=True)  # (..., 1)
+    d = (max - min) / np.float32(15)
+    xi = np.trunc((x - min) * _inverse(d) + np.float32(0.5)).astype(np.int8)  # (..., 32)
+    q = np.minimum(xi, 15).astype(np.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # (..., 16)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(min), qs], axis=-1)  # (..., 20)
+
+
+# --8<-- [end:quantize_q4_1]
+
+
+# --8<-- [start:dequantize_q5_0]
+def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q5_0``: 5-bit quants with offset 16, one scale (5.5 bits/weight).
+
+    ``block_q5_0`` (22 bytes):
+
+    | byte offset | field | type       | meaning                                              |
+    |------------:|-------|------------|------------------------------------------------------|
+    | 0           | `d`   | f16        | scale (delta)                                        |
+    | 2           | `qh`  | uint8[4]   | little-endian uint32: bit $j$ = bit 4 of $q_j$       |
+    | 6           | `qs`  | uint8[16]  | byte $j$: bits 0-3 of $q_j$ (low), $q_{j+16}$ (high) |
+
+    $$w_j = d \cdot (q_j - 16), \qquad q_j \in [0, 31]$$
+
+    Args:
+        blocks: uint8 ``(..., 22)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Example:
+        >>> block = np.zeros(22, dtype=np.uint8)
+        >>> block[0:2] = np.array([1.0], dtype="<f2").view(np.uint8)
+        >>> block[2] = 0b01        # bit 4 of q_0
+        >>> block[6] = 0x0F        # bits 0-3 of q_0
+        >>> dequantize_q5_0(block)[:2]     # q_0 = 31, q_1 = 0
+        array([ 15., -16.], dtype=float32)
+    """
+    d = _f16(blocks[..., 0:2])  # (..., 1)
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # (..., 32)
+    q = _nibbles(blocks[..., 6:22]) | (high << 4)  # (..., 32)
+    return (q.astype(np.int8) - np.int8(16)).astype(np.float32) * d
+
+
+# --8<-- [end:dequantize_q5_0]
+
+
+# --8<-- [start:dequantize_q5_1]
+def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q5_1``: 5-bit quants, a scale and a minimum (6 bits/weight).
+
+    ``block_q5_1`` (24 bytes):
+
+    | byte offset | field | type       | meaning                                              |
+    |------------:|-------|------------|------------------------------------------------------|
+    | 0           | `d`   | f16        | scale (delta)                                        |
+    | 2           | `m`   | f16        | minimum of the block                                 |
+    | 4           | `qh`  | uint8[4]   | little-endian uint32: bit $j$ = bit 4 of $q_j$       |
+    | 8           | `qs`  | uint8[16]  | byte $j$: bits 0-3 of $q_j$ (low), $q_{j+16}$ (high) |
+
+    $$w_j = d \cdot q_j + m, \qquad q_j \in [0, 31]$$
+
+    Args:
+        blocks: uint8 ``(..., 24)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Example:
+        >>> block = np.zeros(24, dtype=np.uint8)
+        >>> block[0:4] = np.array([0.5, 1.0], dtype="<f2").view(np.uint8)   # d, m
+        >>> block[7] = 0b1000_0000   # bit 31 of qh: bit 4 of q_31
+        >>> block[23] = 0xF0         # bits 0-3 of q_31
+        >>> dequantize_q5_1(block)[[0, 31]]   # q_0 = 0, q_31 = 31
+        array([ 1. , 16.5], dtype=float32)
+    """
+    d = _f16(blocks[..., 0:2])  # (..., 1)
+    m = _f16(blocks[..., 2:4])  # (..., 1)
+    high = np.unpackbits(blocks[..., 4:8], axis=-1, bitorder="little")  # (..., 32)
+    q = _nibbles(blocks[..., 8:24]) | (high << 4)  # (..., 32)
+    return q.astype(np.float32) * d + m
+
+
+# --8<-- [end:dequantize_q5_1]
+
+
+# ---------------------------------------------------------------------------------------------
+# K-quants: super-blocks of QK_K = 256
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:get_scale_min_k4]
+def get_scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""``get_scale_min_k4`` for all 8 sub-blocks: unpack the 12 bytes of 6-bit scales/mins.
+
+    Q4_K and Q5_K give each of their 8 sub-blocks (32 weights) a 6-bit scale $sc_i$ and a
+    6-bit min $m_i$: 96 bits in 12 bytes. Sub-blocks 0-3 use the low 6 bits of bytes 0-7;
+    sub-blocks 4-7 put their low 4 bits in a nibble of bytes 8-11 and their top 2 bits in
+    the spare top bits of bytes 0-7 (letters are bits of $sc$, digits bits of $m$):
+
+    | byte $k$ | top bits                         | low bits                        |
+    |---------:|----------------------------------|---------------------------------|
+    | 0-3      | 7-6: bits 5-4 of $sc_{k+4}$      | 5-0: $sc_k$                     |
+    | 4-7      | 7-6: bits 5-4 of $m_{k}$         | 5-0: $m_{k-4}$                  |
+    | 8-11     | 7-4: bits 3-0 of $m_{k-4}$       | 3-0: bits 3-0 of $sc_{k-4}$     |
+
+    Args:
+        scales: uint8 ``(..., 12)``, the ``scales`` field of ``block_q4_K``/``block_q5_K``.
+
+    Returns:
+        ``(sc, m)``, each uint8 ``(..., 8)`` with values in ``[0, 63]``.
+
+    Example:
+        >>> scales = np.zeros(12, dtype=np.uint8)
+        >>> scales[0], scales[4] = 0b11_000001, 0b10_000010   # sc_0=1, m_0=2, top bits
+        >>> scales[8] = 0x54                                  # m_4 low=5, sc_4 low=4
+        >>> sc, m = get_scale_min_k4(scales)
+        >>> int(sc[0]), int(m[0]), int(sc[4]), int(m[4])      # sc_4=0b11_0100, m_4=0b10_0101
+        (1, 2, 52, 37)
+    """
+    lo, hi, packed = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]  # (..., 4) each
+    sc = np.concatenate([lo & 63, (packed & 0x0F) | ((lo >> 6) << 4)], axis=-1)  # (..., 8)
+    m = np.concatenate([hi & 63, (packed >> 4) | ((hi >> 6) << 4)], axis=-1)  # (..., 8)
+    return sc, m
+
+
+# --8<-- [end:get_scale_min_k4]
+
+
+def _subblocks_of_64(qs: np.ndarray) -> np.ndarray:
+    """K-quant 4-bit field ``(..., 128)`` -> ``(..., 8, 32)``: each 32 bytes hold 64 weights.
+
+    Bytes ``32c .. 32c+31`` carry sub-block ``2c`` in their low nibbles and sub-block
+    ``2c + 1`` in their high nibbles.
+    """
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)  # (..., 4, 32)
+    q = np.stack([chunks & 0x0F, chunks >> 4], axis=-2)  # (..., 4, 2, 32)
+    return q.reshape(*qs.shape[:-1], 8, 32)  # (..., 8, 32)
+
+
+# --8<-- [start:dequantize_q4_k]
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q4_K``: 8 sub-blocks of 32 with 6-bit scales and mins (4.5 bits/weight).
+
+    ``block_q4_K`` (144 bytes, 256 weights):
+
+    | byte offset | field    | type       | meaning                                          |
+    |------------:|----------|------------|--------------------------------------------------|
+    | 0           | `d`      | f16        | super-block scale of the sub-block scales        |
+    | 2           | `dmin`   | f16        | super-block scale of the sub-block mins          |
+    | 4           | `scales` | uint8[12]  | 6-bit $sc_i$ and $m_i$ of the 8 sub-blocks       |
+    | 16          | `qs`     | uint8[128] | 4-bit quants $q$, 64 weights per 32 bytes        |
+
+    ``scales`` is unpacked by :func:`get_scale_min_k4`. In ``qs``, bytes $32c \ldots 32c+31$
+    hold sub-block $2c$ in their low nibbles and sub-block $2c+1$ in their high nibbles.
+
+    For weight $j$ of sub-block $i$ (weight $32i + j$ of the super-block):
+
+    $$w_{32i+j} = (d \cdot sc_i) \cdot q_{32i+j} - (d_{\min} \cdot m_i), \qquad q \in [0, 15]$$
+
+    Args:
+        blocks: uint8 ``(..., 144)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Example:
+        >>> block = np.zeros(144, dtype=np.uint8)
+        >>> block[0:4] = np.array([0.5, 0.25], dtype="<f2").view(np.uint8)   # d, dmin
+        >>> block[4], block[8] = 2, 4          # sc_0 = 2, m_0 = 4
+        >>> block[16] = 0x03                   # q_0 = 3 (sub-block 0), q_32 = 0 (sub-block 1)
+        >>> w = dequantize_q4_k(block)
+        >>> float(w[0]), float(w[1]), float(w[32])   # 0.5*2*3 - 0.25*4, -1, 0
+        (2.0, -1.0, 0.0)
+    """
+    d = _f16(blocks[..., 0:2])[..., None]  # (..., 1, 1)
+    dmin = _f16(blocks[..., 2:4])[..., None]  # (..., 1, 1)
+    sc, m = get_scale_min_k4(blocks[..., 4:16])  # (..., 8) each
+    q = _subblocks_of_64(blocks[..., 16:144])  # (..., 8, 32)
+    scale = d * sc[..., None].astype(np.float32)  # (..., 8, 1)
+    offset = dmin * m[..., None].astype(np.float32)  # (..., 8, 1)
+    w = scale * q.astype(np.float32) - offset  # (..., 8, 32)
+    return w.reshape(*blocks.shape[:-1], QK_K)  # (..., 256)
+
+
+# --8<-- [end:dequantize_q4_k]
+
+
+# --8<-- [start:dequantize_q5_k]
+def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q5_K``: Q4_K plus a fifth bit per weight (5.5 bits/weight).
+
+    ``block_q5_K`` (176 bytes, 256 weights):
+
+    | byte offset | field    | type       | meaning                                          |
+    |------------:|----------|------------|--------------------------------------------------|
+    | 0           | `d`      | f16        | super-block scale of the sub-block scales        |
+    | 2           | `dmin`   | f16        | super-block scale of the sub-block mins          |
+    | 4           | `scales` | uint8[12]  | 6-bit $sc_i$ and $m_i$ of the 8 sub-blocks       |
+    | 16          | `qh`     | uint8[32]  | bit 4 of $q$: bit $i$ of byte $j$ for $q_{32i+j}$ |
+    | 48          | `qs`     | uint8[128] | bits 0-3 of $q$, packed as in Q4_K               |
+
+    $$w_{32i+j} = (d \cdot sc_i) \cdot q_{32i+j} - (d_{\min} \cdot m_i), \qquad q \in [0, 31]$$
+
+    Args:
+        blocks: uint8 ``(..., 176)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Example:
+        >>> block = np.zeros(176, dtype=np.uint8)
+        >>> block[0:4] = np.array([1.0, 1.0], dtype="<f2").view(np.uint8)   # d, dmin
+        >>> block[5], block[9] = 1, 3          # sc_1 = 1, m_1 = 3
+        >>> block[16] = 0b10                   # bit 4 of weight 0 of sub-block 1
+        >>> block[48] = 0x20                   # bits 0-3 of that weight: 2
+        >>> float(dequantize_q5_k(block)[32])  # 1*1*(16+2) - 1*3
+        15.0
+    """
+    d = _f16(blocks[..., 0:2])[..., None]  # (..., 1, 1)
+    dmin = _f16(blocks[..., 2:4])[..., None]  # (..., 1, 1)
+    sc, m = get_scale_min_k4(blocks[..., 4:16])  # (..., 8) each
+    qh = blocks[..., None, 16:48]  # (..., 1, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (..., 8, 32)
+    q = _subblocks_of_64(blocks[..., 48:176]) | (high << 4)  # (..., 8, 32)
+    scale = d * sc[..., None].astype(np.float32)  # (..., 8, 1)
+    offset = dmin * m[..., None].astype(np.float32)  # (..., 8, 1)
+    w = scale * q.astype(np.float32) - offset  # (..., 8, 32)
+    return w.reshape(*blocks.shape[:-1], QK_K)  # (..., 256)
+
+
+# --8<-- [end:dequantize_q5_k]
+
+
+# --8<-- [start:dequantize_q6_k]
+def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q6_K``: 16 sub-blocks of 16 with 8-bit scales (6.5625 bits/weight).
+
+    ``block_q6_K`` (210 bytes, 256 weights), in two halves $h \in \{0, 1\}$ of 128 weights:
+
+    | byte offset | field    | type       | meaning                                          |
+    |------------:|----------|------------|--------------------------------------------------|
+    | 0           | `ql`     | uint8[128] | bits 0-3 of $q$, 64 bytes per half               |
+    | 128         | `qh`     | uint8[64]  | bits 4-5 of $q$, 32 bytes per half               |
+    | 192         | `scales` | int8[16]   | signed scale $sc_g$ of each group of 16 weights  |
+    | 208         | `d`      | f16        | super-block scale                                |
+
+    Within half $h$, weight $l$ ($0 \le l < 128$) takes bits 0-3 from ``ql`` byte
+    $64h + (l \bmod 64)$ (low nibble for $l < 64$, high nibble above), and bits 4-5 from
+    ``qh`` byte $32h + (l \bmod 32)$, bit pair $\lfloor l / 32 \rfloor$.
+
+    $$w_{16g+j} = (d \cdot sc_g) \cdot (q_{16g+j} - 32), \qquad q \in [0, 63]$$
+
+    Args:
+        blocks: uint8 ``(..., 210)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Example:
+        >>> block = np.zeros(210, dtype=np.uint8)
+        >>> block[208:210] = np.array([0.5], dtype="<f2").view(np.uint8)   # d
+        >>> block[192:194] = np.array([2, -1], dtype=np.int8).view(np.uint8)
+        >>> block[0], block[128] = 0x0F, 0b11    # weight 0: q = 0b11_1111 = 63
+        >>> w = dequantize_q6_k(block)
+        >>> float(w[0]), float(w[1]), float(w[16])   # 1*(63-32), 1*(0-32), -0.5*(0-32)
+        (31.0, -32.0, 16.0)
+    """
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 64)  # (..., 2, 64)
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)  # (..., 2, 1, 32)
+    sc = blocks[..., 192:208].view(np.int8)  # (..., 16)
+    d = _f16(blocks[..., 208:210])[..., None]  # (..., 1, 1)
+    low = _nibbles(ql)  # (..., 2, 128)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # (..., 2, 4, 32)
+    q = low | (high.reshape(*lead, 2, 128) << 4)  # (..., 2, 128)
+    q = (q.astype(np.int8) - np.int8(32)).reshape(*lead, 16, 16)  # (..., 16, 16)
+    scale = d * sc[..., None].astype(np.float32)  # (..., 16, 1)
+    w = scale * q.astype(np.float32)  # (..., 16, 16)
+    return w.reshape(*lead, QK_K)  # (..., 256)
+
+
+# --8<-- [end:dequantize_q6_k]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch by type
+# ---------------------------------------------------------------------------------------------
+
+# --8<-- [start:dispatch]
+DEQUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    T.F32: dequantize_f32,
+    T.F16: dequantize_f16,
+    T.BF16: dequantize_bf16,
+    T.Q4_0: dequantize_q4_0,
+    T.Q4_1: dequantize_q4_1,
+    T.Q5_0: dequantize_q5_0,
+    T.Q5_1: dequantize_q5_1,
+    T.Q8_0: dequantize_q8_0,
+    T.Q4_K: dequantize_q4_k,
+    T.Q5_K: dequantize_q5_k,
+    T.Q6_K: dequantize_q6_k,
+}
+
+QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    T.F32: quantize_f32,
+    T.F16: quantize_f16,
+    T.BF16: quantize_bf16,
+    T.Q4_0: quantize_q4_0,
+    T.Q4_1: quantize_q4_1,
+    T.Q8_0: quantize_q8_0,
+}
+# --8<-- [end:dispatch]
+
+
+def _names(table: dict[GGMLQuantizationType, object]) -> str:
+    return ", ".join(t.name for t in table)
+
+
+def _check_qtype(qtype: object) -> GGMLQuantizationType:
+    if not isinstance(qtype, GGMLQuantizationType):
+        raise QuantError(f"qtype must be a gguf.GGMLQuantizationType, got {qtype!r}")
+    return qtype
+
+
+# --8<-- [start:dequantize]
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Raw GGUF bytes -> float32 weights, row by row (``type_traits[qtype].to_float``).
+
+    The same contract as ``gguf.quants.dequantize``, except that F32, F16 and BF16 are raw
+    bytes here too.
+
+    Args:
+        data: uint8 ``(..., n_bytes)``; ``n_bytes`` a multiple of the type's block bytes.
+        qtype: one of the keys of :data:`DEQUANTIZE`.
+
+    Returns:
+        float32 ``(..., n_weights)`` with ``n_weights = n_bytes // type_size * block_size``.
+
+    Raises:
+        QuantError: if the type is not supported, ``data`` is not uint8, or a row is not a
+            whole number of blocks.
+
+    Example:
+        >>> x = np.arange(64, dtype=np.float32).reshape(2, 32)
+        >>> data = quantize(x, GGMLQuantizationType.Q8_0)
+        >>> data.shape
+        (2, 34)
+        >>> dequantize(data, GGMLQuantizationType.Q8_0)[1, :3]   # d = 63/127 stored as f16
+        array([32.246094, 33.23828 , 34.23047 ], dtype=float32)
+    """
+    qtype = _check_qtype(qtype)
+    if qtype not in DEQUANTIZE:
+        raise QuantError(
+            f"dequantizing {qtype.name} is not implemented; supported: {_names(DEQUANTIZE)}"
+        )
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim == 0:
+        raise QuantError(
+            f"{qtype.name} data must be raw bytes: a uint8 array with at least one dimension, "
+            f"got {data.dtype} of shape {data.shape}"
+        )
+    layout = BLOCK_LAYOUTS[qtype]
+    n_bytes = data.shape[-1]
+    if n_bytes % layout.type_size != 0:
+        raise QuantError(
+            f"{qtype.name} rows of {n_bytes} bytes are not a whole number of blocks "
+            f"({layout.type_size} bytes each)"
+        )
+    n_blocks = n_bytes // layout.type_size
+    lead = data.shape[:-1]
+    blocks = np.ascontiguousarray(data).reshape(*lead, n_blocks, layout.type_size)
+    w = DEQUANTIZE[qtype](blocks)  # (..., n_blocks, block_size)
+    return w.reshape(*lead, n_blocks * layout.block_size)  # (..., n_weights)
+
+
+# --8<-- [end:dequantize]
+
+
+# --8<-- [start:quantize]
+def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """float weights -> raw GGUF bytes, row by row, with ggml's reference quantizers.
+
+    Byte-identical to ``gguf.quants.quantize`` (and ggml's ``quantize_row_*_ref``) for the
+    supported types; F32/F16/BF16 come back as raw bytes.
+
+    Args:
+        x: float ``(..., n)``, converted to float32 first; ``n`` a multiple of the block size.
+        qtype: one of the keys of :data:`QUANTIZE`.
+
+    Returns:
+        uint8 ``(..., n // block_size * type_size)``.
+
+    Raises:
+        QuantError: if quantizing to the type is not implemented, ``x`` is not a float
+            array, or a row is not a whole number of blocks.
+
+    Example:
+        >>> x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+        >>> quantize(x, GGMLQuantizationType.Q4_1).shape
+        (2, 20)
+        >>> quantize(x, GGMLQuantizationType.Q6_K)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.quants.QuantError: quantizing to Q6_K is not implemented; supported: F32, ...
+    """
+    qtype = _check_qtype(qtype)
+    if qtype not in QUANTIZE:
+        raise QuantError(
+            f"quantizing to {qtype.name} is not implemented; supported: {_names(QUANTIZE)}"
+        )
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating) or x.ndim == 0:
+        raise QuantError(
+            f"quantize needs a float array with at least one dimension, "
+            f"got {x.dtype} of shape {x.shape}"
+        )
+    layout = BLOCK_LAYOUTS[qtype]
+    n = x.shape[-1]
+    if n % layout.block_size != 0:
+        raise QuantError(
+            f"rows of {n} weights are not a whole number of {qtype.name} blocks "
+            f"({layout.block_size} weights each)"
+        )
+    n_blocks = n // layout.block_size
+    lead = x.shape[:-1]
+    blocks = x.astype(np.float32).reshape(*lead, n_blocks, layout.block_size)
+    data = QUANTIZE[qtype](blocks)  # (..., n_blocks, type_size)
+    return data.reshape(*lead, n_blocks * layout.type_size)  # (..., n_bytes)
+
+
+# --8<-- [end:quantize]
+
+
+# --8<-- [start:QuantizedTensor]
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A weight tensor as GGUF stores it: a type, a logical shape and the raw blocks.
+
+    ``eq=False``: the dataclass-generated ``==`` and ``hash`` would compare NumPy arrays;
+    compare ``.data`` explicitly instead.
+
+    Attributes:
+        qtype: the block format.
+        shape: logical shape in NumPy order (ggml's ``ne`` reversed); ``shape[-1]`` is the row
+            length in weights, a multiple of the block size.
+        data: uint8 ``(*shape[:-1], bytes_per_row)``.
+
+    Raises:
+        QuantError: on construction, if the type is unsupported, the row length is not a
+            whole number of blocks, or ``data`` is not uint8 of the matching shape.
+
+    Example:
+        >>> x = np.linspace(-1, 1, 2 * 64, dtype=np.float32).reshape(2, 64)
+        >>> t = QuantizedTensor.from_float(x, GGMLQuantizationType.Q8_0)
+        >>> t.data.shape                   # 2 rows of 2 blocks of 34 bytes
+        (2, 68)
+        >>> bool(np.abs(t.dequantize() - x).max() < 0.01)
+        True
+        >>> bad = np.zeros((2, 27), np.uint8)
+        >>> QuantizedTensor(GGMLQuantizationType.Q4_0, (2, 48), bad)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.quants.QuantError: a row of 48 weights is not a whole number of Q4_0 blocks ...
+    """
+
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    def __post_init__(self) -> None:
+        qtype = _check_qtype(self.qtype)
+        if qtype not in DEQUANTIZE:
+            raise QuantError(
+                f"{qtype.name} tensors cannot be read; supported: {_names(DEQUANTIZE)}"
+            )
+        try:
+            shape = tuple(operator.index(n) for n in self.shape)  # ints, NumPy ints too
+        except TypeError:
+            shape = ()
+        if len(shape) == 0 or min(shape) < 0:
+            raise QuantError(f"shape must be a non-empty tuple of sizes >= 0, got {self.shape!r}")
+        expected = (*shape[:-1], row_size(qtype, shape[-1]))
+        if not isinstance(self.data, np.ndarray) or self.data.dtype != np.uint8:
+            raise QuantError(f"data must be a uint8 array, got {type(self.data).__name__}")
+        if self.data.shape != expected:
+            raise QuantError(
+                f"{qtype.name} data of logical shape {shape} must have shape {expected}, "
+                f"got {self.data.shape}"
+            )
+        object.__setattr__(self, "shape", shape)
+
+    @classmethod
+    def from_float(cls, x: np.ndarray, qtype: GGMLQuantizationType) -> QuantizedTensor:
+        """Quantize ``x`` ``(..., n)`` with :func:`quantize` and keep its shape."""
+        return cls(qtype, tuple(int(n) for n in np.shape(x)), quantize(x, qtype))
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weights, of shape ``self.shape``."""
+        return dequantize(self.data, self.qtype)
+
+
+# --8<-- [end:QuantizedTensor]
