@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 
 # --8<-- [start:constants]
 QK_K = 256  # weights per super-block of the K-quants
@@ -116,14 +117,14 @@ def row_size(qtype: GGMLQuantizationType, n_per_row: int) -> int:
     """``ggml_row_size``: the bytes of one row of ``n_per_row`` weights of type ``qtype``.
 
     Args:
-        qtype: a type in :data:`BLOCK_LAYOUTS`.
+        qtype: any ggml tensor type (sizes of types we do not read come from gguf's table).
         n_per_row: weights per row; a multiple of the type's block size.
 
     Returns:
         ``n_per_row // block_size * type_size``.
 
     Raises:
-        QuantError: if the type is not supported or the row does not split into whole blocks.
+        QuantError: if the type is unknown or the row does not split into whole blocks.
 
     Example:
         >>> row_size(GGMLQuantizationType.Q4_1, 576)   # 18 blocks of 20 bytes
@@ -142,13 +143,17 @@ def row_size(qtype: GGMLQuantizationType, n_per_row: int) -> int:
 
 
 def _layout(qtype: GGMLQuantizationType) -> BlockLayout:
-    if qtype not in BLOCK_LAYOUTS:
-        name = getattr(qtype, "name", repr(qtype))
-        raise QuantError(
-            f"{name} is not a supported block format; supported: "
-            + ", ".join(t.name for t in BLOCK_LAYOUTS)
-        )
-    return BLOCK_LAYOUTS[qtype]
+    """The block layout of any ggml type: ours when we read it, else gguf's size table.
+
+    Knowing the size of a type we cannot dequantize lets a file that holds one be read (and
+    inspected); only :func:`dequantize` refuses it.
+    """
+    if qtype in BLOCK_LAYOUTS:
+        return BLOCK_LAYOUTS[qtype]
+    if qtype in GGML_QUANT_SIZES:
+        return BlockLayout(*GGML_QUANT_SIZES[qtype])
+    name = getattr(qtype, "name", repr(qtype))
+    raise QuantError(f"{name} is not a ggml tensor type")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1048,11 +1053,7 @@ class QuantizedTensor:
     data: np.ndarray
 
     def __post_init__(self) -> None:
-        qtype = _check_qtype(self.qtype)
-        if qtype not in DEQUANTIZE:
-            raise QuantError(
-                f"{qtype.name} tensors cannot be read; supported: {_names(DEQUANTIZE)}"
-            )
+        qtype = _check_qtype(self.qtype)  # any ggml type: dequantize() checks support
         try:
             shape = tuple(operator.index(n) for n in self.shape)  # ints, NumPy ints too
         except TypeError:

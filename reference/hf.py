@@ -1,0 +1,377 @@
+r"""Load a HF checkpoint folder (``config.json`` + ``*.safetensors``) as GGUF-named weights.
+
+This is what llama.cpp's ``convert_hf_to_gguf.py`` does, done once at load time and without
+torch: read the config into :class:`reference.hparams.LlamaHParams`, rename every tensor to
+its GGUF name, and for ``llama`` permute the rows of ``q_proj`` and ``k_proj`` so that the
+interleaved ("normal") RoPE of the GGUF layout computes what HF's rotate-half RoPE computes
+on the original rows (``LlamaModel.permute``).
+
+Why the permutation works. HF's ``rotate_half`` pairs dimension $i$ of a head with
+$i + n_{rot}/2$ (NeoX pairing) and rotates the pair by $p\,\theta_i$. GGUF's normal mode pairs
+$2i$ with $2i+1$ and rotates them by $p\,\theta_i$. If the rows of $W_q$ (per head) are
+reordered so that new row $2i$ is old row $i$ and new row $2i+1$ is old row $i + n_{rot}/2$,
+then every pair meets the same angle in both layouts, and $q \cdot k$ is unchanged because
+$q$ and $k$ are permuted alike:
+
+$$
+\mathrm{rope}_{\text{normal}}(P W x) = P\, \mathrm{rope}_{\text{neox}}(W x), \qquad
+(P a) \cdot (P b) = a \cdot b .
+$$
+
+``qwen2`` keeps the HF layout and uses the NeoX mode instead (as llama.cpp does).
+
+RoPE settings. transformers 5 stores them in ``config["rope_parameters"]`` (``rope_theta``,
+``rope_type``, ``partial_rotary_factor``, ``factor`` ...); older configs use ``rope_theta``
+and ``rope_scaling`` at the top level. Both are read. ``linear`` and ``yarn`` map to
+llama.cpp's scaling types; ``llama3`` is supported with per-dimension frequency factors
+(the ``rope_freqs.weight`` tensor that ``convert_hf_to_gguf`` generates); other types are
+refused with :class:`HFLoadError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from reference.hparams import (
+    ROPE_SCALING_TYPE_LINEAR,
+    ROPE_SCALING_TYPE_YARN,
+    ROPE_TYPE_NEOX,
+    ROPE_TYPE_NORM,
+    SWA_TYPE_NONE,
+    SWA_TYPE_STANDARD,
+    HParamsError,
+    LlamaHParams,
+)
+
+
+class HFLoadError(ValueError):
+    """A HF checkpoint folder cannot be loaded (missing file, unsupported config, bad tensor)."""
+
+
+# --8<-- [start:HF_ARCHS]
+# HF "architectures" entry -> GGUF architecture
+HF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+# --8<-- [end:HF_ARCHS]
+
+# --8<-- [start:HF_TENSOR_NAMES]
+# HF tensor name -> GGUF tensor name (the weight/bias suffix is kept)
+HF_TENSOR_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+HF_LAYER_TENSOR_NAMES = {  # model.layers.{il}.<key> -> blk.{il}.<value>
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# --8<-- [end:HF_TENSOR_NAMES]
+
+
+# --8<-- [start:gguf_tensor_name]
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """The GGUF name of a HF tensor, or None for tensors llama.cpp does not use.
+
+    Example:
+        >>> gguf_tensor_name("model.layers.3.self_attn.q_proj.bias")
+        'blk.3.attn_q.bias'
+        >>> gguf_tensor_name("lm_head.weight"), gguf_tensor_name("model.rotary_emb.inv_freq")
+        ('output.weight', None)
+    """
+    base, _, suffix = hf_name.rpartition(".")
+    if base in HF_TENSOR_NAMES:
+        return f"{HF_TENSOR_NAMES[base]}.{suffix}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    if m and m.group(2) in HF_LAYER_TENSOR_NAMES:
+        return f"blk.{m.group(1)}.{HF_LAYER_TENSOR_NAMES[m.group(2)]}.{suffix}"
+    return None
+# --8<-- [end:gguf_tensor_name]
+
+
+# --8<-- [start:permute]
+def permute(weights: np.ndarray, n_head: int, n_rot: int | None = None) -> np.ndarray:
+    """Reorder the rows of each head from rotate-half (NeoX) pairs to interleaved pairs.
+
+    ``convert_hf_to_gguf``'s ``LlamaModel.permute``: within every head, rows
+    ``[0, n_rot/2)`` and ``[n_rot/2, n_rot)`` are interleaved, so new row ``2i`` is old row
+    ``i`` and new row ``2i + 1`` is old row ``i + n_rot/2``. Rows past ``n_rot`` (partial
+    rotation) are not rotated and stay where they are. Works for weights
+    ``(n_head * d, n_in)`` and biases ``(n_head * d,)``.
+
+    Args:
+        weights: ``q_proj``/``k_proj`` weight or bias; leading axis ``n_head * d``.
+        n_head: heads of that projection (``n_head_kv`` for ``k_proj``).
+        n_rot: rotated dimensions per head; default: the whole head.
+
+    Returns:
+        The permuted array, same shape.
+
+    Example:
+        >>> permute(np.arange(8), n_head=2).tolist()
+        [0, 2, 1, 3, 4, 6, 5, 7]
+        >>> permute(np.arange(6), n_head=1, n_rot=4).tolist()
+        [0, 2, 1, 3, 4, 5]
+    """
+    d = weights.shape[0] // n_head
+    n_rot = d if n_rot is None else n_rot
+    w = weights.reshape(n_head, d, *weights.shape[1:]).copy()  # (n_head, d, ...)
+    rot = w[:, :n_rot].reshape(n_head, 2, n_rot // 2, *weights.shape[1:])  # (n_head, 2, n_rot/2,..)
+    w[:, :n_rot] = rot.swapaxes(1, 2).reshape(n_head, n_rot, *weights.shape[1:])
+    return w.reshape(weights.shape)
+# --8<-- [end:permute]
+
+
+def _rope_parameters(config: dict) -> dict:
+    """``rope_parameters`` (transformers 5), else the older top-level keys."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if "rope_theta" not in params and "rope_theta" in config:
+        params["rope_theta"] = config["rope_theta"]
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" in config:
+        params["partial_rotary_factor"] = config["partial_rotary_factor"]
+    if "rope_type" not in params and "type" in params:
+        params["rope_type"] = params["type"]
+    return params
+
+
+# --8<-- [start:llama3_rope_factors]
+def llama3_rope_factors(rope: dict, n_rot: int, freq_base: float) -> np.ndarray:
+    r"""The ``rope_freqs.weight`` of a ``llama3`` RoPE config (``convert_hf_to_gguf``).
+
+    Each frequency $\theta_i$ is divided by a factor: 1 for short wavelengths, ``factor``
+    for long ones, and a smooth blend in between.
+
+    Example:
+        >>> f = llama3_rope_factors({"factor": 8.0, "original_max_position_embeddings": 8192},
+        ...                         n_rot=64, freq_base=500000.0)
+        >>> f.shape, float(f[0]), float(f[-1])
+        ((32,), 1.0, 8.0)
+    """
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    freqs = 1.0 / (freq_base ** (np.arange(0, n_rot, 2, dtype=np.float32) / n_rot))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)  # (n_rot/2,)
+# --8<-- [end:llama3_rope_factors]
+
+
+# --8<-- [start:hparams_from_hf]
+def hparams_from_hf(config: dict) -> LlamaHParams:
+    """Map a HF ``config.json`` (as a dict) to :class:`LlamaHParams`.
+
+    Args:
+        config: the parsed ``config.json``.
+
+    Returns:
+        The hyperparameters, with llama.cpp's field names.
+
+    Raises:
+        HFLoadError: unknown architecture, unsupported RoPE type, or Qwen2's sliding window.
+
+    Example:
+        >>> hp = hparams_from_hf({"architectures": ["MistralForCausalLM"], "vocab_size": 10,
+        ...     "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        ...     "num_key_value_heads": 1, "intermediate_size": 16, "rms_norm_eps": 1e-5,
+        ...     "max_position_embeddings": 64, "sliding_window": 4,
+        ...     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+        >>> hp.arch, hp.n_rot, hp.n_swa, hp.rope_freq_base_train
+        ('llama', 4, 4, 1000000.0)
+    """
+    archs = config.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in HF_ARCHS:
+        raise HFLoadError(f"unsupported architectures {archs}; supported: {sorted(HF_ARCHS)}")
+    hf_arch = archs[0]
+    arch = HF_ARCHS[hf_arch]
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    rope = _rope_parameters(config)
+    n_rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    rope_type = rope.get("rope_type", "default")
+    # no scaling is written as llama.cpp reads a GGUF without the key: linear, factor 1
+    scaling = dict(rope_scaling_type_train=ROPE_SCALING_TYPE_LINEAR)
+    if rope_type == "linear":
+        scaling = dict(
+            rope_scaling_type_train=ROPE_SCALING_TYPE_LINEAR,
+            rope_freq_scale_train=1.0 / rope["factor"],
+        )
+    elif rope_type == "yarn":
+        scaling = dict(
+            rope_scaling_type_train=ROPE_SCALING_TYPE_YARN,
+            rope_freq_scale_train=1.0 / rope["factor"],
+            n_ctx_orig_yarn=rope["original_max_position_embeddings"],
+            yarn_beta_fast=rope.get("beta_fast", 32.0),
+            yarn_beta_slow=rope.get("beta_slow", 1.0),
+        )
+        if "extrapolation_factor" in rope:
+            scaling["yarn_ext_factor"] = rope["extrapolation_factor"]
+    elif rope_type not in ("default", "llama3"):
+        raise HFLoadError(
+            f"unsupported RoPE type {rope_type!r}; supported: default, linear, yarn, llama3"
+        )
+    n_swa = 0
+    if hf_arch == "MistralForCausalLM":
+        n_swa = config.get("sliding_window") or 0
+    if hf_arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+        raise HFLoadError("Qwen2 with use_sliding_window=true is not supported")
+    n_ctx_train = config.get("max_position_embeddings", 0)
+    scaling.setdefault("n_ctx_orig_yarn", n_ctx_train)  # llama.cpp's default when no key
+    try:
+        hparams = LlamaHParams(
+            arch=arch,
+            n_vocab=config["vocab_size"],
+            n_ctx_train=n_ctx_train,
+            n_embd=config["hidden_size"],
+            n_layer=config["num_hidden_layers"],
+            n_head=n_head,
+            n_head_kv=config.get("num_key_value_heads") or n_head,
+            n_embd_head_k=head_dim,
+            n_embd_head_v=head_dim,
+            n_rot=n_rot,
+            n_ff=config["intermediate_size"],
+            f_norm_rms_eps=config["rms_norm_eps"],
+            rope_type=ROPE_TYPE_NEOX if arch == "qwen2" else ROPE_TYPE_NORM,
+            rope_freq_base_train=float(rope.get("rope_theta", 10000.0)),
+            n_swa=n_swa,
+            swa_type=SWA_TYPE_STANDARD if n_swa > 0 else SWA_TYPE_NONE,
+            tied_output=bool(config.get("tie_word_embeddings", False)),
+            **scaling,
+        )
+    except HParamsError as e:
+        raise HFLoadError(f"inconsistent config.json: {e}") from e
+    return _float32_fields(hparams)
+# --8<-- [end:hparams_from_hf]
+
+
+def _float32_fields(hparams: LlamaHParams) -> LlamaHParams:
+    """Round every float field to float32, as ``llama_hparams`` (and a GGUF file) holds it.
+
+    Without this, a model loaded from HF and the same model converted to GGUF would differ
+    in, say, ``f_norm_rms_eps`` (``1e-5`` against ``float32(1e-5)``).
+    """
+    floats = {
+        f.name: float(np.float32(getattr(hparams, f.name)))
+        for f in dataclasses.fields(hparams)
+        if isinstance(getattr(hparams, f.name), float)
+    }
+    return dataclasses.replace(hparams, **floats)
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HFLoadError(f"no *.safetensors file in {path}")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:  # bf16 and friends are not NumPy dtypes
+            raise HFLoadError(f"cannot read {f.name} with safetensors.numpy: {e}") from e
+    return tensors
+
+
+# --8<-- [start:load_hf]
+def load_hf(
+    path: str | Path, dtype: DTypeLike = np.float32
+) -> tuple[LlamaHParams, dict[str, np.ndarray]]:
+    """Load a HF checkpoint folder as ``(hparams, weights)`` with GGUF tensor names.
+
+    Args:
+        path: folder with ``config.json`` and ``*.safetensors`` (float16/float32).
+        dtype: dtype of the returned weights.
+
+    Returns:
+        ``(hparams, weights)``; ``llama`` Q/K rows are permuted for the normal RoPE mode;
+        ``output.weight`` is absent (and ``hparams.tied_output`` True) when the checkpoint
+        has no ``lm_head``; a ``llama3`` RoPE adds ``rope_freqs.weight``.
+
+    Raises:
+        HFLoadError: missing files, unsupported config, or a missing/misshapen tensor.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise HFLoadError(f"no config.json in {path}")
+    config = json.loads((path / "config.json").read_text())
+    hp = hparams_from_hf(config)
+    weights: dict[str, np.ndarray] = {}
+    for hf_name, t in _read_safetensors(path).items():
+        name = gguf_tensor_name(hf_name)
+        if name is None:
+            continue
+        t = t.astype(dtype)
+        if hp.arch == "llama" and re.search(r"\.attn_q\.", name):
+            t = permute(t, hp.n_head, hp.n_rot)
+        elif hp.arch == "llama" and re.search(r"\.attn_k\.", name):
+            t = permute(t, hp.n_head_kv, hp.n_rot)
+        weights[name] = t
+    if "output.weight" not in weights and not hp.tied_output:
+        hp = _replace(hp, tied_output=True)
+    if "output.weight" in weights and hp.tied_output:
+        del weights["output.weight"]  # a tied checkpoint that stored lm_head anyway
+    if _rope_parameters(config).get("rope_type") == "llama3":
+        rope = _rope_parameters(config)
+        weights["rope_freqs.weight"] = llama3_rope_factors(rope, hp.n_rot, hp.rope_freq_base_train)
+    _check_shapes(hp, weights)
+    return hp, weights
+# --8<-- [end:load_hf]
+
+
+def _replace(hp: LlamaHParams, **changes) -> LlamaHParams:
+    from dataclasses import replace
+
+    return replace(hp, **changes)
+
+
+def _check_shapes(hp: LlamaHParams, weights: dict[str, np.ndarray]) -> None:
+    d = hp.n_embd_head_k
+    expected = {"token_embd.weight": (hp.n_vocab, hp.n_embd), "output_norm.weight": (hp.n_embd,)}
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        expected.update({
+            b + "attn_norm.weight": (hp.n_embd,),
+            b + "attn_q.weight": (hp.n_head * d, hp.n_embd),
+            b + "attn_k.weight": (hp.n_head_kv * d, hp.n_embd),
+            b + "attn_v.weight": (hp.n_head_kv * hp.n_embd_head_v, hp.n_embd),
+            b + "attn_output.weight": (hp.n_embd, hp.n_head * hp.n_embd_head_v),
+            b + "ffn_norm.weight": (hp.n_embd,),
+            b + "ffn_gate.weight": (hp.n_ff, hp.n_embd),
+            b + "ffn_up.weight": (hp.n_ff, hp.n_embd),
+            b + "ffn_down.weight": (hp.n_embd, hp.n_ff),
+        })
+    for name, shape in expected.items():
+        if name not in weights:
+            raise HFLoadError(f"missing tensor {name!r} (GGUF name)")
+        if weights[name].shape != shape:
+            raise HFLoadError(f"tensor {name!r} has shape {weights[name].shape}, expected {shape}")

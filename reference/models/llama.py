@@ -1,0 +1,518 @@
+r"""The Llama block: llama.cpp's ``llm_build_llama`` (and ``llm_build_qwen2``) in NumPy.
+
+The graph of ``src/models/llama.cpp`` built from the helpers of ``src/llama-graph.cpp``
+(``build_norm``, ``build_qkv``, ``build_attn``, ``build_ffn``, ``build_inp_out_ids``). For a
+ubatch of tokens $t_1 \dots t_n$ at positions $p_1 \dots p_n$:
+
+$$
+\begin{aligned}
+x^{(0)} &= E[t] && \text{token\_embd, get\_rows} \\
+h &= \mathrm{rms\_norm}(x^{(l)}) \odot g_{attn} \\
+q, k, v &= h W_q^T (+ b_q),\; h W_k^T (+ b_k),\; h W_v^T (+ b_v) && \text{per head} \\
+q, k &= \mathrm{rope}(q, p),\; \mathrm{rope}(k, p) \\
+a &= \mathrm{softmax}\!\left(\frac{q K^T}{\sqrt{d}} + M\right) V
+  && K, V, M \text{ from the memory} \\
+y &= x^{(l)} + a W_o^T (+ b_o) \\
+x^{(l+1)} &= y + \left(\mathrm{silu}(u W_{gate}^T) \odot u W_{up}^T\right) W_{down}^T,
+  \quad u = \mathrm{rms\_norm}(y) \odot g_{ffn} \\
+\mathrm{logits} &= \mathrm{rms\_norm}(x^{(L)}) \odot g_{out} \; W_{out}^T
+  && W_{out} = E \text{ when tied}
+\end{aligned}
+$$
+
+Two architectures share this graph: ``llama`` (interleaved "normal" RoPE, optional
+``attn_output``/FFN biases, Mistral's sliding window through the mask) and ``qwen2`` (Q/K/V
+biases, NeoX RoPE, optional ``output.bias``). The RoPE mode comes from ``hparams.rope_type``.
+
+Only the *output rows* (``out_ids``) go through the last layer's residual add, the FFN of
+the last layer, the final norm and the lm_head: llama.cpp ``get_rows``'s them out right
+after the last attention (``build_inp_out_ids``).
+
+The memory is not part of the model. ``build_attn`` writes the new K/V through an
+:class:`AttnInput` and reads back all visible K/V and the KQ mask from it
+(``llm_graph_input_attn_kv``): :class:`reference.models.simple_cache.SimpleKVCache` is the
+single-sequence one, the multi-sequence KV cache plugs into the same calls.
+
+Weights are a dict keyed by GGUF tensor names (``"blk.0.attn_q.weight"``), matrices in
+NumPy order ``(n_out, n_in)``. A weight may be a quantized tensor (anything with
+``.dequantize()``); it is dequantized when used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from reference.hparams import ROPE_SCALING_TYPE_NONE, ROPE_SCALING_TYPE_YARN, LlamaHParams
+from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, rope_ext, swiglu
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+class LlamaForwardError(ValueError):
+    """The inputs of a forward pass are invalid (unknown arch, token out of range, ...)."""
+
+
+# --8<-- [start:AttnInput]
+class AttnInput(Protocol):
+    """What the memory provides to the graph for one ubatch (``llm_graph_input_attn_kv``).
+
+    Per layer ``il``, ``build_attn`` first stores the ubatch's new keys/values, then reads
+    back every cell the ubatch may attend to, and the mask that says which it may:
+
+    - ``cpy_k(il, k_cur)`` / ``cpy_v(il, v_cur)``: store ``(n_tokens, n_head_kv, d)`` at the
+      ubatch's cells (``ggml_set_rows`` at ``k_idxs``, ``llama_kv_cache::cpy_k``);
+    - ``get_k(il)`` / ``get_v(il)``: views ``(n_kv, n_head_kv, d_k)`` / ``(n_kv, n_head_kv, d_v)``
+      (``llama_kv_cache::get_k`` / ``get_v``);
+    - ``get_kq_mask(il)``: additive mask ``(n_tokens, n_kv)``, 0 where a token sees a cell and
+      ``-inf`` where it does not (causal, same sequence, sliding window of SWA layers).
+    """
+
+    def cpy_k(self, il: int, k_cur: np.ndarray) -> None: ...
+
+    def cpy_v(self, il: int, v_cur: np.ndarray) -> None: ...
+
+    def get_k(self, il: int) -> np.ndarray: ...
+
+    def get_v(self, il: int) -> np.ndarray: ...
+
+    def get_kq_mask(self, il: int) -> np.ndarray: ...
+# --8<-- [end:AttnInput]
+
+
+# --8<-- [start:model_dtype]
+def model_dtype(weights: dict) -> np.dtype:
+    """The dtype the forward computes in: that of ``token_embd.weight`` (float32 if quantized).
+
+    Example:
+        >>> model_dtype({"token_embd.weight": np.zeros((2, 2), np.float64)})
+        dtype('float64')
+    """
+    w = weights["token_embd.weight"]
+    return w.dtype if isinstance(w, np.ndarray) else np.dtype(np.float32)
+# --8<-- [end:model_dtype]
+
+
+# --8<-- [start:get_weight]
+def get_weight(
+    weights: dict, name: str, dtype: DTypeLike, required: bool = True
+) -> np.ndarray | None:
+    """Weight ``name`` as an array of ``dtype``, dequantized if it is quantized.
+
+    Args:
+        weights: GGUF-named weights.
+        name: e.g. ``"blk.0.attn_q.weight"``.
+        dtype: the forward's dtype.
+        required: when False, a missing weight gives None (llama.cpp's ``TENSOR_NOT_REQUIRED``).
+
+    Returns:
+        The array (not a copy when it already has ``dtype``), or None.
+
+    Raises:
+        LlamaForwardError: if a required weight is missing.
+
+    Example:
+        >>> get_weight({"a.weight": np.ones(2)}, "a.weight", np.float32)
+        array([1., 1.], dtype=float32)
+        >>> get_weight({}, "a.bias", np.float32, required=False) is None
+        True
+    """
+    w = weights.get(name)
+    if w is None:
+        if required:
+            raise LlamaForwardError(f"missing weight {name!r}")
+        return None
+    if hasattr(w, "dequantize"):
+        w = w.dequantize()
+    return np.asarray(w).astype(dtype, copy=False)
+# --8<-- [end:get_weight]
+
+
+# --8<-- [start:layer_weights]
+def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
+    """The weights of block ``il`` under ``llama_layer``'s field names (None when absent).
+
+    ``attn_norm``/``ffn_norm`` ``(n_embd,)``; ``wq`` ``(n_head * d, n_embd)``, ``wk``/``wv``
+    ``(n_head_kv * d, n_embd)``, ``wo`` ``(n_embd, n_head * d)``; ``ffn_gate``/``ffn_up``
+    ``(n_ff, n_embd)``, ``ffn_down`` ``(n_embd, n_ff)``; biases ``bq``, ``bk``, ``bv``,
+    ``bo``, ``ffn_gate_b``, ``ffn_up_b``, ``ffn_down_b`` are optional.
+
+    Example:
+        >>> sorted(layer_weights({}, 0, np.float32))[:3]
+        Traceback (most recent call last):
+        ...
+        reference.models.llama.LlamaForwardError: missing weight 'blk.0.attn_norm.weight'
+    """
+    names = {  # llama_layer field -> (GGUF name, required)
+        "attn_norm": ("attn_norm.weight", True),
+        "wq": ("attn_q.weight", True),
+        "wk": ("attn_k.weight", True),
+        "wv": ("attn_v.weight", True),
+        "wo": ("attn_output.weight", True),
+        "bq": ("attn_q.bias", False),
+        "bk": ("attn_k.bias", False),
+        "bv": ("attn_v.bias", False),
+        "bo": ("attn_output.bias", False),
+        "ffn_norm": ("ffn_norm.weight", True),
+        "ffn_gate": ("ffn_gate.weight", True),
+        "ffn_up": ("ffn_up.weight", True),
+        "ffn_down": ("ffn_down.weight", True),
+        "ffn_gate_b": ("ffn_gate.bias", False),
+        "ffn_up_b": ("ffn_up.bias", False),
+        "ffn_down_b": ("ffn_down.bias", False),
+    }
+    return {
+        field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
+        for field, (name, required) in names.items()
+    }
+# --8<-- [end:layer_weights]
+
+
+# --8<-- [start:rope_cparams]
+def rope_cparams(hparams: LlamaHParams) -> dict:
+    r"""The keyword arguments of ``rope_ext`` for this model, as ``llama_context`` derives them.
+
+    Mirrors the constructor of ``llama_context`` (``cparams``): no scaling type means
+    ``freq_scale = 1``; a negative ``yarn_ext_factor`` means 1 for YaRN and 0 otherwise;
+    with YaRN the attention factor is reset so that ``rope_ext``'s own
+    $1 + 0.1 \ln(1/s)$ magnitude correction is the only one applied; ``n_ctx_orig`` is
+    ``n_ctx_orig_yarn``, or ``n_ctx_train`` when that is 0.
+
+    Example:
+        >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=64, n_embd=8, n_layer=1,
+        ...     n_head=2, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=16,
+        ...     f_norm_rms_eps=1e-5, rope_freq_scale_train=0.5)
+        >>> p = rope_cparams(hp)
+        >>> p["freq_scale"], p["ext_factor"], p["n_ctx_orig"], p["n_dims"]
+        (1.0, 0.0, 64, 4)
+    """
+    scaling = hparams.rope_scaling_type_train
+    freq_scale = 1.0 if scaling == ROPE_SCALING_TYPE_NONE else hparams.rope_freq_scale_train
+    ext_factor = hparams.yarn_ext_factor
+    if ext_factor < 0.0:  # negative means "not set"
+        ext_factor = 1.0 if scaling == ROPE_SCALING_TYPE_YARN else 0.0
+    attn_factor = hparams.yarn_attn_factor
+    if ext_factor != 0.0:
+        # get_mscale(factor, 1) / (1 + 0.1 ln factor) == 1: rope_ext applies the correction
+        attn_factor = 1.0
+    return dict(
+        n_dims=hparams.n_rot,
+        mode=hparams.rope_type,
+        n_ctx_orig=hparams.n_ctx_orig_yarn or hparams.n_ctx_train,
+        freq_base=hparams.rope_freq_base_train,
+        freq_scale=freq_scale,
+        ext_factor=ext_factor,
+        attn_factor=attn_factor,
+        beta_fast=hparams.yarn_beta_fast,
+        beta_slow=hparams.yarn_beta_slow,
+    )
+# --8<-- [end:rope_cparams]
+
+
+# --8<-- [start:build_norm]
+def build_norm(cur: np.ndarray, mw: np.ndarray, eps: float) -> np.ndarray:
+    r"""RMS norm then the learned gain: ``build_norm(..., LLM_NORM_RMS)``.
+
+    $$ y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}} \odot g $$
+
+    Args:
+        cur: activations ``(n_tokens, n_embd)``.
+        mw: gain ``(n_embd,)``.
+        eps: ``hparams.f_norm_rms_eps``.
+
+    Returns:
+        ``(n_tokens, n_embd)``.
+
+    Example:
+        >>> build_norm(np.array([[3.0, 4.0]]), np.array([1.0, 2.0]), 0.0).round(4)
+        array([[0.8485, 2.2627]])
+    """
+    return mul(rms_norm(cur, eps), mw)
+# --8<-- [end:build_norm]
+
+
+# --8<-- [start:build_qkv]
+def build_qkv(
+    layer: dict, cur: np.ndarray, n_embd_head: int, n_head: int, n_head_kv: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The Q, K, V projections (separate weights, optional biases), split into heads.
+
+    Args:
+        layer: :func:`layer_weights` of the block.
+        cur: normed activations ``(n_tokens, n_embd)``.
+        n_embd_head: head width ``d``.
+        n_head: query heads.
+        n_head_kv: key/value heads.
+
+    Returns:
+        ``Qcur (n_tokens, n_head, d)``, ``Kcur (n_tokens, n_head_kv, d)``,
+        ``Vcur (n_tokens, n_head_kv, d)``.
+
+    Example:
+        >>> layer = {"wq": np.ones((4, 2)), "wk": np.ones((2, 2)), "wv": np.ones((2, 2)),
+        ...          "bq": None, "bk": None, "bv": np.array([0.0, 1.0])}
+        >>> q, k, v = build_qkv(layer, np.array([[1.0, 2.0]]), 2, 2, 1)
+        >>> q.shape, k.shape, v.tolist()
+        ((1, 2, 2), (1, 1, 2), [[[3.0, 4.0]]])
+    """
+    n_tokens = cur.shape[0]
+    q = mul_mat(layer["wq"], cur)  # (n_tokens, n_head * d)
+    if layer["bq"] is not None:
+        q = add(q, layer["bq"])
+    k = mul_mat(layer["wk"], cur)  # (n_tokens, n_head_kv * d)
+    if layer["bk"] is not None:
+        k = add(k, layer["bk"])
+    v = mul_mat(layer["wv"], cur)  # (n_tokens, n_head_kv * d)
+    if layer["bv"] is not None:
+        v = add(v, layer["bv"])
+    q = q.reshape(n_tokens, n_head, n_embd_head)  # (n_tokens, n_head, d)
+    k = k.reshape(n_tokens, n_head_kv, n_embd_head)  # (n_tokens, n_head_kv, d)
+    v = v.reshape(n_tokens, n_head_kv, n_embd_head)  # (n_tokens, n_head_kv, d)
+    return q, k, v
+# --8<-- [end:build_qkv]
+
+
+# --8<-- [start:build_attn]
+def build_attn(
+    inp: AttnInput,
+    wo: np.ndarray,
+    wo_b: np.ndarray | None,
+    q_cur: np.ndarray,
+    k_cur: np.ndarray,
+    v_cur: np.ndarray,
+    kq_scale: float,
+    il: int,
+) -> np.ndarray:
+    """Attention of layer ``il`` through the memory, then the output projection.
+
+    Stores ``k_cur``/``v_cur`` in the memory, reads back every visible K/V with the mask,
+    runs ``build_attn_mha`` (GQA: head ``h`` reads KV head ``h // n_gqa``), then ``wo``.
+
+    Args:
+        inp: the attention input of the ubatch (:class:`AttnInput`).
+        wo: output projection ``(n_embd, n_head * d_v)``.
+        wo_b: optional output bias ``(n_embd,)``.
+        q_cur: roped queries ``(n_tokens, n_head, d_k)``.
+        k_cur: roped keys ``(n_tokens, n_head_kv, d_k)``.
+        v_cur: values ``(n_tokens, n_head_kv, d_v)``.
+        kq_scale: scale of $QK^T$ (``1/sqrt(d_k)``).
+        il: layer index.
+
+    Returns:
+        ``(n_tokens, n_embd)``.
+    """
+    inp.cpy_k(il, k_cur)
+    inp.cpy_v(il, v_cur)
+    k = inp.get_k(il)  # (n_kv, n_head_kv, d_k)
+    v = inp.get_v(il)  # (n_kv, n_head_kv, d_v)
+    kq_mask = inp.get_kq_mask(il)  # (n_tokens, n_kv)
+    cur = build_attn_mha(q_cur, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
+    cur = mul_mat(wo, cur)  # (n_tokens, n_embd)
+    if wo_b is not None:
+        cur = add(cur, wo_b)
+    return cur
+# --8<-- [end:build_attn]
+
+
+# --8<-- [start:build_ffn]
+def build_ffn(cur: np.ndarray, layer: dict) -> np.ndarray:
+    r"""The gated FFN, ``build_ffn(..., LLM_FFN_SILU, LLM_FFN_PAR)`` (SwiGLU).
+
+    $$ y = \left(\mathrm{silu}(x W_{gate}^T + b_{gate}) \odot (x W_{up}^T + b_{up})\right)
+       W_{down}^T + b_{down} $$
+
+    Args:
+        cur: normed activations ``(n_tokens, n_embd)``.
+        layer: :func:`layer_weights` of the block (``ffn_up``, ``ffn_gate``, ``ffn_down`` and
+            optional biases).
+
+    Returns:
+        ``(n_tokens, n_embd)``.
+
+    Example:
+        >>> layer = {"ffn_up": np.eye(2), "ffn_gate": np.eye(2), "ffn_down": np.eye(2),
+        ...          "ffn_up_b": None, "ffn_gate_b": None, "ffn_down_b": None}
+        >>> build_ffn(np.array([[0.0, 1.0]]), layer).round(4)
+        array([[0.    , 0.7311]])
+    """
+    up = mul_mat(layer["ffn_up"], cur)  # (n_tokens, n_ff)
+    if layer["ffn_up_b"] is not None:
+        up = add(up, layer["ffn_up_b"])
+    gate = mul_mat(layer["ffn_gate"], cur)  # (n_tokens, n_ff)
+    if layer["ffn_gate_b"] is not None:
+        gate = add(gate, layer["ffn_gate_b"])
+    cur = swiglu(gate, up)  # (n_tokens, n_ff)
+    cur = mul_mat(layer["ffn_down"], cur)  # (n_tokens, n_embd)
+    if layer["ffn_down_b"] is not None:
+        cur = add(cur, layer["ffn_down_b"])
+    return cur
+# --8<-- [end:build_ffn]
+
+
+# --8<-- [start:llm_build_llama]
+def llm_build_llama(
+    weights: dict,
+    hparams: LlamaHParams,
+    tokens: np.ndarray,
+    pos: np.ndarray,
+    inp_attn: AttnInput,
+    out_ids: np.ndarray,
+) -> np.ndarray:
+    """The graph of ``llm_build_llama`` / ``llm_build_qwen2`` for one ubatch.
+
+    Args:
+        weights: GGUF-named weights (arrays or quantized tensors).
+        hparams: the model's hyperparameters.
+        tokens: token ids ``(n_tokens,)``.
+        pos: their positions ``(n_tokens,)``.
+        inp_attn: the memory's attention input for this ubatch.
+        out_ids: indices (into the ubatch) of the tokens that get logits ``(n_outputs,)``.
+
+    Returns:
+        logits ``(n_outputs, n_vocab)`` in the dtype of :func:`model_dtype`.
+    """
+    dtype = model_dtype(weights)
+    n_embd_head = hparams.n_embd_head_k
+    kq_scale = hparams.f_attention_scale or 1.0 / math.sqrt(n_embd_head)
+    rope = rope_cparams(hparams)
+    rope_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
+
+    inpL = get_rows(get_weight(weights, "token_embd.weight", dtype), tokens)  # (n_tokens, n_embd)
+    for il in range(hparams.n_layer):
+        layer = layer_weights(weights, il, dtype)
+        inpSA = inpL
+        cur = build_norm(inpL, layer["attn_norm"], hparams.f_norm_rms_eps)
+        q, k, v = build_qkv(layer, cur, n_embd_head, hparams.n_head, hparams.n_head_kv)
+        q = rope_ext(q, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head, d)
+        k = rope_ext(k, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head_kv, d)
+        cur = build_attn(inp_attn, layer["wo"], layer["bo"], q, k, v, kq_scale, il)
+        if il == hparams.n_layer - 1:
+            # only the output rows go on: llama.cpp's inp_out_ids
+            cur = get_rows(cur, out_ids)  # (n_outputs, n_embd)
+            inpSA = get_rows(inpSA, out_ids)  # (n_outputs, n_embd)
+        ffn_inp = add(cur, inpSA)
+        cur = build_norm(ffn_inp, layer["ffn_norm"], hparams.f_norm_rms_eps)
+        cur = build_ffn(cur, layer)
+        inpL = add(cur, ffn_inp)
+
+    cur = build_norm(inpL, get_weight(weights, "output_norm.weight", dtype), hparams.f_norm_rms_eps)
+    output = get_weight(weights, "output.weight", dtype, required=False)
+    if output is None:  # tied embeddings: the lm_head is token_embd
+        output = get_weight(weights, "token_embd.weight", dtype)
+    logits = mul_mat(output, cur)  # (n_outputs, n_vocab)
+    output_b = get_weight(weights, "output.bias", dtype, required=False)
+    if output_b is not None:
+        logits = add(logits, output_b)
+    return logits
+# --8<-- [end:llm_build_llama]
+
+
+# --8<-- [start:llama_forward]
+def llama_forward(
+    weights: dict,
+    hparams: LlamaHParams,
+    tokens: np.ndarray,
+    pos: np.ndarray,
+    inp_attn: AttnInput,
+    out_ids: np.ndarray | None = None,
+) -> np.ndarray:
+    """One forward pass of a ubatch: checks the inputs, then :func:`llm_build_llama`.
+
+    Args:
+        weights: GGUF-named weights; their dtype (``token_embd.weight``'s) is the compute
+            dtype, float32 for quantized weights.
+        hparams: hyperparameters; ``hparams.arch`` must be ``"llama"`` or ``"qwen2"``.
+        tokens: token ids ``(n_tokens,)``.
+        pos: positions ``(n_tokens,)``.
+        inp_attn: the memory's attention input for this ubatch (e.g.
+            ``SimpleKVCache.init_batch(pos)``).
+        out_ids: which tokens of the ubatch get logits ``(n_outputs,)``; None means all.
+
+    Returns:
+        logits ``(n_outputs, n_vocab)``.
+
+    Raises:
+        LlamaForwardError: unsupported arch, empty ubatch, a token id out of range, ``pos``
+            of another length than ``tokens``, or ``out_ids`` out of range.
+
+    Example:
+        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.models.simple_cache import SimpleKVCache
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> w = random_weights(hp, seed=0)
+        >>> cache = SimpleKVCache(hp, n_ctx=8)
+        >>> pos = np.arange(3)
+        >>> llama_forward(w, hp, np.array([1, 5, 7]), pos, cache.init_batch(pos)).shape
+        (3, 32)
+        >>> llama_forward(w, hp, np.array([99]), np.array([3]), None)
+        Traceback (most recent call last):
+        ...
+        reference.models.llama.LlamaForwardError: token id 99 out of range [0, 32)
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    pos = np.asarray(pos, dtype=np.int64)
+    if hparams.arch not in SUPPORTED_ARCHS:
+        raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {SUPPORTED_ARCHS}")
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise LlamaForwardError(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+    bad = tokens[(tokens < 0) | (tokens >= hparams.n_vocab)]
+    if len(bad):
+        raise LlamaForwardError(f"token id {bad[0]} out of range [0, {hparams.n_vocab})")
+    if pos.shape != tokens.shape:
+        raise LlamaForwardError(f"pos has shape {pos.shape}, tokens {tokens.shape}")
+    n_tokens = len(tokens)
+    out_ids = np.arange(n_tokens) if out_ids is None else np.asarray(out_ids, dtype=np.int64)
+    if out_ids.ndim != 1 or ((out_ids < 0) | (out_ids >= n_tokens)).any():
+        raise LlamaForwardError(f"out_ids {out_ids.tolist()} out of range [0, {n_tokens})")
+    return llm_build_llama(weights, hparams, tokens, pos, inp_attn, out_ids)
+# --8<-- [end:llama_forward]
+
+
+# --8<-- [start:greedy]
+def greedy(
+    weights: dict,
+    hparams: LlamaHParams,
+    prompt: list[int],
+    n_predict: int,
+    stop: tuple[int, ...] = (),
+    n_ctx: int | None = None,
+) -> list[int]:
+    """Greedy decoding with the single-sequence cache: the prompt in one ubatch, then one
+    token per ubatch, each time the argmax of the last logits.
+
+    Args:
+        weights: GGUF-named weights.
+        hparams: hyperparameters.
+        prompt: prompt token ids (at least one, e.g. just BOS).
+        n_predict: how many tokens to generate at most.
+        stop: token ids that end generation (not included in the result).
+        n_ctx: cache size; default ``len(prompt) + n_predict``.
+
+    Returns:
+        The generated token ids (without the prompt).
+
+    Example:
+        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> len(greedy(random_weights(hp, seed=0), hp, [1], n_predict=5))
+        5
+    """
+    from reference.models.simple_cache import SimpleKVCache
+
+    cache = SimpleKVCache(hparams, n_ctx or len(prompt) + n_predict, model_dtype(weights))
+    tokens = np.asarray(prompt, dtype=np.int64)
+    out: list[int] = []
+    while len(out) < n_predict:
+        pos = np.arange(cache.n_past, cache.n_past + len(tokens))
+        inp_attn = cache.init_batch(pos)
+        logits = llama_forward(weights, hparams, tokens, pos, inp_attn, [len(tokens) - 1])
+        token = int(np.argmax(logits[-1]))
+        if token in stop:
+            break
+        out.append(token)
+        tokens = np.array([token])
+    return out
+# --8<-- [end:greedy]
