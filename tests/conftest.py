@@ -3,8 +3,9 @@
 - ``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) keeps property tests small and deterministic
   enough for a CI run of a few minutes; ``dev`` is the default; ``thorough`` digs deeper.
 - Tests marked ``oracle`` compare against an external implementation. When
-  ``LLAMAREF_REQUIRE_ORACLES=1`` (set by ``.ci/run``) an oracle test that skips is reported as
-  a failure: an oracle that did not run proved nothing.
+  ``LLAMAREF_REQUIRE_ORACLES=1`` (set by ``.ci/run``) every skipped test is reported as a
+  failure, oracles above all (an oracle that did not run proved nothing); the one exception
+  is a test that needs ``../shared/fixtures`` on a machine that does not have it.
 - ``shared_fixtures`` is ``../shared/fixtures`` when that folder exists; tests that need it
   skip cleanly when it does not (it is not part of the repository).
 """
@@ -42,10 +43,14 @@ def shared_fixtures() -> Path:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """With ``LLAMAREF_REQUIRE_ORACLES=1``, a skip is a failure (but for ``../shared``)."""
     outcome = yield
     report = outcome.get_result()
-    required = os.environ.get("LLAMAREF_REQUIRE_ORACLES") == "1"
-    if required and report.skipped and item.get_closest_marker("oracle") is not None:
-        report.outcome = "failed"
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.longrepr = f"oracle test skipped, but LLAMAREF_REQUIRE_ORACLES=1: {reason}"
+    if os.environ.get("LLAMAREF_REQUIRE_ORACLES") != "1" or not report.skipped:
+        return
+    if "shared_fixtures" in getattr(item, "fixturenames", ()) and not SHARED_FIXTURES.is_dir():
+        return  # the conformance data is not part of the repository
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    kind = "oracle test" if item.get_closest_marker("oracle") is not None else "test"
+    report.outcome = "failed"
+    report.longrepr = f"{kind} skipped, but LLAMAREF_REQUIRE_ORACLES=1: {reason}"

