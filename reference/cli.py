@@ -1,8 +1,9 @@
 """The ``llamaref`` command.
 
-For now one subcommand, ``llamaref info``: load a model (a GGUF file or a HF directory) through
-the specification's loaders and print its hyperparameters and its tensors. ``generate``,
-``chat``, ``bench`` and ``verify`` arrive with later milestones.
+``llamaref info`` loads a model (a GGUF file or a HF directory) through the specification's
+loaders and prints its hyperparameters and tensors; ``llamaref bench`` times the reference
+forward (``pp`` and ``tg``, as llama-bench). ``generate``, ``chat`` and ``verify`` arrive
+with later milestones, and ``bench`` gains the MLX backend and ``--vs mlx-lm``.
 
 Errors are one clear line on stderr and a non-zero exit code, never a traceback.
 """
@@ -68,6 +69,24 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time prompt processing and generation on the reference backend; print a table."""
+    from reference.bench import HEADER, run_bench
+    from reference.model import load_model
+
+    path = Path(args.model) if args.model else default_model_path()
+    if not path.exists():
+        raise CLIError(f"model not found: {path}")
+    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
+        raise CLIError("-r must be >= 1, -p and -n must be >= 0")
+    hparams, weights = load_model(path)
+    rows = run_bench(path.name, weights, hparams, args.n_prompt, args.n_gen, args.repetitions)
+    print(HEADER)
+    for row in rows:
+        print(row.markdown(), flush=True)
+    return 0
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -88,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
     info.add_argument("--tensors", action="store_true", help="list every tensor")
     info.set_defaults(func=cmd_info)
+    bench = sub.add_parser("bench", help="prompt processing (pp) and generation (tg) speed")
+    bench.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
+    bench.add_argument("-p", "--n-prompt", type=int, default=128, help="pp test size (0: skip)")
+    bench.add_argument("-n", "--n-gen", type=int, default=32, help="tg test size (0: skip)")
+    bench.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -138,7 +138,7 @@ class GGUFValue:
         value: a scalar, or a list / 1-D array for an array value.
         type: the type of the scalar, or of the items (the leaves) of an array.
 
-    Example:
+    Examples:
         >>> GGUFValue(7, GGUFValueType.UINT8).type.name
         'UINT8'
     """
@@ -286,7 +286,7 @@ def gguf_read_header(cur: _Cursor) -> tuple[int, int, int]:
         GGUFError: bad magic, a big-endian file, version 1 or unknown, or counts that cannot
             fit in what is left of the file.
 
-    Example:
+    Examples:
         >>> head = b"GGUF" + struct.pack("<IQQ", 3, 0, 0)
         >>> gguf_read_header(_Cursor(np.frombuffer(head, np.uint8)))
         (3, 0, 0)
@@ -337,7 +337,7 @@ def gguf_read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
         GGUFError: unknown type, a BOOL other than 0 or 1, invalid UTF-8, truncation, or an
             array length larger than the bytes left.
 
-    Example:
+    Examples:
         >>> raw = struct.pack("<IQ", GGUFValueType.UINT16, 2) + struct.pack("<HH", 7, 9)
         >>> gguf_read_value(_Cursor(np.frombuffer(raw, np.uint8)), GGUFValueType.ARRAY, "k")
         array([7, 9], dtype=uint16)
@@ -391,7 +391,7 @@ def gguf_read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, GGU
         GGUFError: an empty or duplicate key, a bad ``general.alignment`` (not a UINT32
             power of two), or any error of :func:`gguf_read_value`.
 
-    Example:
+    Examples:
         >>> raw = struct.pack("<Q", 1) + b"k" + struct.pack("<II", GGUFValueType.UINT32, 5)
         >>> gguf_read_kv(_Cursor(np.frombuffer(raw, np.uint8)), 1)[0]
         {'k': 5}
@@ -459,7 +459,7 @@ def gguf_read_tensor_info(cur: _Cursor, i: int) -> TensorInfo:
             negative ``ne`` or one whose product exceeds ``INT64_MAX``, an unknown type, a row
             length that is not a multiple of the type's block size.
 
-    Example:
+    Examples:
         >>> raw = (struct.pack("<Q", 1) + b"w" + struct.pack("<IQQ", 2, 4, 3)
         ...        + struct.pack("<IQ", GGMLQuantizationType.F32, 0))
         >>> gguf_read_tensor_info(_Cursor(np.frombuffer(raw, np.uint8)), 0).shape
@@ -501,7 +501,7 @@ def gguf_read_tensor_info(cur: _Cursor, i: int) -> TensorInfo:
 def gguf_pad(n: int, alignment: int) -> int:
     """``n`` rounded up to a multiple of ``alignment`` (ggml's ``GGML_PAD``).
 
-    Example:
+    Examples:
         >>> gguf_pad(33, 32), gguf_pad(64, 32), gguf_pad(0, 32)
         (64, 64, 0)
     """
@@ -527,7 +527,7 @@ def gguf_check_layout(infos: list[TensorInfo], alignment: int, data_size: int) -
     Raises:
         GGUFError: the first tensor that breaks the rule, and how.
 
-    Example:
+    Examples:
         >>> t = TensorInfo("a", (8,), GGMLQuantizationType.F32, 32, 32)
         >>> gguf_check_layout([t], 32, 64)
         Traceback (most recent call last):
@@ -583,7 +583,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             message names the byte offset, key or tensor.
         OSError: the file cannot be opened.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "tiny.gguf"
         >>> write_gguf(p, {"general.architecture": "llama"}, {"w": np.ones((2, 3), np.float32)})
@@ -656,7 +656,7 @@ def gguf_value_type(value: Any) -> GGUFValueType:
     Raises:
         GGUFError: a value with no GGUF type (``None``, a dict, an int beyond 64 bits, ...).
 
-    Example:
+    Examples:
         >>> " ".join(gguf_value_type(v).name for v in (True, 3, -3, 2**40, 0.5, "a", [-1], []))
         'BOOL UINT32 INT32 UINT64 FLOAT32 STRING INT32 STRING'
     """
@@ -845,7 +845,7 @@ def write_gguf(
         GGUFError: a value with no GGUF type or out of its type's range, a bad tensor name,
             dtype or shape, a bad version or alignment.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.gguf"
         >>> write_gguf(p, {"n": GGUFValue(3, GGUFValueType.UINT8)}, {}, alignment=64)
@@ -935,7 +935,7 @@ def spm_dummy_vocab(n_vocab: int) -> dict[str, Any]:
     Raises:
         GGUFError: ``n_vocab < 3``.
 
-    Example:
+    Examples:
         >>> tokens = spm_dummy_vocab(300)["tokenizer.ggml.tokens"]
         >>> tokens[:4], tokens[-1]
         (['<unk>', '<s>', '</s>', '<0x00>'], 'tok299')
@@ -983,7 +983,7 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
         GGUFError: an architecture other than llama/qwen2, or a vocabulary whose size is not
             ``hparams.n_vocab``.
 
-    Example:
+    Examples:
         >>> from reference.hparams import LlamaHParams
         >>> hp = LlamaHParams("llama", n_vocab=32, n_ctx_train=64, n_embd=16, n_layer=1,
         ...     n_head=2, n_head_kv=1, n_embd_head_k=8, n_embd_head_v=8, n_rot=8, n_ff=32,

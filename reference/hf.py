@@ -89,7 +89,7 @@ HF_LAYER_TENSOR_NAMES = {  # model.layers.{il}.<key> -> blk.{il}.<value>
 def gguf_tensor_name(hf_name: str) -> str | None:
     """The GGUF name of a HF tensor, or None for tensors llama.cpp does not use.
 
-    Example:
+    Examples:
         >>> gguf_tensor_name("model.layers.3.self_attn.q_proj.bias")
         'blk.3.attn_q.bias'
         >>> gguf_tensor_name("lm_head.weight"), gguf_tensor_name("model.rotary_emb.inv_freq")
@@ -123,7 +123,7 @@ def permute(weights: np.ndarray, n_head: int, n_rot: int | None = None) -> np.nd
     Returns:
         The permuted array, same shape.
 
-    Example:
+    Examples:
         >>> permute(np.arange(8), n_head=2).tolist()
         [0, 2, 1, 3, 4, 6, 5, 7]
         >>> permute(np.arange(6), n_head=1, n_rot=4).tolist()
@@ -157,7 +157,7 @@ def llama3_rope_factors(rope: dict, n_rot: int, freq_base: float) -> np.ndarray:
     Each frequency $\theta_i$ is divided by a factor: 1 for short wavelengths, ``factor``
     for long ones, and a smooth blend in between.
 
-    Example:
+    Examples:
         >>> f = llama3_rope_factors({"factor": 8.0, "original_max_position_embeddings": 8192},
         ...                         n_rot=64, freq_base=500000.0)
         >>> f.shape, float(f[0]), float(f[-1])
@@ -199,7 +199,7 @@ def hparams_from_hf(config: dict) -> LlamaHParams:
     Raises:
         HFLoadError: unknown architecture, unsupported RoPE type, or Qwen2's sliding window.
 
-    Example:
+    Examples:
         >>> hp = hparams_from_hf({"architectures": ["MistralForCausalLM"], "vocab_size": 10,
         ...     "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
         ...     "num_key_value_heads": 1, "intermediate_size": 16, "rms_norm_eps": 1e-5,

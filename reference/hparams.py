@@ -91,7 +91,7 @@ def hparams_errors(hp: LlamaHParams) -> list[str]:
     even number of rotated dims that fits in a head, and a sliding window exactly when a
     window type is set (``n_swa = 0`` with a window type would mask every cell).
 
-    Example:
+    Examples:
         >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=16, n_embd=8, n_layer=1,
         ...     n_head=2, n_head_kv=2, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=8,
         ...     f_norm_rms_eps=1e-5)
@@ -250,7 +250,7 @@ def hparams_from_gguf(
             the wrong type, a head count that does not divide ``n_embd``, ``n_rot`` other than
             the head size for llama, an unknown RoPE scaling type, non-uniform per-layer values.
 
-    Example:
+    Examples:
         >>> md = {"llama.context_length": 128, "llama.embedding_length": 64,
         ...       "llama.block_count": 2, "llama.feed_forward_length": 96,
         ...       "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,

@@ -34,7 +34,7 @@ def load_model(path: str | Path) -> tuple[LlamaHParams, dict]:
         reference.gguf.GGUFError: a malformed GGUF file.
         reference.hf.HFLoadError: an unsupported HF checkpoint.
 
-    Example:
+    Examples:
         >>> load_model("/nonexistent.gguf")
         Traceback (most recent call last):
         ...

@@ -71,7 +71,7 @@ class BlockLayout:
     These are ggml's ``type_traits[type].blck_size`` and ``.type_size``; a row of ``n``
     weights takes ``n // block_size * type_size`` bytes (``ggml_row_size``).
 
-    Example:
+    Examples:
         >>> BLOCK_LAYOUTS[GGMLQuantizationType.Q4_K]
         BlockLayout(block_size=256, type_size=144)
         >>> BLOCK_LAYOUTS[GGMLQuantizationType.Q4_K].bits_per_weight
@@ -126,7 +126,7 @@ def row_size(qtype: GGMLQuantizationType, n_per_row: int) -> int:
     Raises:
         QuantError: if the type is unknown or the row does not split into whole blocks.
 
-    Example:
+    Examples:
         >>> row_size(GGMLQuantizationType.Q4_1, 576)   # 18 blocks of 20 bytes
         360
     """
@@ -214,7 +214,7 @@ def dequantize_f32(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., n)``.
 
-    Example:
+    Examples:
         >>> dequantize_f32(np.array([0, 0, 128, 63], dtype=np.uint8))
         array([1.], dtype=float32)
     """
@@ -242,7 +242,7 @@ def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., n)``.
 
-    Example:
+    Examples:
         >>> dequantize_f16(np.array([0x00, 0x3C, 0x00, 0xC0], dtype=np.uint8))
         array([ 1., -2.], dtype=float32)
     """
@@ -270,7 +270,7 @@ def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., n)``.
 
-    Example:
+    Examples:
         >>> dequantize_bf16(np.array([0x80, 0x3F, 0x40, 0xC0], dtype=np.uint8))
         array([ 1., -3.], dtype=float32)
     """
@@ -291,7 +291,7 @@ def quantize_f32(x: np.ndarray) -> np.ndarray:
     Returns:
         uint8 ``(..., 4 * n)``.
 
-    Example:
+    Examples:
         >>> quantize_f32(np.array([1.0], dtype=np.float32))
         array([  0,   0, 128,  63], dtype=uint8)
     """
@@ -313,7 +313,7 @@ def quantize_f16(x: np.ndarray) -> np.ndarray:
     Returns:
         uint8 ``(..., 2 * n)``.
 
-    Example:
+    Examples:
         >>> quantize_f16(np.array([1.0, -2.0], dtype=np.float32))
         array([  0,  60,   0, 192], dtype=uint8)
     """
@@ -338,7 +338,7 @@ def quantize_bf16(x: np.ndarray) -> np.ndarray:
     Returns:
         uint8 ``(..., 2 * n)``.
 
-    Example:
+    Examples:
         >>> quantize_bf16(np.array([1.0, -3.0], dtype=np.float32))
         array([128,  63,  64, 192], dtype=uint8)
     """
@@ -376,7 +376,7 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 32)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(34, dtype=np.uint8)
         >>> block[0:2] = np.array([0.5], dtype="<f2").view(np.uint8)   # d = 0.5
         >>> block[2:5] = np.array([1, -2, 127], dtype=np.int8).view(np.uint8)
@@ -411,7 +411,7 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     Returns:
         uint8 ``(..., 34)``.
 
-    Example:
+    Examples:
         >>> x = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
         >>> block = quantize_q8_0(x)
         >>> block.shape, block[2:6].view(np.int8)
@@ -448,7 +448,7 @@ def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 32)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(18, dtype=np.uint8)
         >>> block[0:2] = np.array([0.25], dtype="<f2").view(np.uint8)   # d = 0.25
         >>> block[2] = 0xF0        # q_0 = 0, q_16 = 15
@@ -490,7 +490,7 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     Returns:
         uint8 ``(..., 18)``.
 
-    Example:
+    Examples:
         >>> x = np.zeros(32, dtype=np.float32)
         >>> x[0], x[16] = -4.0, 2.0
         >>> block = quantize_q4_0(x)
@@ -532,7 +532,7 @@ def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 32)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(20, dtype=np.uint8)
         >>> block[0:4] = np.array([0.5, -1.0], dtype="<f2").view(np.uint8)   # d, m
         >>> block[4] = 0x3F        # q_0 = 15, q_16 = 3
@@ -571,7 +571,7 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     Returns:
         uint8 ``(..., 20)``.
 
-    Example:
+    Examples:
         >>> x = np.linspace(-1.0, 2.0, 32, dtype=np.float32)
         >>> block = quantize_q4_1(x)
         >>> block[0:4].view("<f2")         # d = 3/15, m = -1
@@ -612,7 +612,7 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 32)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(22, dtype=np.uint8)
         >>> block[0:2] = np.array([1.0], dtype="<f2").view(np.uint8)
         >>> block[2] = 0b01        # bit 4 of q_0
@@ -650,7 +650,7 @@ def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 32)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(24, dtype=np.uint8)
         >>> block[0:4] = np.array([0.5, 1.0], dtype="<f2").view(np.uint8)   # d, m
         >>> block[7] = 0b1000_0000   # bit 31 of qh: bit 4 of q_31
@@ -694,7 +694,7 @@ def get_scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Returns:
         ``(sc, m)``, each uint8 ``(..., 8)`` with values in ``[0, 63]``.
 
-    Example:
+    Examples:
         >>> scales = np.zeros(12, dtype=np.uint8)
         >>> scales[0], scales[4] = 0b11_000001, 0b10_000010   # sc_0=1, m_0=2, top bits
         >>> scales[8] = 0x54                                  # m_4 low=5, sc_4 low=4
@@ -748,7 +748,7 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 256)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(144, dtype=np.uint8)
         >>> block[0:4] = np.array([0.5, 0.25], dtype="<f2").view(np.uint8)   # d, dmin
         >>> block[4], block[8] = 2, 4          # sc_0 = 2, m_0 = 4
@@ -792,7 +792,7 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 256)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(176, dtype=np.uint8)
         >>> block[0:4] = np.array([1.0, 1.0], dtype="<f2").view(np.uint8)   # d, dmin
         >>> block[5], block[9] = 1, 3          # sc_1 = 1, m_1 = 3
@@ -841,7 +841,7 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     Returns:
         float32 ``(..., 256)``.
 
-    Example:
+    Examples:
         >>> block = np.zeros(210, dtype=np.uint8)
         >>> block[208:210] = np.array([0.5], dtype="<f2").view(np.uint8)   # d
         >>> block[192:194] = np.array([2, -1], dtype=np.int8).view(np.uint8)
@@ -925,7 +925,7 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         QuantError: if the type is not supported, ``data`` is not uint8, or a row is not a
             whole number of blocks.
 
-    Example:
+    Examples:
         >>> x = np.arange(64, dtype=np.float32).reshape(2, 32)
         >>> data = quantize(x, GGMLQuantizationType.Q8_0)
         >>> data.shape
@@ -979,7 +979,7 @@ def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         QuantError: if quantizing to the type is not implemented, ``x`` is not a float
             array, or a row is not a whole number of blocks.
 
-    Example:
+    Examples:
         >>> x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
         >>> quantize(x, GGMLQuantizationType.Q4_1).shape
         (2, 20)
@@ -1034,7 +1034,7 @@ class QuantizedTensor:
         QuantError: on construction, if the type is unsupported, the row length is not a
             whole number of blocks, or ``data`` is not uint8 of the matching shape.
 
-    Example:
+    Examples:
         >>> x = np.linspace(-1, 1, 2 * 64, dtype=np.float32).reshape(2, 64)
         >>> t = QuantizedTensor.from_float(x, GGMLQuantizationType.Q8_0)
         >>> t.data.shape                   # 2 rows of 2 blocks of 34 bytes

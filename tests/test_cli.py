@@ -47,3 +47,18 @@ def test_the_console_script_runs_on_the_default_model():
     assert run.returncode == 0, run.stderr
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in run.stdout
     assert "n_layer                  30" in run.stdout
+
+
+def test_bench_prints_a_row_per_test(tmp_path, capsys):
+    hp = tiny_hparams(n_layer=1)
+    path = write_tiny_gguf(tmp_path / "m.gguf", hp, random_weights(hp))
+    assert main(["bench", "-m", str(path), "-p", "8", "-n", "4", "-r", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| model | backend | dtype | test | t/s (median)")
+    assert [line.split("|")[4].strip() for line in lines[2:]] == ["pp8", "tg4"]
+    assert all(float(line.split("|")[5]) > 0 for line in lines[2:])
+
+
+def test_bench_refuses_bad_sizes(tmp_path, capsys):
+    assert main(["bench", "-m", str(tmp_path), "-r", "0"]) == 1
+    assert "-r must be >= 1" in capsys.readouterr().err

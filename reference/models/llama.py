@@ -87,7 +87,7 @@ class AttnInput(Protocol):
 def model_dtype(weights: dict) -> np.dtype:
     """The dtype the forward computes in: that of ``token_embd.weight`` (float32 if quantized).
 
-    Example:
+    Examples:
         >>> model_dtype({"token_embd.weight": np.zeros((2, 2), np.float64)})
         dtype('float64')
     """
@@ -114,7 +114,7 @@ def get_weight(
     Raises:
         LlamaForwardError: if a required weight is missing.
 
-    Example:
+    Examples:
         >>> get_weight({"a.weight": np.ones(2)}, "a.weight", np.float32)
         array([1., 1.], dtype=float32)
         >>> get_weight({}, "a.bias", np.float32, required=False) is None
@@ -140,7 +140,7 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
     ``(n_ff, n_embd)``, ``ffn_down`` ``(n_embd, n_ff)``; biases ``bq``, ``bk``, ``bv``,
     ``bo``, ``ffn_gate_b``, ``ffn_up_b``, ``ffn_down_b`` are optional.
 
-    Example:
+    Examples:
         >>> sorted(layer_weights({}, 0, np.float32))[:3]
         Traceback (most recent call last):
         ...
@@ -181,7 +181,7 @@ def rope_cparams(hparams: LlamaHParams) -> dict:
     $1 + 0.1 \ln(1/s)$ magnitude correction is the only one applied; ``n_ctx_orig`` is
     ``n_ctx_orig_yarn``, or ``n_ctx_train`` when that is 0.
 
-    Example:
+    Examples:
         >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=64, n_embd=8, n_layer=1,
         ...     n_head=2, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=16,
         ...     f_norm_rms_eps=1e-5, rope_freq_scale_train=0.5)
@@ -226,7 +226,7 @@ def build_norm(cur: np.ndarray, mw: np.ndarray, eps: float) -> np.ndarray:
     Returns:
         ``(n_tokens, n_embd)``.
 
-    Example:
+    Examples:
         >>> build_norm(np.array([[3.0, 4.0]]), np.array([1.0, 2.0]), 0.0).round(4)
         array([[0.8485, 2.2627]])
     """
@@ -251,7 +251,7 @@ def build_qkv(
         ``Qcur (n_tokens, n_head, d)``, ``Kcur (n_tokens, n_head_kv, d)``,
         ``Vcur (n_tokens, n_head_kv, d)``.
 
-    Example:
+    Examples:
         >>> layer = {"wq": np.ones((4, 2)), "wk": np.ones((2, 2)), "wv": np.ones((2, 2)),
         ...          "bq": None, "bk": None, "bv": np.array([0.0, 1.0])}
         >>> q, k, v = build_qkv(layer, np.array([[1.0, 2.0]]), 2, 2, 1)
@@ -332,7 +332,7 @@ def build_ffn(cur: np.ndarray, layer: dict) -> np.ndarray:
     Returns:
         ``(n_tokens, n_embd)``.
 
-    Example:
+    Examples:
         >>> layer = {"ffn_up": np.eye(2), "ffn_gate": np.eye(2), "ffn_down": np.eye(2),
         ...          "ffn_up_b": None, "ffn_gate_b": None, "ffn_down_b": None}
         >>> build_ffn(np.array([[0.0, 1.0]]), layer).round(4)
@@ -438,7 +438,7 @@ def llama_forward(
         LlamaForwardError: unsupported arch, empty ubatch, a token id out of range, ``pos``
             of another length than ``tokens``, or ``out_ids`` out of range.
 
-    Example:
+    Examples:
         >>> from tests.tiny_models import tiny_hparams, random_weights
         >>> from reference.models.simple_cache import SimpleKVCache
         >>> hp = tiny_hparams(n_layer=1)
@@ -494,7 +494,7 @@ def greedy(
     Returns:
         The generated token ids (without the prompt).
 
-    Example:
+    Examples:
         >>> from tests.tiny_models import tiny_hparams, random_weights
         >>> hp = tiny_hparams(n_layer=1)
         >>> len(greedy(random_weights(hp, seed=0), hp, [1], n_predict=5))

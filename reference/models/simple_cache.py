@@ -63,7 +63,7 @@ def is_masked_swa(n_swa: int, swa_type: int, p0: int, p1: int) -> bool:
     Returns:
         True when the window hides the cell from the token.
 
-    Example:
+    Examples:
         >>> is_masked_swa(4, SWA_TYPE_STANDARD, 6, 9), is_masked_swa(4, SWA_TYPE_STANDARD, 5, 9)
         (False, True)
         >>> is_masked_swa(4, SWA_TYPE_NONE, 0, 100)
@@ -99,7 +99,7 @@ def build_kq_mask(
     Returns:
         The mask, shape ``(n_tokens, n_kv)``.
 
-    Example:
+    Examples:
         >>> build_kq_mask(np.arange(3), np.array([1, 2]))
         array([[  0.,   0., -inf],
                [  0.,   0.,   0.]], dtype=float32)
@@ -170,7 +170,7 @@ class SimpleKVCache:
         n_ctx: number of cells (the longest sequence it can hold).
         dtype: dtype of the stored K/V (float32 by default: llama.cpp with ``type_k=f32``).
 
-    Example:
+    Examples:
         >>> from reference.hparams import LlamaHParams
         >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=16, n_embd=8, n_layer=1,
         ...     n_head=2, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=16,

@@ -78,7 +78,7 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     Raises:
         OpShapeError: if ``n_head < 1``.
 
-    Example:
+    Examples:
         >>> alibi_slopes(4, 8.0)
         array([0.25      , 0.0625    , 0.015625  , 0.00390625], dtype=float32)
         >>> alibi_slopes(3, 0.0)
@@ -146,7 +146,7 @@ def soft_max_ext(
     Raises:
         OpShapeError: if the mask does not fit ``x``, or ``max_bias > 0`` without a mask.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> kq = np.zeros((1, 2, 3))                      # (n_head, n_tokens, n_kv)
         >>> causal = np.array([[0.0, -np.inf, -np.inf],
@@ -209,7 +209,7 @@ def build_attn_mha(
         OpShapeError: if the arguments are not 3-D, the dimensions disagree, or ``n_head`` is
             not a multiple of ``n_head_kv``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> rng = np.random.default_rng(0)
         >>> q = rng.standard_normal((2, 4, 8))   # (n_tokens, n_head, d_k)

@@ -61,7 +61,7 @@ def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Raises:
         OpShapeError: if ``b`` cannot be repeated into ``a``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> add(np.zeros((2, 4)), np.array([1.0, 2.0]))   # tiled, not np.repeat
         array([[1., 2., 1., 2.],
@@ -90,7 +90,7 @@ def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Raises:
         OpShapeError: if ``b`` cannot be repeated into ``a``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> mul(np.ones((1, 4)), np.array([[1.0, 2.0]]))
         array([[1., 2., 1., 2.]])
@@ -112,7 +112,7 @@ def scale(a: np.ndarray, s: float) -> np.ndarray:
     Returns:
         ``s * a``, same shape and dtype as ``a``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> scale(np.array([1.0, -2.0], dtype=np.float32), 0.5)
         array([ 0.5, -1. ], dtype=float32)

@@ -51,7 +51,7 @@ def silu(x: np.ndarray) -> np.ndarray:
     Returns:
         Same shape and dtype.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> silu(np.array([0.0, 1.0, -1000.0]))
         array([ 0.        ,  0.73105858, -0.        ])
@@ -76,7 +76,7 @@ def gelu(x: np.ndarray) -> np.ndarray:
     Returns:
         Same shape and dtype.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> gelu(np.array([-1.0, 0.0, 1.0]))
         array([-0.15880801,  0.        ,  0.84119199])
@@ -108,7 +108,7 @@ def swiglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Raises:
         OpShapeError: if the shapes differ.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> swiglu(np.array([0.0, 1.0]), np.array([5.0, 2.0]))
         array([0.        , 1.46211716])
@@ -134,7 +134,7 @@ def geglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Raises:
         OpShapeError: if the shapes differ.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> geglu(np.array([1.0]), np.array([2.0]))
         array([1.68238398])

@@ -63,7 +63,7 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         OpShapeError: if an operand has fewer than 2 dimensions, if the K dimensions differ,
             or if a leading dimension of ``b`` is not a multiple of ``a``'s.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> W = np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])  # (n_out=3, n_in=2)
         >>> x = np.array([[1.0, 2.0]])                           # (n_tokens=1, n_in=2)

@@ -50,7 +50,7 @@ def norm(x: np.ndarray, eps: float) -> np.ndarray:
     Returns:
         $(x - \mu) / \sqrt{\sigma^2 + \epsilon}$ per row, same shape and dtype as ``x``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> norm(np.array([[1.0, 2.0, 3.0]]), eps=0.0) * np.sqrt(2 / 3)
         array([[-1.,  0.,  1.]])
@@ -77,7 +77,7 @@ def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
     Returns:
         $x / \sqrt{\overline{x^2} + \epsilon}$ per row, same shape and dtype as ``x``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> rms_norm(np.array([[3.0, 4.0]]), eps=0.0) * np.sqrt(12.5)
         array([[3., 4.]])

@@ -110,7 +110,7 @@ def rope_yarn_corr_dims(
     Returns:
         ``(low, high)`` as Python floats.
 
-    Example:
+    Examples:
         >>> rope_yarn_corr_dims(128, 4096, 10000.0, 32.0, 1.0)
         (20.0, 46.0)
     """
@@ -152,7 +152,7 @@ def rope_yarn_ramp(low: float, high: float, i0: np.ndarray, dtype: type = np.flo
     Returns:
         The ramp, same shape as ``i0``, in ``dtype``.
 
-    Example:
+    Examples:
         >>> rope_yarn_ramp(1.0, 3.0, np.arange(0, 10, 2)).tolist()
         [1.0, 1.0, 0.5, 0.0, 0.0]
     """
@@ -198,7 +198,7 @@ def rope_yarn(
     Returns:
         ``(cos_theta, sin_theta)``, each shaped like ``theta_extrap``: $m\cos\theta$, $m\sin\theta$.
 
-    Example:
+    Examples:
         >>> c, s = rope_yarn(np.float32([0.0, np.pi / 2]), 1.0, (0.0, 1.0), np.int64([0, 2]),
         ...                  0.0, 1.0)
         >>> np.round(c, 6).tolist(), np.round(s, 6).tolist()
@@ -246,7 +246,7 @@ def rope_theta(
     Returns:
         Angles, shape (n_tokens, n_dims // 2), in ``dtype``.
 
-    Example:
+    Examples:
         >>> rope_theta(np.array([0, 1, 2]), 4, 100.0).tolist()
         [[0.0, 0.0], [1.0, 0.10000000149011612], [2.0, 0.20000000298023224]]
     """
@@ -295,7 +295,7 @@ def rope_cache_init(
     Returns:
         ``(cos_theta, sin_theta)``, each of shape (n_tokens, n_dims // 2).
 
-    Example:
+    Examples:
         >>> c, s = rope_cache_init(np.array([0, 1]), 2, 10000.0, 1.0, None, (0.0, 1.0), 0.0, 1.0)
         >>> c.shape, s.dtype, bool(s[1, 0] == np.float32(np.sin(1.0)))
         ((2, 1), dtype('float32'), True)
@@ -332,7 +332,7 @@ def rotate_pairs(
     Returns:
         The rotated copy, same shape and dtype as ``x``.
 
-    Example:
+    Examples:
         >>> x = np.arange(6, dtype=np.float32).reshape(1, 1, 6)
         >>> c, s = np.float32([[0.0, 0.0]]), np.float32([[1.0, 1.0]])  # a quarter turn
         >>> rotate_pairs(x, c, s, 4, ROPE_TYPE_NORM).tolist()
@@ -424,7 +424,7 @@ def rope_ext(
         RopeError: ``n_dims`` odd, negative or > head_dim; ``pos`` not (n_tokens,) integers;
             ``mode`` not NORM/NEOX; ``freq_factors`` too short; ``x`` with fewer than 3 dims.
 
-    Example:
+    Examples:
         >>> x = np.ones((2, 1, 4), dtype=np.float32)  # two tokens, one head, head_dim 4
         >>> y = rope_ext(x, np.array([0, 1]), n_dims=2)  # rotate only dims 0, 1
         >>> y[0].tolist() == x[0].tolist(), y[1, 0, 2:].tolist()

@@ -55,7 +55,7 @@ def get_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
         OpTypeError: if ``rows`` is not an integer array.
         OpIndexError: if a row index is negative or ``>= n_rows``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> token_embd = np.arange(8.0).reshape(4, 2)   # (n_vocab=4, n_embd=2)
         >>> get_rows(token_embd, np.array([3, 0, 3]))
@@ -105,7 +105,7 @@ def set_rows(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> np.ndarray:
         OpTypeError: if ``rows`` is not an integer array.
         OpIndexError: if a row index is out of range or a target row repeats.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> k_cache = np.zeros((4, 2), dtype=np.float16)   # (n_ctx=4, n_embd_k_gqa=2)
         >>> k_cur = np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32)   # (n_tokens=2, 2)

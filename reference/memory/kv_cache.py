@@ -1,0 +1,821 @@
+r"""The unified KV cache: ``llama_kv_cache`` (``src/llama-kv-cache.cpp``) in NumPy.
+
+The cache stores, per layer $l$, one key row and one value row per *cell*:
+
+$$
+K_l, V_l \in \mathbb{R}^{n_{stream} \times kv\_size \times n_{embd\_k\_gqa}},
+$$
+
+(``k_l[il]`` and ``v_l[il]``; V is stored like K, one row per cell: llama.cpp's
+``v_trans = false`` layout, the one it uses with flash attention; the transposed layout
+holds the same numbers). What each row means is kept by :class:`KVCells`, one per stream.
+
+Streams. With ``kv_unified=True`` there is one stream of ``kv_size`` cells shared by every
+sequence: sequences can share cells (``seq_cp`` costs nothing). With ``kv_unified=False``
+there are ``n_seq_max`` streams of ``kv_size`` cells each, sequence $s$ living in stream $s$
+(``seq_to_stream``); ``kv_size`` is then llama_context's ``n_ctx_seq`` (see
+:func:`n_ctx_seq`), and ``seq_cp`` between streams copies the whole stream at the next
+:meth:`KVCache.update`.
+
+Decoding a ubatch goes through four steps, as in llama.cpp:
+
+1. :meth:`KVCache.prepare` finds a slot (a list of cell indices) for every ubatch of the
+   batch by placing them one after the other, then restores the cells: all or nothing;
+2. :meth:`KVCache.apply_ubatch` writes the ubatch's positions and sequence ids into its
+   slot;
+3. :meth:`KVCache.attn_input` gives the model its :class:`KVCacheAttnInput`: it writes the
+   new K/V rows into the slot and reads the first ``n_kv`` cells back with the KQ mask;
+4. :meth:`KVCache.update`, before the next batch, re-ropes the keys of the cells whose
+   position changed (``seq_add``/``seq_div``): the lazy K-shift.
+
+The memory API (``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add``, ``seq_div``,
+``seq_pos_min``, ``seq_pos_max``, ``clear``, ``can_shift``) has llama.cpp's edge cases;
+where llama.cpp asserts, :class:`KVCacheError` is raised before anything changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from reference.hparams import SWA_TYPE_NONE, LlamaHParams
+from reference.memory.kv_cells import LLAMA_MAX_SEQ, KVCells
+from reference.models.llama import rope_cparams
+from reference.models.simple_cache import is_masked_swa
+from reference.ops import rope_ext, set_rows
+
+POS_INF = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
+
+
+# --8<-- [start:KVCacheError]
+class KVCacheError(ValueError):
+    """An invalid call to the KV cache (a sequence id out of range, ``d < 1``, ...).
+
+    Raised before anything changes; llama.cpp aborts (``GGML_ASSERT``) in these cases.
+    """
+# --8<-- [end:KVCacheError]
+
+
+# --8<-- [start:ggml_pad]
+def ggml_pad(x: int, n: int) -> int:
+    """``GGML_PAD(x, n)``: ``x`` rounded up to a multiple of ``n``.
+
+    Examples:
+        >>> ggml_pad(1, 256), ggml_pad(256, 256), ggml_pad(257, 256)
+        (256, 256, 512)
+    """
+    return (x + n - 1) // n * n
+# --8<-- [end:ggml_pad]
+
+
+# --8<-- [start:n_ctx_seq]
+def n_ctx_seq(n_ctx: int, n_seq_max: int, kv_unified: bool) -> tuple[int, int]:
+    """The context size and the cells per stream, as ``llama_context`` derives them.
+
+    ``n_ctx`` is padded to 256; a unified cache has one stream of ``n_ctx`` cells; otherwise
+    each of the ``n_seq_max`` streams gets ``n_ctx / n_seq_max`` cells padded to 256, and
+    ``n_ctx`` becomes their total.
+
+    Args:
+        n_ctx: the requested context size.
+        n_seq_max: the number of sequences.
+        kv_unified: one shared stream (True) or one stream per sequence.
+
+    Returns:
+        ``(n_ctx, n_ctx_seq)``; ``n_ctx_seq`` is the ``kv_size`` of :class:`KVCache`.
+
+    Examples:
+        >>> n_ctx_seq(100, 1, True), n_ctx_seq(1000, 4, False), n_ctx_seq(256, 3, False)
+        ((256, 256), (1024, 256), (768, 256))
+    """
+    n_ctx = ggml_pad(n_ctx, 256)
+    if kv_unified:
+        return n_ctx, n_ctx
+    per_seq = ggml_pad(n_ctx // n_seq_max, 256)
+    return per_seq * n_seq_max, per_seq
+# --8<-- [end:n_ctx_seq]
+
+
+# --8<-- [start:kv_size_swa]
+def kv_size_swa(kv_size: int, n_swa: int, n_seq_max: int, n_ubatch: int, kv_unified: bool) -> int:
+    """The size of a cache of sliding-window layers when ``swa_full`` is false.
+
+    ``llama_kv_cache_iswa``: a SWA layer only ever needs the last ``n_swa`` positions of each
+    sequence plus the ubatch being written, so its cache holds
+    ``GGML_PAD(min(kv_size, n_swa * n_seqs + n_ubatch), 256)`` cells (``n_seqs`` is
+    ``n_seq_max`` for a unified cache, 1 per stream otherwise). llama.cpp's ``kv_size`` is
+    always a multiple of 256; for other sizes the result is also capped at ``kv_size``.
+
+    Examples:
+        >>> kv_size_swa(4096, 128, 2, 512, True), kv_size_swa(64, 4, 1, 8, True)
+        (768, 64)
+    """
+    n_seqs = n_seq_max if kv_unified else 1
+    return min(kv_size, ggml_pad(min(kv_size, n_swa * n_seqs + n_ubatch), 256))
+# --8<-- [end:kv_size_swa]
+
+
+# --8<-- [start:SlotInfo]
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where a ubatch goes (``llama_kv_cache::slot_info``).
+
+    Attributes:
+        strm: the stream of each sequence set of the ubatch (one entry when unified).
+        idxs: per entry of ``strm``, the cell index of each of its tokens; the tokens of the
+            ubatch are ``idxs[0]`` then ``idxs[1]`` ...
+    """
+
+    strm: tuple[int, ...]
+    idxs: tuple[tuple[int, ...], ...]
+
+    @property
+    def s0(self) -> int:
+        """First stream touched."""
+        return min(self.strm)
+
+    @property
+    def s1(self) -> int:
+        """Last stream touched."""
+        return max(self.strm)
+
+    def n_stream(self) -> int:
+        """Number of sequence sets (streams) of the slot."""
+        return len(self.strm)
+
+    def size(self) -> int:
+        """Tokens per stream."""
+        return len(self.idxs[0])
+# --8<-- [end:SlotInfo]
+
+
+# --8<-- [start:k_shift_rope_params]
+def k_shift_rope_params(hparams: LlamaHParams) -> dict:
+    r"""The ``rope_ext`` arguments of the K-shift: :func:`rope_cparams`, magnitude 1.
+
+    A K-shift must only *turn* the keys: by additivity,
+    $R(\Delta)\,R(p)\,k = R(p + \Delta)\,k$. With YaRN, ``rope_ext`` also multiplies by
+    $m = 1 + 0.1 \ln(1/s)$ (``rope_yarn``); the keys already carry it from the forward, so the
+    shift divides ``attn_factor`` by $m$. llama.cpp's ``build_rope_shift`` passes the
+    forward's ``attn_factor`` and so scales the keys by $m$ at every K-shift (a divergence).
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> k_shift_rope_params(tiny_hparams())["attn_factor"]
+        1.0
+    """
+    params = rope_cparams(hparams)
+    if params["ext_factor"] != 0.0:
+        mscale = 1.0 + 0.1 * np.log(1.0 / params["freq_scale"])
+        params["attn_factor"] = params["attn_factor"] / mscale
+    return params
+# --8<-- [end:k_shift_rope_params]
+
+
+# --8<-- [start:build_rope_shift]
+def build_rope_shift(
+    k: np.ndarray, shift: np.ndarray, hparams: LlamaHParams, rope_factors: np.ndarray | None = None
+) -> np.ndarray:
+    r"""The K-shift of one layer's keys: turn each cell's key by its recorded shift.
+
+    ``llama_kv_cache::build_rope_shift``: ``rope_ext`` with the model's RoPE parameters on
+    the first ``n_rot`` dims of every head, the positions being the shifts. Exact by RoPE
+    additivity: a key roped at $p$ and turned by $\Delta$ is the key roped at $p + \Delta$.
+
+    Args:
+        k: keys of the cells ``(n_cells, n_head_kv, n_embd_head_k)``.
+        shift: the shift of each cell ``(n_cells,)`` (0 for untouched cells).
+        hparams: the model's hyperparameters (RoPE type, base, scaling).
+        rope_factors: the model's ``rope_freqs.weight`` or None.
+
+    Returns:
+        The turned keys, same shape and dtype.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams(n_embd=8, n_head=2, n_head_kv=1)
+        >>> k = np.random.default_rng(0).normal(size=(1, 1, 4))
+        >>> kp = rope_ext(k, np.array([3]), **rope_cparams(hp))
+        >>> k5 = rope_ext(k, np.array([5]), **rope_cparams(hp))
+        >>> bool(np.allclose(build_rope_shift(kp, np.array([2]), hp), k5, atol=1e-12))
+        True
+    """
+    params = k_shift_rope_params(hparams)
+    return rope_ext(k, shift, freq_factors=rope_factors, **params)
+# --8<-- [end:build_rope_shift]
+
+
+# --8<-- [start:set_input_kq_mask]
+def set_input_kq_mask(
+    v_cells: list[KVCells],
+    seq_to_stream: list[int],
+    pos: np.ndarray,
+    seq_id: tuple[tuple[int, ...], ...],
+    strm: tuple[int, ...],
+    n_kv: int,
+    n_swa: int,
+    swa_type: int,
+    dtype: DTypeLike = np.float32,
+) -> np.ndarray:
+    r"""The KQ mask of a ubatch: 0 where token $i$ may attend to a cell, $-\infty$ elsewhere.
+
+    ``llama_kv_cache::set_input_kq_mask``. Token $i$ at position $p_i$, whose *first*
+    sequence id is $s_i$ (``seq_id[i][0]``, as llama.cpp), sees cell $j$ of its stream iff
+
+    $$
+    pos_j \ne -1 \;\wedge\; s_i \in seq_j \;\wedge\; pos_j \le p_i \;\wedge\;
+    \neg\,\mathrm{is\_masked\_swa}(pos_j, p_i).
+    $$
+
+    The columns are the first ``n_kv`` cells of each stream of ``strm``, block after block
+    (one block when unified); a token sees nothing in another stream's block.
+
+    Args:
+        v_cells: the cells of every stream.
+        seq_to_stream: stream of each sequence id.
+        pos: positions of the ubatch ``(n_tokens,)``.
+        seq_id: sequence ids of each token.
+        strm: the streams of the ubatch's slot (:attr:`SlotInfo.strm`).
+        n_kv: cells per stream in view (:meth:`KVCache.get_n_kv`).
+        n_swa: sliding window (0: none).
+        swa_type: one of ``SWA_TYPE_*``.
+        dtype: mask dtype.
+
+    Returns:
+        The mask ``(n_tokens, len(strm) * n_kv)``.
+
+    Examples:
+        >>> cells = KVCells(3)
+        >>> for i, (p, s) in enumerate([(0, 0), (0, 1), (1, 0)]):
+        ...     cells.pos_set(i, p); cells.seq_add(i, s)
+        >>> set_input_kq_mask([cells], [0, 0], np.array([1, 1]), ((0,), (1,)), (0,), 3, 0, 0)
+        array([[  0., -inf,   0.],
+               [-inf,   0., -inf]], dtype=float32)
+    """
+    n_tokens = len(pos)
+    mask = np.full((n_tokens, len(strm) * n_kv), -np.inf, dtype=dtype)  # (n_tokens, ns * n_kv)
+    for i in range(n_tokens):
+        s_i = seq_id[i][0]
+        p_i = int(pos[i])
+        block = strm.index(seq_to_stream[s_i])
+        cells = v_cells[seq_to_stream[s_i]]
+        for j in range(n_kv):
+            if cells.is_empty(j) or not cells.seq_has(j, s_i):
+                continue
+            p_j = cells.pos_get(j)
+            if p_j > p_i or is_masked_swa(n_swa, swa_type, p_j, p_i):
+                continue
+            mask[i, block * n_kv + j] = 0.0
+    return mask
+# --8<-- [end:set_input_kq_mask]
+
+
+# --8<-- [start:KVCacheAttnInput]
+class KVCacheAttnInput:
+    """The attention input of one ubatch (``llm_graph_input_attn_kv`` + the cache context).
+
+    Implements :class:`reference.models.llama.AttnInput`. Built by :meth:`KVCache.attn_input`
+    after :meth:`KVCache.apply_ubatch`; ``n_kv`` and the mask are fixed then, as llama.cpp
+    fixes them when it builds the graph.
+
+    - ``k_idxs``: the global row of each token, ``stream * kv_size + cell`` (``k_idxs``);
+    - ``get_k``/``get_v``: the first ``n_kv`` cells of each stream of the slot, streams
+      concatenated: ``(len(strm) * n_kv, n_head_kv, d)``;
+    - ``get_kq_mask``: :func:`set_input_kq_mask`; the same for every layer (every layer of
+      this cache is a SWA layer when ``n_swa > 0``).
+
+    With several streams llama.cpp runs one attention per stream (a 4-D view and a mask per
+    stream); concatenating the streams with the other streams' cells masked gives the same
+    softmax, so the model's single ``(n_tokens, n_kv)`` mask interface is kept.
+    """
+
+    def __init__(self, cache: KVCache, ubatch, sinfo: SlotInfo):
+        self.cache = cache
+        self.sinfo = sinfo
+        self.n_kv = cache.get_n_kv(sinfo)
+        kv_size = cache.get_size()
+        self.k_idxs = np.array(
+            [s * kv_size + i for s, idxs in zip(sinfo.strm, sinfo.idxs, strict=True) for i in idxs],
+            dtype=np.int64,
+        )  # (n_tokens,)
+        self.kq_mask = set_input_kq_mask(
+            cache.v_cells, cache.seq_to_stream, np.asarray(ubatch.pos), ubatch.seq_id,
+            sinfo.strm, self.n_kv, cache.n_swa, cache.swa_type, cache.dtype,
+        )  # (n_tokens, n_stream_ubatch * n_kv)
+
+    def _rows(self, t: np.ndarray) -> np.ndarray:
+        return t.reshape(-1, t.shape[-1])  # (n_stream * kv_size, n_embd_gqa), a view
+
+    def cpy_k(self, il: int, k_cur: np.ndarray) -> None:
+        """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` in the slot's cells of layer ``il``."""
+        set_rows(self._rows(self.cache.k_l[il]), k_cur.reshape(len(self.k_idxs), -1), self.k_idxs)
+
+    def cpy_v(self, il: int, v_cur: np.ndarray) -> None:
+        """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` in the slot's cells of layer ``il``."""
+        set_rows(self._rows(self.cache.v_l[il]), v_cur.reshape(len(self.k_idxs), -1), self.k_idxs)
+
+    def _view(self, t: np.ndarray, d: int) -> np.ndarray:
+        n_head_kv = self.cache.hparams.n_head_kv
+        blocks = [t[s, : self.n_kv] for s in self.sinfo.strm]  # each (n_kv, n_embd_gqa)
+        return np.concatenate(blocks).reshape(-1, n_head_kv, d)  # (ns * n_kv, n_head_kv, d)
+
+    def get_k(self, il: int) -> np.ndarray:
+        """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
+        return self._view(self.cache.k_l[il], self.cache.hparams.n_embd_head_k)
+
+    def get_v(self, il: int) -> np.ndarray:
+        """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
+        return self._view(self.cache.v_l[il], self.cache.hparams.n_embd_head_v)
+
+    def get_kq_mask(self, il: int) -> np.ndarray:
+        """The KQ mask ``(n_tokens, ns * n_kv)`` (the same for every layer)."""
+        return self.kq_mask
+# --8<-- [end:KVCacheAttnInput]
+
+
+# --8<-- [start:KVCache]
+class KVCache:
+    """The KV cache (``llama_kv_cache``): K/V tensors per layer, cells per stream.
+
+    Args:
+        hparams: the model's hyperparameters (sizes, RoPE for the K-shift, ``n_swa``).
+        kv_size: cells per stream (llama_context's ``n_ctx_seq``, see :func:`n_ctx_seq`).
+        n_seq_max: the number of sequences (and of streams when not unified).
+        kv_unified: one stream shared by all sequences, or one per sequence.
+        n_pad: ``kv_size`` must be a multiple of it; ``n_kv`` is padded to
+            ``max(n_pad, 256)`` (llama.cpp creates the llama cache with ``n_pad = 1``).
+        swa_full: with ``n_swa > 0`` and ``swa_full=False`` the cache keeps only
+            :func:`kv_size_swa` cells (every layer of this cache is a SWA layer).
+        n_ubatch: the ubatch size, used by :func:`kv_size_swa`.
+        dtype: dtype of K, V and the mask.
+
+    Raises:
+        KVCacheError: ``kv_size`` not a positive multiple of ``n_pad``, ``n_seq_max`` out of
+            ``[1, LLAMA_MAX_SEQ]``.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> cache = KVCache(tiny_hparams(), kv_size=8, n_seq_max=2)
+        >>> cache.k_l[0].shape, cache.get_n_stream(), cache.seq_pos_max(0)
+        ((1, 8, 8), 1, -1)
+    """
+
+    def __init__(
+        self,
+        hparams: LlamaHParams,
+        kv_size: int,
+        n_seq_max: int = 1,
+        kv_unified: bool = True,
+        n_pad: int = 1,
+        swa_full: bool = True,
+        n_ubatch: int = 512,
+        dtype: DTypeLike = np.float32,
+    ):
+        if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
+            raise KVCacheError(f"n_seq_max={n_seq_max} must be in [1, {LLAMA_MAX_SEQ}]")
+        if kv_size <= 0 or n_pad <= 0 or kv_size % n_pad:
+            raise KVCacheError(f"kv_size={kv_size} must be a positive multiple of n_pad={n_pad}")
+        self.hparams = hparams
+        self.n_seq_max = n_seq_max
+        self.kv_unified = kv_unified
+        self.n_stream = 1 if kv_unified else n_seq_max
+        self.n_pad = n_pad
+        self.n_swa = hparams.n_swa
+        self.swa_type = hparams.swa_type
+        if self.swa_type != SWA_TYPE_NONE and not swa_full:
+            kv_size = kv_size_swa(kv_size, self.n_swa, n_seq_max, n_ubatch, kv_unified)
+        self.dtype = np.dtype(dtype)
+        self.v_cells = [KVCells(kv_size) for _ in range(self.n_stream)]
+        self.v_heads = [0] * self.n_stream
+        # every sequence id maps to stream 0, unless there is one stream per sequence
+        self.seq_to_stream = [0] * LLAMA_MAX_SEQ if kv_unified else list(range(n_seq_max))
+        shape_k = (self.n_stream, kv_size, hparams.n_embd_k_gqa())
+        shape_v = (self.n_stream, kv_size, hparams.n_embd_v_gqa())
+        self.k_l = [np.zeros(shape_k, self.dtype) for _ in range(hparams.n_layer)]
+        self.v_l = [np.zeros(shape_v, self.dtype) for _ in range(hparams.n_layer)]
+        self.sc_info: list[tuple[int, int]] = []  # pending stream copies (ssrc, sdst)
+
+    # ---- sizes ---------------------------------------------------------------------------
+
+    def get_size(self) -> int:
+        """Cells per stream."""
+        return self.v_cells[0].size()
+
+    def get_n_stream(self) -> int:
+        """Number of streams."""
+        return self.n_stream
+
+    def get_has_shift(self) -> bool:
+        """Whether some stream has a pending K-shift."""
+        return any(cells.get_has_shift() for cells in self.v_cells)
+
+    def can_shift(self) -> bool:
+        """Whether positions can be shifted (``get_can_shift``): True for this cache."""
+        return True
+
+    def _check_seq_id(self, seq_id: int, allow_all: bool = False) -> None:
+        if allow_all and seq_id == -1:
+            return
+        if not 0 <= seq_id < len(self.seq_to_stream):
+            raise KVCacheError(
+                f"seq_id={seq_id} out of range [0, {len(self.seq_to_stream)})"
+                + (" (or -1 for all sequences)" if allow_all else "")
+            )
+
+    # ---- the memory API --------------------------------------------------------------------
+
+    # --8<-- [start:clear]
+    def clear(self, data: bool = True) -> None:
+        """Empty every cell; with ``data`` also zero the K/V tensors (``llama_memory_clear``)."""
+        for s in range(self.n_stream):
+            self.v_cells[s].reset()
+            self.v_heads[s] = 0
+        if data:
+            for t in self.k_l + self.v_l:
+                t.fill(0)
+    # --8<-- [end:clear]
+
+    # --8<-- [start:seq_rm]
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Remove the cells of ``seq_id`` with ``p0 <= pos < p1`` (``llama_memory_seq_rm``).
+
+        ``seq_id == -1`` matches every sequence (whole cells are emptied); ``p0 < 0`` means
+        0, ``p1 < 0`` means infinity. A cell shared with another sequence only loses
+        ``seq_id``. Always True for this cache (a recurrent memory may refuse).
+
+        Raises:
+            KVCacheError: ``seq_id`` out of range and not -1.
+        """
+        self._check_seq_id(seq_id, allow_all=True)
+        p0 = max(p0, 0)
+        p1 = POS_INF if p1 < 0 else p1
+        streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream[seq_id]]
+        for s in streams:
+            cells = self.v_cells[s]
+            new_head = cells.size()
+            for i in range(cells.size()):
+                if not cells.pos_in(i, p0, p1):
+                    continue
+                if seq_id == -1:
+                    cells.rm(i)
+                elif not (cells.seq_has(i, seq_id) and cells.seq_rm(i, seq_id)):
+                    continue
+                new_head = min(new_head, i)
+            # a freed cell before the head: the next search starts there
+            if new_head != cells.size() and new_head < self.v_heads[s]:
+                self.v_heads[s] = new_head
+        return True
+    # --8<-- [end:seq_rm]
+
+    # --8<-- [start:seq_cp]
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:
+        """Give ``seq_id_dst`` the cells of ``seq_id_src`` with ``p0 <= pos < p1``.
+
+        In one stream nothing is copied: ``seq_id_dst`` joins the cells' sequence sets.
+        Across streams (``kv_unified=False``) the destination stream is emptied and gets the
+        source's cells of ``seq_id_src`` (as ``seq_id_dst``, same indices, same pending
+        shifts); the K/V rows are copied at the next :meth:`update`. Only a full copy is
+        supported there.
+
+        Raises:
+            KVCacheError: a sequence id out of range; a partial range across streams.
+        """
+        self._check_seq_id(seq_id_src)
+        self._check_seq_id(seq_id_dst)
+        s0 = self.seq_to_stream[seq_id_src]
+        s1 = self.seq_to_stream[seq_id_dst]
+        if s0 == s1:
+            if seq_id_src == seq_id_dst:
+                return
+            p0 = max(p0, 0)
+            p1 = POS_INF if p1 < 0 else p1
+            cells = self.v_cells[s0]
+            for i in range(cells.size()):
+                if cells.pos_in(i, p0, p1) and cells.seq_has(i, seq_id_src):
+                    # llama.cpp asserts the cell lacks dst; a cell already shared keeps it
+                    if not cells.seq_has(i, seq_id_dst):
+                        cells.seq_add(i, seq_id_dst)
+            return
+        size = self.get_size()
+        if (0 < p0 and p0 + 1 < size) or (0 < p1 and p1 + 1 < size):
+            raise KVCacheError(
+                f"seq_cp across streams copies whole sequences: got [{p0}, {p1}), use p0 = p1 = -1"
+            )
+        self.sc_info.append((s0, s1))  # the K/V copy happens at the next update()
+        src, dst = self.v_cells[s0], self.v_cells[s1]
+        dst.reset()
+        for i in range(src.size()):
+            if src.seq_has(i, seq_id_src):
+                shift = src.get_shift(i)
+                dst.pos_set(i, src.pos_get(i) - shift)
+                dst.seq_add(i, seq_id_dst)
+                if shift != 0:
+                    dst.pos_add(i, shift)
+        self.v_heads[s1] = self.v_heads[s0]
+    # --8<-- [end:seq_cp]
+
+    # --8<-- [start:seq_keep]
+    def seq_keep(self, seq_id: int) -> None:
+        """Remove every sequence but ``seq_id`` from the cells of its stream.
+
+        Raises:
+            KVCacheError: ``seq_id`` out of range.
+        """
+        self._check_seq_id(seq_id)
+        s = self.seq_to_stream[seq_id]
+        cells = self.v_cells[s]
+        new_head = cells.size()
+        for i in range(cells.size()):
+            if cells.seq_keep(i, seq_id):
+                new_head = min(new_head, i)
+        if new_head != cells.size() and new_head < self.v_heads[s]:
+            self.v_heads[s] = new_head
+    # --8<-- [end:seq_keep]
+
+    # --8<-- [start:seq_add]
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        """Add ``shift`` to the positions of the cells of ``seq_id`` in ``[p0, p1)``.
+
+        A cell is moved once, for *every* sequence that shares it (its position is one
+        number): sharing sequences move too. A cell whose position goes below 0 is freed.
+        No-op when ``shift == 0`` or the range is empty (``p0 == p1`` after ``p0 < 0 -> 0``,
+        ``p1 < 0 -> inf``). The keys are re-roped at the next :meth:`update`. The search head
+        goes to the first freed cell, else to 0.
+
+        Raises:
+            KVCacheError: ``seq_id`` out of range.
+        """
+        self._check_seq_id(seq_id)
+        s = self.seq_to_stream[seq_id]
+        cells = self.v_cells[s]
+        if shift == 0:
+            return
+        p0 = max(p0, 0)
+        p1 = POS_INF if p1 < 0 else p1
+        if p0 == p1:
+            return
+        new_head = cells.size()
+        for i in range(cells.size()):
+            if cells.pos_in(i, p0, p1) and cells.seq_has(i, seq_id):
+                if cells.pos_add(i, shift):
+                    new_head = min(new_head, i)
+        self.v_heads[s] = new_head if new_head != cells.size() else 0
+    # --8<-- [end:seq_add]
+
+    # --8<-- [start:seq_div]
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Divide the positions of the cells of ``seq_id`` in ``[p0, p1)`` by ``d``.
+
+        Integer division (positions are >= 0). No-op when ``d == 1`` or the range is empty.
+        Records the shift ``p // d - p`` (llama.cpp: the opposite sign; see the K-shift
+        chapter).
+
+        Raises:
+            KVCacheError: ``seq_id`` out of range; ``d < 1`` (llama.cpp divides by it anyway).
+        """
+        self._check_seq_id(seq_id)
+        if d < 1:
+            raise KVCacheError(f"seq_div needs d >= 1, got {d}")
+        cells = self.v_cells[self.seq_to_stream[seq_id]]
+        if d == 1:
+            return
+        p0 = max(p0, 0)
+        p1 = POS_INF if p1 < 0 else p1
+        if p0 == p1:
+            return
+        for i in range(cells.size()):
+            if cells.pos_in(i, p0, p1) and cells.seq_has(i, seq_id):
+                cells.pos_div(i, d)
+    # --8<-- [end:seq_div]
+
+    # --8<-- [start:seq_pos_min]
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position of ``seq_id`` in the cache; -1 if it has none.
+
+        Raises:
+            KVCacheError: ``seq_id`` out of range.
+        """
+        self._check_seq_id(seq_id)
+        return self.v_cells[self.seq_to_stream[seq_id]].seq_pos_min(seq_id)
+    # --8<-- [end:seq_pos_min]
+
+    # --8<-- [start:seq_pos_max]
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position of ``seq_id`` in the cache; -1 if it has none.
+
+        Raises:
+            KVCacheError: ``seq_id`` out of range.
+        """
+        self._check_seq_id(seq_id)
+        return self.v_cells[self.seq_to_stream[seq_id]].seq_pos_max(seq_id)
+    # --8<-- [end:seq_pos_max]
+
+    # ---- placing ubatches -------------------------------------------------------------------
+
+    # --8<-- [start:find_slot]
+    def find_slot(self, ubatch, cont: bool = False) -> SlotInfo | None:
+        """Cells for the tokens of ``ubatch``, without changing anything; None if none fit.
+
+        ``llama_kv_cache::find_slot``. Per stream of the ubatch, the search starts at the
+        stream's head (or at 0 when there are more than ``2 n_tokens`` free cells before
+        it) and wraps around once. A cell can be used when it is empty, or when its only
+        sequence has moved so far that the sliding window hides the cell from that
+        sequence's next position (``is_masked_swa(pos, seq_pos_max + 1)``): such a cell
+        is overwritten. ``cont=True`` asks for ``n_tokens`` consecutive cells (llama.cpp's
+        decode uses ``cont=False``).
+
+        With several streams the ubatch is ``n_seqs`` equal sets of tokens, set ``s`` of
+        sequence ``seq_id_unq[s]`` (``split_equal``).
+
+        Raises:
+            KVCacheError: with several streams, a ubatch not made of equal one-sequence sets.
+        """
+        n_tokens, n_seqs = ubatch.n_tokens, 1
+        if self.n_stream > 1:
+            n_seqs = len(ubatch.seq_id_unq)
+            if n_tokens % n_seqs:
+                raise KVCacheError(f"{n_tokens} tokens do not split into {n_seqs} equal sets")
+            n_tokens //= n_seqs
+        strm, idxs = [], []
+        for s in range(n_seqs):
+            seq_id = ubatch.seq_id_unq[s]
+            if self.n_stream > 1:
+                set_ids = ubatch.seq_id[s * n_tokens: (s + 1) * n_tokens]
+                if any(ids != (seq_id,) for ids in set_ids):
+                    raise KVCacheError(f"token set {s} is not all of sequence {seq_id} alone")
+            stream = self.seq_to_stream[seq_id]
+            found = self._find_cells(stream, n_tokens, cont)
+            if found is None:
+                return None
+            strm.append(stream)
+            idxs.append(tuple(found))
+        return SlotInfo(tuple(strm), tuple(idxs))
+    # --8<-- [end:find_slot]
+
+    # --8<-- [start:find_cells]
+    def _find_cells(self, stream: int, n_tokens: int, cont: bool) -> list[int] | None:
+        """The search loop of ``find_slot`` in one stream."""
+        cells = self.v_cells[stream]
+        size = cells.size()
+        head_cur = self.v_heads[stream]
+        # enough free cells before the head: better to fill the cache from the start
+        if head_cur > cells.get_used() + 2 * n_tokens:
+            head_cur = 0
+        if n_tokens > size:
+            return None
+        n_tested = 0
+        n_test = n_tokens if cont else 1
+        idxs: list[int] = []
+        while True:
+            if head_cur + n_test > size:
+                n_tested += size - head_cur
+                head_cur = 0
+                continue
+            for _ in range(n_test):
+                idx = head_cur
+                head_cur += 1
+                n_tested += 1
+                if self._can_use(cells, idx):
+                    idxs.append(idx)
+                elif cont:
+                    break
+            if len(idxs) == n_tokens:
+                return idxs
+            if cont:
+                idxs.clear()
+            if n_tested >= size:
+                return None
+
+    def _can_use(self, cells: KVCells, idx: int) -> bool:
+        """Empty, or held by one sequence whose sliding window no longer reaches it."""
+        if cells.is_empty(idx):
+            return True
+        if cells.seq_count(idx) == 1:
+            seq_id_cell = cells.seq_get(idx)
+            p_next = cells.seq_pos_max(seq_id_cell) + 1
+            return is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(idx), p_next)
+        return False
+    # --8<-- [end:find_cells]
+
+    # --8<-- [start:apply_ubatch]
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch) -> None:
+        """Write the ubatch's positions and sequence ids into the cells of its slot.
+
+        ``llama_kv_cache::apply_ubatch``. A cell being reused (SWA-masked, one sequence) is
+        emptied first; then, so that every position between a sequence's ``pos_min`` and
+        ``pos_max`` stays present, every cell of that sequence at or below the largest
+        overwritten position is removed (``seq_rm``). The head moves past the slot.
+        """
+        seq_pos_max_rm: dict[int, int] = {}
+        n = sinfo.size()
+        for s, (stream, idxs) in enumerate(zip(sinfo.strm, sinfo.idxs, strict=True)):
+            cells = self.v_cells[stream]
+            for ii, idx in enumerate(idxs):
+                i = s * n + ii
+                if not cells.is_empty(idx):
+                    seq_id = cells.seq_get(idx)
+                    seq_pos_max_rm[seq_id] = max(seq_pos_max_rm.get(seq_id, -1), cells.pos_get(idx))
+                    cells.rm(idx)
+                cells.pos_set(idx, int(ubatch.pos[i]))
+                for seq_id in ubatch.seq_id[i]:
+                    cells.seq_add(idx, seq_id)
+        for seq_id, p_max in sorted(seq_pos_max_rm.items()):
+            cells = self.v_cells[self.seq_to_stream[seq_id]]
+            if cells.seq_pos_min(seq_id) <= p_max:
+                self.seq_rm(seq_id, cells.seq_pos_min(seq_id), p_max + 1)
+        for stream, idxs in zip(sinfo.strm, sinfo.idxs, strict=True):
+            self.v_heads[stream] = idxs[-1] + 1
+    # --8<-- [end:apply_ubatch]
+
+    # --8<-- [start:prepare]
+    def prepare(self, ubatches: list) -> list[SlotInfo] | None:
+        """Slots for all ``ubatches`` or for none: place them in order, then restore.
+
+        ``llama_kv_cache::prepare``: each ubatch is placed (:meth:`find_slot` then
+        :meth:`apply_ubatch`) so that the next one sees it; then the cells and heads are
+        restored. Returns None when a ubatch does not fit (decode's return code 1).
+
+        llama.cpp restores only the cells of the slots, so the SWA purge of
+        :meth:`apply_ubatch` (which touches other cells) and the heads of streams other
+        than stream 0 are not restored after a failure. Here the cells and heads are
+        restored exactly (a divergence; decode's "memory unchanged" holds).
+        """
+        backup = [cells.copy() for cells in self.v_cells], list(self.v_heads)
+        res: list[SlotInfo] = []
+        try:
+            for ubatch in ubatches:
+                sinfo = self.find_slot(ubatch, cont=False)
+                if sinfo is None:
+                    return None
+                res.append(sinfo)
+                self.apply_ubatch(sinfo, ubatch)
+        finally:
+            self.v_cells, self.v_heads = backup
+        return res
+    # --8<-- [end:prepare]
+
+    # --8<-- [start:get_n_kv]
+    def get_n_kv(self, sinfo: SlotInfo) -> int:
+        r"""How many cells of each stream the ubatch reads (``get_n_kv``).
+
+        The used range padded to 256 (or to ``n_pad`` when larger), at least 256, at most
+        the stream size, maximised over the slot's streams:
+
+        $$ n_{kv} = \max_s \min\big(size,\ \max(P,\ \lceil used\_max\_p1_s / P \rceil P)\big),
+           \quad P = \max(n_{pad}, 256). $$
+
+        The padding keeps the graph's shapes constant across batches; the extra cells are
+        masked out.
+        """
+        n_pad_cur = max(self.n_pad, 256)
+        result = 0
+        for stream in sinfo.strm:
+            cells = self.v_cells[stream]
+            padded = max(n_pad_cur, ggml_pad(cells.used_max_p1(), n_pad_cur))
+            result = max(result, min(cells.size(), padded))
+        return result
+    # --8<-- [end:get_n_kv]
+
+    # --8<-- [start:attn_input]
+    def attn_input(self, ubatch, sinfo: SlotInfo) -> KVCacheAttnInput:
+        """The :class:`KVCacheAttnInput` of ``ubatch`` (call after :meth:`apply_ubatch`)."""
+        return KVCacheAttnInput(self, ubatch, sinfo)
+    # --8<-- [end:attn_input]
+
+    # --8<-- [start:update]
+    def update(self, rope_factors: np.ndarray | None = None) -> bool:
+        """Apply the pending stream copies, then the K-shift (``llama_kv_cache::update``).
+
+        Stream copies (from ``seq_cp`` across streams) copy the K/V rows of the whole
+        stream. The K-shift turns the key of every cell with a non-zero recorded shift by
+        that shift (:func:`build_rope_shift`), in every layer, then forgets the shifts.
+        (llama.cpp turns every cell, by 0 for the others: the identity, except that under
+        YaRN it rescales them, see :func:`k_shift_rope_params`.)
+
+        Args:
+            rope_factors: the model's ``rope_freqs.weight``, if it has one.
+
+        Returns:
+            True when a K-shift was applied.
+        """
+        for ssrc, sdst in self.sc_info:
+            for t in self.k_l + self.v_l:
+                t[sdst] = t[ssrc]
+        self.sc_info = []
+        if not self.get_has_shift():
+            return False
+        hp = self.hparams
+        for s, cells in enumerate(self.v_cells):
+            rows = [i for i in range(cells.size()) if not cells.is_empty(i) and cells.get_shift(i)]
+            if rows:
+                shift = np.array([cells.get_shift(i) for i in rows])  # (n_rows,)
+                for k in self.k_l:
+                    k_rows = k[s, rows].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
+                    k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
+                    k[s, rows] = k_rows.reshape(len(rows), -1)  # (n_rows, n_embd_k_gqa)
+            cells.reset_shift()
+        return True
+    # --8<-- [end:update]
+# --8<-- [end:KVCache]
