@@ -1,0 +1,561 @@
+r"""The context: ``llama_context`` (``src/llama-context.cpp``) and ``llama_decode``.
+
+A :class:`Context` ties a model (hyperparameters and weights) to a memory (the
+:class:`~reference.memory.KVCache`) and runs batches through them. Its one verb is
+:meth:`Context.decode`, which mirrors ``llama_context::decode`` step by step:
+
+1. **validate** the batch (:class:`~reference.batch.BatchAllocr`: token and seq id ranges,
+   positions that continue the memory, ``n_tokens <= n_batch``); any failure returns
+   $-1$ and changes nothing;
+2. **update the memory** (``memory_update``): pending stream copies and the K-shift that
+   ``seq_add`` / ``seq_div`` recorded are applied to K now (:meth:`KVCache.update`);
+3. **split** the batch into ubatches of at most ``n_ubatch`` tokens: ``split_simple`` for a
+   one-stream cache, ``split_equal(sequential=True)`` for one stream per sequence;
+4. **prepare**: find a slot for every ubatch, all or nothing; no slot returns $1$ with the
+   cells exactly as they were;
+5. per ubatch: **apply** it to the cells, **compute** the forward (which writes K/V into the
+   slot and reads the visible cells through the KQ mask), gather the logits of its output
+   tokens. An ``abort_callback`` that answers True stops here with $2$: the ubatches already
+   computed stay in the memory, the aborted one is removed;
+6. put the output rows back into **batch order** (``out_ids``).
+
+Return codes (``llama_decode``):
+
+| code | meaning | memory after | outputs after |
+|---|---|---|---|
+| 0 | success | the batch appended | the batch's outputs |
+| 1 | no KV slot for some ubatch (or no valid split) | cells as before | the previous decode's |
+| 2 | aborted by ``abort_callback`` | earlier ubatches kept | none |
+| -1 | invalid batch | unchanged | the previous decode's |
+
+The sizes follow ``llama_context``'s constructor: ``n_ctx`` is padded to 256 (per stream
+when not unified, :func:`~reference.memory.n_ctx_seq`); ``n_batch`` is capped by the
+``n_ctx`` asked for (a causal model never needs a longer batch); ``n_ubatch`` by
+``n_batch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from reference.batch import Batch, BatchAllocr, BatchError, Ubatch, output_order
+from reference.hparams import LlamaHParams
+from reference.memory import LLAMA_MAX_SEQ, KVCache, n_ctx_seq
+from reference.models.llama import get_weight, llama_forward, model_dtype
+
+
+# --8<-- [start:ContextError]
+class ContextError(ValueError):
+    """A bad context parameter, or a request for outputs the context does not hold.
+
+    Raised before anything changes.
+    """
+# --8<-- [end:ContextError]
+
+
+# --8<-- [start:cparams]
+def context_sizes(
+    n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, kv_unified: bool, n_ctx_train: int
+) -> dict[str, int]:
+    """The sizes ``llama_context`` derives from the parameters asked for (``cparams``).
+
+    - ``n_ctx = 0`` means the model's ``n_ctx_train``; ``n_ubatch = 0`` means ``n_batch``;
+      ``n_seq_max = 0`` means 1 (llama.cpp: ``max(1, n_seq_max)``);
+    - ``n_batch = min(n_ctx, n_batch)`` with the ``n_ctx`` *asked for* (before padding):
+      with causal attention a batch never needs more tokens than the context holds;
+    - ``n_ubatch = min(n_batch, n_ubatch)``;
+    - ``n_ctx`` is padded to 256, and split into streams by :func:`n_ctx_seq`.
+
+    Args:
+        n_ctx: context size asked for (0: ``n_ctx_train``).
+        n_batch: logical batch size (most tokens per :meth:`Context.decode`).
+        n_ubatch: physical batch size (most tokens per forward; 0: ``n_batch``).
+        n_seq_max: number of sequences (0: 1).
+        kv_unified: one KV stream for all sequences, or one per sequence.
+        n_ctx_train: the model's training context (the default ``n_ctx``).
+
+    Returns:
+        ``{"n_ctx", "n_ctx_seq", "n_batch", "n_ubatch", "n_seq_max"}``.
+
+    Raises:
+        ContextError: a negative size, ``n_batch == 0``, ``n_seq_max > LLAMA_MAX_SEQ``.
+
+    Examples:
+        >>> context_sizes(64, 2048, 512, 1, True, n_ctx_train=4096)
+        {'n_ctx': 256, 'n_ctx_seq': 256, 'n_batch': 64, 'n_ubatch': 64, 'n_seq_max': 1}
+        >>> context_sizes(100, 512, 0, 3, False, n_ctx_train=4096)["n_ctx"]
+        768
+        >>> context_sizes(256, 512, 512, 300, True, n_ctx_train=4096)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.context.ContextError: n_seq_max = 300 must be <= 256 (LLAMA_MAX_SEQ)
+    """
+    for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch),
+                        ("n_seq_max", n_seq_max)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ContextError(f"{name} = {value!r} must be a non-negative integer")
+    if n_batch == 0:
+        raise ContextError("n_batch = 0: a batch must be able to hold at least one token")
+    n_seq_max = max(1, int(n_seq_max))
+    if n_seq_max > LLAMA_MAX_SEQ:
+        raise ContextError(f"n_seq_max = {n_seq_max} must be <= {LLAMA_MAX_SEQ} (LLAMA_MAX_SEQ)")
+    n_ctx = int(n_ctx) if n_ctx else int(n_ctx_train)
+    n_batch = min(n_ctx, int(n_batch))
+    n_ubatch = min(n_batch, int(n_ubatch) if n_ubatch else n_batch)
+    n_ctx_padded, per_stream = n_ctx_seq(n_ctx, n_seq_max, kv_unified)
+    return dict(n_ctx=n_ctx_padded, n_ctx_seq=per_stream, n_batch=n_batch, n_ubatch=n_ubatch,
+                n_seq_max=n_seq_max)
+# --8<-- [end:cparams]
+
+
+# --8<-- [start:Context]
+class Context:
+    """``llama_context``: a model, its KV cache, and the outputs of the last decode.
+
+    Args:
+        hparams: the model's hyperparameters.
+        weights: GGUF-named weights. Float arrays are cast once to ``dtype``; quantized
+            tensors stay quantized (the forward then computes in float32).
+        n_ctx: context size (0: ``hparams.n_ctx_train``); padded to 256 (:func:`context_sizes`).
+        n_batch: the most tokens one :meth:`decode` takes (capped by ``n_ctx``).
+        n_ubatch: the most tokens one forward computes (capped by ``n_batch``; 0: ``n_batch``).
+        n_seq_max: how many sequences (``seq_id`` in ``[0, n_seq_max)``).
+        kv_unified: one KV stream shared by every sequence (True) or one per sequence.
+        swa_full: with a sliding-window model, keep the full context in the cache (True) or
+            only what the window needs.
+        dtype: dtype of the KV cache and of the computation (float32 as llama.cpp's CPU
+            backend; float64 for property tests).
+        abort_callback: called with no argument before each ubatch is computed; True aborts
+            the decode (return code 2), like ``llama_set_abort_callback``.
+
+    Raises:
+        ContextError: a bad size (:func:`context_sizes`).
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> hp = tiny_hparams()
+        >>> ctx = Context(hp, random_weights(hp), n_ctx=64, n_seq_max=2)
+        >>> ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, ctx.n_seq_max
+        (256, 64, 64, 2)
+        >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))
+        0
+        >>> ctx.get_logits().shape, ctx.memory.seq_pos_max(0)
+        ((2, 32), 2)
+    """
+
+    def __init__(
+        self,
+        hparams: LlamaHParams,
+        weights: dict,
+        n_ctx: int = 512,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        n_seq_max: int = 1,
+        kv_unified: bool = True,
+        swa_full: bool = True,
+        dtype: DTypeLike = np.float32,
+        abort_callback: Callable[[], bool] | None = None,
+    ):
+        sizes = context_sizes(n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified,
+                              hparams.n_ctx_train)
+        self.hparams = hparams
+        self.dtype = np.dtype(dtype)
+        self.weights = {
+            name: w.astype(self.dtype) if isinstance(w, np.ndarray) and w.dtype != self.dtype
+            and np.issubdtype(w.dtype, np.floating) else w
+            for name, w in weights.items()
+        }
+        self._n_ctx = sizes["n_ctx"]
+        self._n_ctx_seq = sizes["n_ctx_seq"]
+        self._n_batch = sizes["n_batch"]
+        self._n_ubatch = sizes["n_ubatch"]
+        self._n_seq_max = sizes["n_seq_max"]
+        self.kv_unified = kv_unified
+        self.abort_callback = abort_callback
+        self.last_error: str | None = None  # why the last decode did not return 0
+        self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
+                               kv_unified=kv_unified, swa_full=swa_full,
+                               n_ubatch=self._n_ubatch, dtype=self.dtype)
+        compute = model_dtype(self.weights)
+        self.rope_factors = get_weight(self.weights, "rope_freqs.weight", compute, required=False)
+        self._logits = np.zeros((0, hparams.n_vocab), compute)  # (n_outputs, n_vocab)
+        self._output_ids = np.zeros(0, np.int64)  # (n_tokens of the last batch,)
+
+    # ---- sizes (llama_n_ctx, llama_n_batch, ...) ----------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        """Total cells (``llama_n_ctx``): padded to 256, summed over the streams."""
+        return self._n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Cells per stream (``llama_n_ctx_seq``): ``n_ctx`` when unified."""
+        return self._n_ctx_seq
+
+    @property
+    def n_batch(self) -> int:
+        """The most tokens one :meth:`decode` accepts (``llama_n_batch``)."""
+        return self._n_batch
+
+    @property
+    def n_ubatch(self) -> int:
+        """The most tokens one forward computes (``llama_n_ubatch``)."""
+        return self._n_ubatch
+
+    @property
+    def n_seq_max(self) -> int:
+        """The number of sequences (``llama_n_seq_max``)."""
+        return self._n_seq_max
+
+    @property
+    def n_vocab(self) -> int:
+        """Width of a logits row."""
+        return self.hparams.n_vocab
+
+    @property
+    def n_outputs(self) -> int:
+        """Rows of logits the last successful decode produced."""
+        return len(self._logits)
+
+    @property
+    def memory(self) -> KVCache:
+        """The memory (``llama_get_memory``): ``seq_rm``, ``seq_cp``, ``seq_add``, ..."""
+        return self._memory
+
+    def get_memory(self) -> KVCache:
+        """``llama_get_memory(ctx)``: the same as :attr:`memory`."""
+        return self._memory
+# --8<-- [end:Context]
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    # --8<-- [start:memory_update]
+    def memory_update(self) -> bool:
+        """Apply pending stream copies and K-shifts (``llama_context::memory_update``).
+
+        :meth:`decode` calls it after validating the batch; calling it earlier changes
+        nothing that a later decode could see.
+
+        Returns:
+            True when a K-shift was applied.
+        """
+        return self._memory.update(self.rope_factors)
+    # --8<-- [end:memory_update]
+
+    # --8<-- [start:split_batch]
+    def split_batch(self, balloc: BatchAllocr) -> list[Ubatch] | None:
+        """Cut the batch into ubatches, as ``llama_kv_cache::init_batch`` does.
+
+        One stream: ``split_simple`` (the next ``n_ubatch`` tokens in batch order). One stream
+        per sequence: ``split_equal(sequential=True)`` (equal runs of consecutive sequences,
+        each ubatch touching each stream once).
+
+        Returns:
+            The ubatches, or None when some tokens cannot be split (coupled sequences on a
+            non-unified cache): ``llama_decode`` then returns 1.
+        """
+        balloc.split_reset()
+        ubatches = []
+        while True:
+            if self._memory.get_n_stream() == 1:
+                ubatch = balloc.split_simple(self._n_ubatch)
+            else:
+                ubatch = balloc.split_equal(self._n_ubatch, sequential=True)
+            if ubatch.n_tokens == 0:
+                break
+            ubatches.append(ubatch)
+        if balloc.n_used < balloc.n_tokens:
+            return None  # "failed to find a suitable split"
+        return ubatches
+    # --8<-- [end:split_batch]
+
+    # --8<-- [start:decode]
+    def decode(self, batch: Batch) -> int:
+        """Run ``batch`` through the model, appending it to the memory (``llama_decode``).
+
+        Args:
+            batch: the tokens, their positions (None: continue each sequence), seq ids
+                (None: sequence 0) and output flags (None: the last token).
+
+        Returns:
+            0 on success; 1 when the KV cache has no slot for the batch (memory cells
+            unchanged, outputs of the previous decode kept); 2 when ``abort_callback``
+            aborted it (ubatches computed before stay in the memory, none of the aborted
+            ubatch; no outputs); -1 when the batch is invalid (nothing changed; the reason is
+            in :attr:`last_error`).
+
+        Raises:
+            ContextError: a batch of embeddings (this reference's forward takes token ids).
+
+        Examples:
+            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> hp = tiny_hparams()
+            >>> ctx = Context(hp, random_weights(hp), n_ctx=256, n_seq_max=2)
+            >>> ctx.decode(Batch(token=[1, 2, 3, 4], seq_id=[[0], [1], [0], [1]]))
+            0
+            >>> ctx.decode(Batch(token=[5], pos=[7]))  # sequence 0 must go on at 2
+            -1
+            >>> ctx.last_error  # doctest: +ELLIPSIS
+            'the tokens of sequence 0 in the input batch have inconsistent ...'
+        """
+        if batch.embd is not None:
+            raise ContextError("this reference decodes token ids only: the batch holds "
+                               "embeddings")
+        # 1. validate: llama_batch_allocr::init (and n_tokens_all <= n_batch)
+        try:
+            balloc = BatchAllocr(batch, n_vocab=self.n_vocab, n_seq_max=self._n_seq_max,
+                                 memory=self._memory, n_batch=self._n_batch)
+        except BatchError as err:
+            self.last_error = str(err)
+            return -1
+        self.last_error = None
+        # 2. pending K-shifts and stream copies
+        self.memory_update()
+        # 3. + 4. ubatches, and a slot for each of them, or nothing
+        ubatches = self.split_batch(balloc)
+        if ubatches is None:
+            self.last_error = balloc.split_error or "failed to find a suitable split"
+            return 1
+        sinfos = self._memory.prepare(ubatches)
+        if sinfos is None:
+            self.last_error = f"failed to find a memory slot for a batch of {balloc.n_tokens}"
+            return 1
+        # output_reserve: the previous outputs are gone from here on
+        self._logits = self._logits[:0]
+        self._output_ids = np.full(balloc.n_tokens, -1, dtype=np.int64)  # (n_tokens,)
+        # 5. one forward per ubatch
+        rows = []
+        for ubatch, sinfo in zip(ubatches, sinfos, strict=True):
+            self._memory.apply_ubatch(sinfo, ubatch)
+            if self.abort_callback is not None and self.abort_callback():
+                self.remove_ubatch(ubatch)
+                self.last_error = "aborted by abort_callback"
+                return 2
+            rows.append(self.process_ubatch(ubatch, sinfo))
+        # 6. outputs in batch order
+        self._logits = np.concatenate(rows)[output_order(balloc.out_ids)]  # (n_outputs, n_vocab)
+        self._output_ids[np.sort(np.asarray(balloc.out_ids, np.int64))] = np.arange(
+            balloc.n_outputs)
+        return 0
+    # --8<-- [end:decode]
+
+    # --8<-- [start:process_ubatch]
+    def process_ubatch(self, ubatch: Ubatch, sinfo) -> np.ndarray:
+        """The forward of one applied ubatch: its logits rows ``(n_outputs_ubatch, n_vocab)``.
+
+        The model writes the ubatch's K/V into its slot and attends to the first ``n_kv``
+        cells of each stream through the KQ mask (:meth:`KVCache.attn_input`). Only the
+        output tokens go through the last layer's FFN and the lm_head (``out_ids``).
+        """
+        inp_attn = self._memory.attn_input(ubatch, sinfo)
+        out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
+        return llama_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp_attn,
+                             out_ids)
+    # --8<-- [end:process_ubatch]
+
+    # --8<-- [start:remove_ubatch]
+    def remove_ubatch(self, ubatch: Ubatch) -> None:
+        """Undo an applied ubatch that was not computed: ``seq_rm(s, pos_min_s, -1)``.
+
+        llama.cpp does this when a ubatch's compute fails or is aborted, for the *first*
+        seq id of each token only; a token shared by several sequences then stays in the
+        others, its K/V possibly unwritten. Here every seq id of the ubatch is cleaned (a
+        divergence, see :mod:`reference.context`'s chapter).
+        """
+        pos_min: dict[int, int] = {}
+        for p, ids in zip(ubatch.pos.tolist(), ubatch.seq_id, strict=True):
+            for s in ids:
+                pos_min[s] = min(pos_min.get(s, p), p)
+        for s, p in sorted(pos_min.items()):
+            self._memory.seq_rm(s, p, -1)
+    # --8<-- [end:remove_ubatch]
+
+    # ---- outputs ------------------------------------------------------------------------------
+
+    # --8<-- [start:get_logits]
+    def get_logits(self) -> np.ndarray:
+        """The logits of the last successful decode, one row per output token, in batch order.
+
+        Returns:
+            ``(n_outputs, n_vocab)``, read-only (empty before any decode and after an abort).
+        """
+        view = self._logits.view()
+        view.flags.writeable = False
+        return view
+    # --8<-- [end:get_logits]
+
+    # --8<-- [start:get_logits_ith]
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """The logits of batch token ``i`` of the last decode (``llama_get_logits_ith``).
+
+        ``i >= 0`` is a *batch index* and that token must have had its output flag set;
+        ``i < 0`` counts from the last *output*: row ``n_outputs + i`` (``-1`` is the last
+        output token, whatever its batch index).
+
+        Args:
+            i: batch index, or negative output index.
+
+        Returns:
+            ``(n_vocab,)``, read-only.
+
+        Raises:
+            ContextError: no outputs; ``i`` outside the last batch; token ``i`` had no output
+                (llama.cpp logs the same reasons and returns NULL).
+
+        Examples:
+            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> hp = tiny_hparams()
+            >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
+            >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))
+            0
+            >>> bool((ctx.get_logits_ith(2) == ctx.get_logits_ith(-1)).all())
+            True
+            >>> ctx.get_logits_ith(1)
+            Traceback (most recent call last):
+            ...
+            reference.context.ContextError: invalid logits id 1: batch.logits[1] != true
+        """
+        n_outputs = self.n_outputs
+        if n_outputs == 0:
+            raise ContextError(f"invalid logits id {i}: no logits (no successful decode with "
+                               f"outputs)")
+        if i < 0:
+            j = n_outputs + i
+            if j < 0:
+                raise ContextError(f"invalid logits id {i}: negative index out of range "
+                                   f"[-{n_outputs}, 0)")
+        elif i >= len(self._output_ids):
+            raise ContextError(f"invalid logits id {i}: out of range [0, "
+                               f"{len(self._output_ids)}) (tokens of the last batch)")
+        else:
+            j = int(self._output_ids[i])
+            if j < 0:
+                raise ContextError(f"invalid logits id {i}: batch.logits[{i}] != true")
+        return self.get_logits()[j]
+    # --8<-- [end:get_logits_ith]
+
+
+    # ---- state (reference/memory/state.py) ---------------------------------------------------
+
+    # --8<-- [start:state]
+    def state_get_data(self) -> bytes:
+        """The last decode's outputs and the memory, as bytes (``llama_state_get_data``).
+
+        See :func:`reference.memory.state.context_state_write` for the layout.
+        """
+        from reference.memory.state import context_state_write
+
+        return context_state_write(self._memory, self.hparams, self._logits, self._output_ids)
+
+    def state_set_data(self, data: bytes) -> int:
+        """Restore :meth:`state_get_data`'s bytes (``llama_state_set_data``); returns their size.
+
+        Raises:
+            StateError: a refused blob; nothing changed.
+        """
+        from reference.memory.state import context_state_read
+
+        logits, output_ids = context_state_read(self._memory, self.hparams, data)
+        n_vocab = self.n_vocab
+        self._logits = logits if logits is not None else self._logits[:0].reshape(0, n_vocab)
+        self._output_ids = np.asarray(output_ids, dtype=np.int64)
+        return len(data)
+
+    def state_seq_get_data(self, seq_id: int) -> bytes:
+        """One sequence's cells and K/V (``llama_state_seq_get_data``)."""
+        from reference.memory.state import state_write
+
+        return state_write(self._memory, self.hparams, seq_id)
+
+    def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
+        """Restore a sequence blob into ``dest_seq_id`` (``llama_state_seq_set_data``).
+
+        Returns:
+            The size of ``data``.
+
+        Raises:
+            StateError: a refused blob (no slot, another model, corrupted); nothing changed.
+        """
+        from reference.memory.state import state_read
+
+        state_read(self._memory, self.hparams, data, dest_seq_id)
+        return len(data)
+
+    def state_save_file(self, path, tokens) -> int:
+        """Save the memory and ``tokens`` to ``path`` (``llama_state_save_file``); its size."""
+        from reference.memory.state import state_save_file
+
+        return state_save_file(path, self._memory, self.hparams, tokens)
+
+    def state_load_file(self, path) -> np.ndarray:
+        """Restore a file of :meth:`state_save_file`; returns its tokens."""
+        from reference.memory.state import state_load_file
+
+        return state_load_file(path, self._memory, self.hparams)
+
+    def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
+        """Save one sequence and ``tokens`` to ``path`` (``llama_state_seq_save_file``)."""
+        from reference.memory.state import state_save_file
+
+        return state_save_file(path, self._memory, self.hparams, tokens, seq_id)
+
+    def state_seq_load_file(self, path, dest_seq_id: int) -> np.ndarray:
+        """Restore a sequence file into ``dest_seq_id``; returns its tokens."""
+        from reference.memory.state import state_load_file
+
+        return state_load_file(path, self._memory, self.hparams, dest_seq_id)
+    # --8<-- [end:state]
+
+
+# --8<-- [start:context_shift]
+def context_shift(ctx_or_memory: Context | KVCache, seq_id: int, n_keep: int,
+                  n_discard: int) -> None:
+    r"""Drop ``n_discard`` positions after the first ``n_keep`` and shift the rest back.
+
+    llama.cpp's examples (``main``, ``server``) free room in a full context this way::
+
+        seq_rm (seq_id, n_keep, n_keep + n_discard)
+        seq_add(seq_id, n_keep + n_discard, -1, -n_discard)
+
+    A cell at $p \ge n_{keep} + n_{discard}$ moves to $p - n_{discard}$; its key, roped at $p$,
+    is turned by $-n_{discard}$ at the next decode, which by RoPE additivity is the key
+    roped at $p - n_{discard}$. The sequence stays contiguous: $[0, n_{keep})$ then the
+    shifted tail.
+
+    Args:
+        ctx_or_memory: a :class:`Context` or its memory.
+        seq_id: the sequence to shift (``>= 0``).
+        n_keep: positions kept at the start (``>= 0``).
+        n_discard: positions dropped after them (``>= 1``).
+
+    Raises:
+        ContextError: a negative ``seq_id`` / ``n_keep``, ``n_discard < 1``, or a memory that
+            cannot shift (``can_shift()`` is False).
+        KVCacheError: ``seq_id`` out of the memory's range (before any change).
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> hp = tiny_hparams()
+        >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
+        >>> ctx.decode(Batch(token=list(range(10))))
+        0
+        >>> context_shift(ctx, 0, n_keep=2, n_discard=3)
+        >>> ctx.memory.seq_pos_min(0), ctx.memory.seq_pos_max(0)
+        (0, 6)
+    """
+    memory = ctx_or_memory.memory if isinstance(ctx_or_memory, Context) else ctx_or_memory
+    if seq_id < 0:
+        raise ContextError(f"context_shift needs one sequence, got seq_id = {seq_id}")
+    if n_keep < 0 or n_discard < 1:
+        raise ContextError(f"context_shift needs n_keep >= 0 and n_discard >= 1, got "
+                           f"n_keep = {n_keep}, n_discard = {n_discard}")
+    if not memory.can_shift():
+        raise ContextError("this memory cannot shift positions (can_shift() is False)")
+    memory.seq_pos_max(seq_id)  # raises KVCacheError for a bad seq_id, before any change
+    memory.seq_rm(seq_id, n_keep, n_keep + n_discard)
+    memory.seq_add(seq_id, n_keep + n_discard, -1, -n_discard)
+# --8<-- [end:context_shift]

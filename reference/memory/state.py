@@ -1,0 +1,917 @@
+r"""State save and restore: ``llama_kv_cache::state_write`` / ``state_read`` as bytes and files.
+
+llama.cpp can save what a context remembers and load it back later, in the same process or
+another one (``llama_state_get_data`` / ``llama_state_set_data``, the ``seq_`` variants for
+one sequence, ``llama_state_save_file`` / ``llama_state_load_file`` with the prompt's
+tokens). What is saved is the memory: for every stream, the non-empty cells (position and
+sequence set) and, per layer, their key rows then their value rows
+(``state_write_meta`` then ``state_write_data`` in ``src/llama-kv-cache.cpp``).
+
+The law this module is built for:
+
+$$
+\mathrm{restore}(\mathrm{save}(M)) \text{ then decode } x
+\;=\; \text{decode } x \text{ on } M,
+$$
+
+the logits of whatever comes next are those of the uninterrupted memory $M$, and
+``state_write(state_read(b)) == b`` (a blob round trip is byte-identical).
+
+What is saved, as llama.cpp at the pinned commit:
+
+- whole memory (``seq_id = -1``): every non-empty cell of every stream, in cell order;
+- one sequence: the cells holding it, *except* those the sliding window already hides from
+  its last position (``is_masked_swa(n_swa, swa_type, pos, seq_pos_max(seq_id))``). The
+  last position itself, not the next one, is the reference: the saved sequence can still
+  re-decode its last token (a server does that to get its logits back).
+
+Restoring the whole memory empties it and puts the saved cells at indices $0 \dots n-1$ of
+their stream (a fragmented memory comes back compacted: positions, not indices, are what a
+cell means). Restoring one sequence into ``dest_seq_id`` first removes ``dest_seq_id``, then
+places the saved cells with the cache's own slot search (``find_slot`` on a ubatch built
+from the saved cells, as llama.cpp), so the cells need not be contiguous: a restore works
+into a fragmented cache.
+
+Where this format differs from llama.cpp's (it is *not* byte-compatible with it):
+
+- a header (magic, version, total size, architecture, a fingerprint of every hyperparameter,
+  the cache dtypes, the stream count, the saved sequence) and a SHA-256 trailer. llama.cpp
+  writes only the architecture name (in the context wrapper) and relies on per-layer type
+  and row-size checks, so a blob of another model of the same shape loads silently;
+- each cell also carries its pending K-shift (where llama.cpp writes its ``ext``): llama.cpp
+  drops it, so a state saved between ``seq_add`` and the next decode comes back with keys
+  that are never re-roped. Pending stream copies (``seq_cp`` across streams) are resolved
+  when writing (the rows are read from the copy's source);
+- everything is checked *before* anything changes. llama.cpp removes ``dest_seq_id`` before
+  it knows the blob fits, and on a failed read clears the destination (the whole memory for
+  a whole restore); here a refused blob leaves the memory exactly as it was;
+- restoring an empty sequence blob empties ``dest_seq_id`` (llama.cpp leaves it untouched).
+
+The context wrapper (:func:`context_state_write`) adds the output buffer (logits and output
+ids). At the pinned commit llama.cpp's ``llama_context::state_write_data`` no longer saves it
+(it writes the architecture name and the memory); it is kept here so that a restored context
+answers ``get_logits`` without re-decoding its last token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from reference.batch import Ubatch
+from reference.hparams import LlamaHParams
+from reference.memory.kv_cache import KVCache
+from reference.memory.kv_cells import KVCells
+from reference.models.simple_cache import is_masked_swa
+
+# --8<-- [start:constants]
+STATE_MAGIC = b"LRKV"  # a memory blob (llama.cpp has no magic for it)
+STATE_VERSION = 1
+CONTEXT_MAGIC = b"LRCX"  # a context blob: outputs + a memory blob
+CONTEXT_VERSION = 1
+FILE_MAGIC = b"LRSF"  # a state file: tokens + a memory blob (llama.cpp: 'ggsn' / 'ggsq')
+FILE_VERSION = 1
+CHECKSUM_SIZE = 32  # SHA-256
+
+# ggml type ids (ggml.h) of the cache dtypes this reference supports
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+GGML_TYPE_F64 = 28
+GGML_TYPE_OF_DTYPE = {
+    np.dtype(np.float32): GGML_TYPE_F32,
+    np.dtype(np.float16): GGML_TYPE_F16,
+    np.dtype(np.float64): GGML_TYPE_F64,
+}
+DTYPE_OF_GGML_TYPE = {t: d for d, t in GGML_TYPE_OF_DTYPE.items()}
+# --8<-- [end:constants]
+
+
+# --8<-- [start:StateError]
+class StateError(ValueError):
+    """A state blob or file that cannot be restored into this memory.
+
+    The message says what is wrong: bad magic, unknown version, truncated, checksum
+    mismatch, another architecture or hyperparameters, another cache dtype, a stream count,
+    a sequence id out of range, no room in the cache. Raised before the memory changes.
+    """
+# --8<-- [end:StateError]
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes in and out (llama_io_write_i / llama_io_read_i)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Writer:
+    """``llama_io_write_buffer``: little-endian scalars, strings and arrays."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, fmt: str, *values) -> None:
+        self.parts.append(struct.pack("<" + fmt, *values))
+
+    def write_bytes(self, b: bytes) -> None:
+        self.parts.append(bytes(b))
+
+    def write_string(self, s: str) -> None:
+        b = s.encode("utf-8")
+        self.write("I", len(b))
+        self.write_bytes(b)
+
+    def write_array(self, a: np.ndarray) -> None:
+        self.parts.append(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes())
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class _Reader:
+    """``llama_io_read_buffer``: reads past the end raise :class:`StateError`."""
+
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data = memoryview(data)
+        self.off = 0
+        self.what = what
+
+    def read_bytes(self, n: int) -> bytes:
+        if n < 0 or self.off + n > len(self.data):
+            raise StateError(f"{self.what} truncated at byte {len(self.data)}: {n} bytes needed "
+                             f"at offset {self.off}")
+        b = bytes(self.data[self.off: self.off + n])
+        self.off += n
+        return b
+
+    def read(self, fmt: str):
+        values = struct.unpack("<" + fmt, self.read_bytes(struct.calcsize("<" + fmt)))
+        return values[0] if len(values) == 1 else values
+
+    def read_string(self) -> str:
+        return self.read_bytes(self.read("I")).decode("utf-8", errors="replace")
+
+    def read_array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape)) * dtype.itemsize
+        a = np.frombuffer(self.read_bytes(n), dtype.newbyteorder("<"))
+        return a.astype(dtype).reshape(shape)
+
+
+# --8<-- [start:hparams_fingerprint]
+def hparams_fingerprint(hparams: LlamaHParams) -> bytes:
+    """SHA-256 of every hyperparameter, as canonical JSON (sorted keys).
+
+    Every field changes what a cached row means: the layout ones (``n_layer``,
+    ``n_head_kv``, ``n_embd_head_k/v``) its shape, the RoPE and window ones how keys were
+    rotated and which cells matter, and all the others the values themselves (a key of
+    layer 1 depends on everything layer 0 computed). Two models with equal hyperparameters
+    but different weights share a fingerprint: the weights are not hashed (too costly for a
+    save), as llama.cpp does not check them either.
+
+    Args:
+        hparams: a dataclass of hyperparameters (:class:`reference.hparams.LlamaHParams`).
+
+    Returns:
+        32 bytes.
+
+    Examples:
+        >>> import dataclasses
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams()
+        >>> len(hparams_fingerprint(hp)), hparams_fingerprint(hp) == hparams_fingerprint(hp)
+        (32, True)
+        >>> other = dataclasses.replace(hp, rope_freq_base_train=5e5)
+        >>> hparams_fingerprint(other) == hparams_fingerprint(hp)
+        False
+    """
+    fields = dataclasses.asdict(hparams)
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).digest()
+# --8<-- [end:hparams_fingerprint]
+
+
+def _ggml_type(dtype: np.dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype not in GGML_TYPE_OF_DTYPE:
+        raise StateError(f"cache dtype {dtype} has no ggml type here (float32, float16, float64)")
+    return GGML_TYPE_OF_DTYPE[dtype]
+
+
+def _type_name(t: int) -> str:
+    d = DTYPE_OF_GGML_TYPE.get(t)
+    return f"{d} (ggml type {t})" if d is not None else f"ggml type {t}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the parsed form of a memory blob
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:StreamState]
+@dataclass
+class StreamState:
+    """The saved cells of one stream, in cell order.
+
+    Attributes:
+        pos: position of each cell ``(cell_count,)``.
+        shift: pending K-shift of each cell ``(cell_count,)``.
+        seq_ids: the sequence ids of each cell, ascending.
+        k: per layer, the key rows ``(cell_count, n_embd_k_gqa)``.
+        v: per layer, the value rows ``(cell_count, n_embd_v_gqa)``.
+    """
+
+    pos: list[int]
+    shift: list[int]
+    seq_ids: list[tuple[int, ...]]
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+    @property
+    def cell_count(self) -> int:
+        """Number of saved cells."""
+        return len(self.pos)
+# --8<-- [end:StreamState]
+
+
+# --8<-- [start:KVState]
+@dataclass
+class KVState:
+    """A memory blob, parsed: the header fields and one :class:`StreamState` per stream.
+
+    Attributes:
+        arch: architecture name (``general.architecture``).
+        fingerprint: :func:`hparams_fingerprint` of the writer's hyperparameters.
+        k_type: ggml type of the key rows; ``v_type`` of the value rows.
+        n_stream: streams of the writer's cache.
+        seq_id: the saved sequence, -1 for the whole memory.
+        streams: the saved cells, per stream.
+    """
+
+    arch: str
+    fingerprint: bytes
+    k_type: int
+    v_type: int
+    n_stream: int
+    seq_id: int
+    streams: list[StreamState]
+# --8<-- [end:KVState]
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+
+def _stream_data_source(memory: KVCache) -> list[int]:
+    """For each stream, the stream whose K/V rows it holds once pending copies are applied."""
+    src = list(range(memory.get_n_stream()))
+    for ssrc, sdst in memory.sc_info:  # update() copies t[sdst] = t[ssrc], in this order
+        src[sdst] = src[ssrc]
+    return src
+
+
+# --8<-- [start:state_cells]
+def state_cells(memory: KVCache, stream: int, seq_id: int) -> list[int]:
+    """The cells of ``stream`` that a save writes (``state_write``'s cell ranges, flattened).
+
+    A cell is saved when it is non-empty and, for one sequence, holds ``seq_id`` and is
+    not hidden by the sliding window from the sequence's last position. A whole save
+    (``seq_id == -1``) keeps every non-empty cell, SWA-masked or not, as llama.cpp.
+
+    Args:
+        memory: the cache.
+        stream: a stream index.
+        seq_id: a sequence id, or -1 for all.
+
+    Returns:
+        Cell indices, ascending.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> cache = KVCache(tiny_hparams(n_swa=2), kv_size=8)
+        >>> for i in range(4):
+        ...     cache.v_cells[0].pos_set(i, i); cache.v_cells[0].seq_add(i, 0)
+        >>> state_cells(cache, 0, 0), state_cells(cache, 0, -1)
+        ([2, 3], [0, 1, 2, 3])
+    """
+    cells = memory.v_cells[stream]
+    out = []
+    for i in range(cells.size()):
+        if cells.is_empty(i) or (seq_id != -1 and not cells.seq_has(i, seq_id)):
+            continue
+        if seq_id != -1 and is_masked_swa(memory.n_swa, memory.swa_type, cells.pos_get(i),
+                                          cells.seq_pos_max(seq_id)):
+            continue
+        out.append(i)
+    return out
+# --8<-- [end:state_cells]
+
+
+# --8<-- [start:state_write_meta]
+def state_write_meta(io: _Writer, cells: KVCells, idxs: list[int], seq_id: int) -> None:
+    """Per saved cell: ``pos``, ``n_seq_id``, ``shift``, then its sequence ids (ascending).
+
+    For one sequence, only ``seq_id`` is written (``n_seq_id == 1``), as llama.cpp.
+    """
+    for i in idxs:
+        seq_ids = sorted(cells.seq_get_all(i)) if seq_id == -1 else [seq_id]
+        io.write("iIi", cells.pos_get(i), len(seq_ids), cells.get_shift(i))
+        for s in seq_ids:
+            io.write("i", s)
+# --8<-- [end:state_write_meta]
+
+
+# --8<-- [start:state_write_data]
+def state_write_data(io: _Writer, memory: KVCache, stream: int, idxs: list[int]) -> None:
+    """``v_trans``, ``n_layer``, then per layer the key rows, then per layer the value rows.
+
+    Each layer's block is its ggml type, its row size in bytes, then the rows of the saved
+    cells in cell order (V is stored one row per cell, ``v_trans = 0``).
+    """
+    src = _stream_data_source(memory)[stream]
+    io.write("II", 0, len(memory.k_l))
+    for tensors in (memory.k_l, memory.v_l):
+        for t in tensors:
+            rows = t[src, idxs]  # (cell_count, n_embd_gqa)
+            io.write("iQ", _ggml_type(t.dtype), t.dtype.itemsize * t.shape[-1])
+            io.write_array(rows)
+# --8<-- [end:state_write_data]
+
+
+# --8<-- [start:state_write]
+def state_write(memory: KVCache, hparams: LlamaHParams, seq_id: int = -1) -> bytes:
+    r"""Save the whole memory, or one sequence, as bytes (``llama_state_get_data``).
+
+    Layout (little-endian; ``u32``/``i32``/``u64`` are 4/4/8 bytes):
+
+    | field | type | value |
+    |---|---|---|
+    | magic | 4 bytes | ``b"LRKV"`` |
+    | version | u32 | 1 |
+    | total size | u64 | bytes of the whole blob, checksum included |
+    | arch | u32 length + UTF-8 | ``hparams.arch`` |
+    | fingerprint | 32 bytes | :func:`hparams_fingerprint` |
+    | k_type, v_type | i32, i32 | ggml type of the cache (0 f32, 1 f16, 28 f64) |
+    | n_stream | u32 | streams of the cache |
+    | seq_id | i32 | the saved sequence, -1 for all |
+    | *per stream* | | |
+    | cell_count | u32 | saved cells (nothing more for this stream when 0) |
+    | *per cell* | i32, u32, i32, i32 x n | ``pos``, ``n_seq_id``, ``shift``, the seq ids |
+    | v_trans, n_layer | u32, u32 | 0, ``n_layer`` |
+    | *per layer* | | ``k_type`` i32, ``k_size_row`` u64, ``cell_count`` key rows |
+    | *per layer* | | ``v_type`` i32, ``v_size_row`` u64, ``cell_count`` value rows |
+    | checksum | 32 bytes | SHA-256 of every byte before it |
+
+    Args:
+        memory: the cache to save.
+        hparams: the model's hyperparameters (those of ``memory``).
+        seq_id: the sequence to save, or -1 for the whole memory.
+
+    Returns:
+        The blob.
+
+    Raises:
+        StateError: ``seq_id`` out of range; ``hparams`` other than the memory's; a cache
+            dtype with no ggml type.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> cache = KVCache(hp, kv_size=8)
+        >>> blob = state_write(cache, hp)
+        >>> blob[:4], len(blob)
+        (b'LRKV', 109)
+    """
+    _check_memory_hparams(memory, hparams)
+    if seq_id != -1 and not 0 <= seq_id < len(memory.seq_to_stream):
+        raise StateError(f"seq_id={seq_id} out of range [0, {len(memory.seq_to_stream)}) or -1")
+    body = _Writer()
+    body.write_string(hparams.arch)
+    body.write_bytes(hparams_fingerprint(hparams))
+    body.write("iiIi", _ggml_type(memory.dtype), _ggml_type(memory.dtype),
+               memory.get_n_stream(), seq_id)
+    for s in range(memory.get_n_stream()):
+        idxs = state_cells(memory, s, seq_id)
+        body.write("I", len(idxs))
+        if idxs:
+            state_write_meta(body, memory.v_cells[s], idxs, seq_id)
+            state_write_data(body, memory, s, idxs)
+    return _seal(STATE_MAGIC, STATE_VERSION, body.getvalue())
+# --8<-- [end:state_write]
+
+
+def _seal(magic: bytes, version: int, body: bytes) -> bytes:
+    """``magic | version | total size | body | sha256(everything before)``."""
+    total = 4 + 4 + 8 + len(body) + CHECKSUM_SIZE
+    head = magic + struct.pack("<IQ", version, total) + body
+    return head + hashlib.sha256(head).digest()
+
+
+def _unseal(data: bytes, magic: bytes, version: int, what: str) -> _Reader:
+    """Check magic, version, size and checksum, in that order; a reader on the body."""
+    data = bytes(data)
+    if len(data) < 16:
+        raise StateError(f"{what} truncated at byte {len(data)}: the header needs 16 bytes")
+    if data[:4] != magic:
+        raise StateError(f"bad magic {data[:4]!r}: not a {what} (expected {magic!r})")
+    v, total = struct.unpack("<IQ", data[4:16])
+    if v != version:
+        newer = " (written by a newer llamaref)" if v > version else ""
+        raise StateError(f"{what} format version {v}{newer}: this reader knows version {version}")
+    if len(data) < total:
+        raise StateError(f"{what} truncated at byte {len(data)}: the header says {total} bytes")
+    if len(data) > total:
+        raise StateError(f"{what} has {len(data) - total} bytes after its end ({total} bytes)")
+    if total < 16 + CHECKSUM_SIZE:
+        raise StateError(f"{what} size {total} is smaller than its header and checksum")
+    if hashlib.sha256(data[:-CHECKSUM_SIZE]).digest() != data[-CHECKSUM_SIZE:]:
+        raise StateError(f"{what} checksum mismatch: the bytes are corrupted")
+    return _Reader(data[16:-CHECKSUM_SIZE], what)
+
+
+def _check_memory_hparams(memory: KVCache, hparams: LlamaHParams) -> None:
+    if hparams_fingerprint(hparams) != hparams_fingerprint(memory.hparams):
+        raise StateError("hparams are not those of this memory")
+
+
+# ---------------------------------------------------------------------------------------------
+# reading: parse, check, then apply
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:state_parse]
+def state_parse(data: bytes) -> KVState:
+    """Parse a memory blob, checking its magic, version, size and checksum first.
+
+    Pure: reads nothing but ``data``. Whether the blob fits a given memory is
+    :func:`state_check`'s question.
+
+    Args:
+        data: a blob from :func:`state_write`.
+
+    Returns:
+        The :class:`KVState`.
+
+    Raises:
+        StateError: bad magic, another version, truncated or too long, checksum mismatch,
+            an unknown row type, a layer block whose type or row size disagrees with the
+            header, bytes left over.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> state_parse(state_write(KVCache(hp, kv_size=8), hp)).streams[0].cell_count
+        0
+        >>> state_parse(b"GGUF" + bytes(60))
+        Traceback (most recent call last):
+        ...
+        reference.memory.state.StateError: bad magic b'GGUF': not a state blob (expected b'LRKV')
+    """
+    io = _unseal(data, STATE_MAGIC, STATE_VERSION, "state blob")
+    arch = io.read_string()
+    fingerprint = io.read_bytes(32)
+    k_type, v_type, n_stream, seq_id = io.read("iiIi")
+    for t in (k_type, v_type):
+        if t not in DTYPE_OF_GGML_TYPE:
+            raise StateError(f"unsupported row type {_type_name(t)}")
+    streams = [state_read_stream(io, k_type, v_type) for _ in range(n_stream)]
+    if io.off != len(io.data):
+        raise StateError(f"state blob has {len(io.data) - io.off} unread bytes before its checksum")
+    return KVState(arch, fingerprint, k_type, v_type, n_stream, seq_id, streams)
+# --8<-- [end:state_parse]
+
+
+# --8<-- [start:state_read_stream]
+def state_read_stream(io: _Reader, k_type: int, v_type: int) -> StreamState:
+    """One stream of a blob: its cell count, cells (``state_read_meta``), rows (``_data``)."""
+    cell_count = io.read("I")
+    st = StreamState([], [], [], [], [])
+    if cell_count == 0:
+        return st
+    for _ in range(cell_count):
+        pos, n_seq_id, shift = io.read("iIi")
+        if n_seq_id > 2**16:
+            raise StateError(f"a cell lists {n_seq_id} sequences")
+        st.pos.append(pos)
+        st.shift.append(shift)
+        st.seq_ids.append(tuple(io.read("i") for _ in range(n_seq_id)))
+    v_trans, n_layer = io.read("II")
+    if v_trans != 0:
+        raise StateError("transposed V rows (v_trans = 1) are not supported")
+    for kind, t_ref, rows in (("key", k_type, st.k), ("value", v_type, st.v)):
+        for il in range(n_layer):
+            t, size_row = io.read("iQ")
+            if t != t_ref:
+                raise StateError(f"layer {il} {kind} rows are {_type_name(t)}, the header "
+                                 f"says {_type_name(t_ref)}")
+            dtype = DTYPE_OF_GGML_TYPE[t]
+            if size_row % dtype.itemsize:
+                raise StateError(f"layer {il} {kind} row size {size_row} is not a whole number "
+                                 f"of {dtype} elements")
+            rows.append(io.read_array(dtype, (cell_count, size_row // dtype.itemsize)))
+    return st
+# --8<-- [end:state_read_stream]
+
+
+# --8<-- [start:state_check]
+def state_check(memory: KVCache, hparams: LlamaHParams, state: KVState, dest_seq_id: int) -> None:
+    r"""Everything that must hold for ``state`` to be restored into ``memory``.
+
+    Same architecture and hyperparameters (fingerprint), same cache dtype, same stream count,
+    a whole blob for a whole restore and a sequence blob for a sequence restore, per layer
+    the row widths of this cache, positions $\ge 0$, sequence ids in range and in their
+    stream, and the cell count within the stream size. Whether a sequence finds room is
+    checked by the slot search in :func:`state_read`.
+
+    Raises:
+        StateError: the first rule that fails, named.
+    """
+    _check_memory_hparams(memory, hparams)
+    if state.arch != hparams.arch:
+        raise StateError(f"blob written for architecture {state.arch!r}, this model is "
+                         f"{hparams.arch!r}")
+    if state.fingerprint != hparams_fingerprint(hparams):
+        raise StateError("blob written for other hyperparameters (fingerprint "
+                         f"{state.fingerprint.hex()[:16]}..., this model "
+                         f"{hparams_fingerprint(hparams).hex()[:16]}...): another model")
+    want = _ggml_type(memory.dtype)
+    if (state.k_type, state.v_type) != (want, want):
+        raise StateError(f"cache dtype mismatch: blob K {_type_name(state.k_type)}, V "
+                         f"{_type_name(state.v_type)}; this cache {_type_name(want)}")
+    if state.n_stream != memory.get_n_stream():
+        raise StateError(f"n_stream mismatch: blob {state.n_stream}, cache {memory.get_n_stream()}")
+    n_seq = len(memory.seq_to_stream)
+    if dest_seq_id != -1 and not 0 <= dest_seq_id < n_seq:
+        raise StateError(f"dest_seq_id={dest_seq_id} out of range [0, {n_seq}) or -1")
+    if (state.seq_id == -1) != (dest_seq_id == -1):
+        kind = "the whole memory" if state.seq_id == -1 else f"sequence {state.seq_id}"
+        raise StateError(f"blob holds {kind}: restore it with dest_seq_id "
+                         + ("-1" if state.seq_id == -1 else ">= 0"))
+    if dest_seq_id != -1 and sum(st.cell_count > 0 for st in state.streams) > 1:
+        raise StateError("a sequence blob with cells in more than one stream")
+    hp = memory.hparams
+    for s, st in enumerate(state.streams):
+        _check_stream(memory, st, s, state.seq_id, hp.n_embd_k_gqa(), hp.n_embd_v_gqa())
+# --8<-- [end:state_check]
+
+
+def _check_stream(memory: KVCache, st: StreamState, s: int, seq_id: int, n_k: int, n_v: int):
+    if st.cell_count == 0:
+        return
+    if st.cell_count > memory.get_size():
+        raise StateError(f"does not fit: stream {s} needs {st.cell_count} cells, the cache has "
+                         f"{memory.get_size()}")
+    if len(st.k) != memory.hparams.n_layer:
+        raise StateError(f"blob has {len(st.k)} layers, the model {memory.hparams.n_layer}")
+    for il, (k, v) in enumerate(zip(st.k, st.v, strict=True)):
+        if k.shape[1] != n_k or v.shape[1] != n_v:
+            raise StateError(f"layer {il}: rows of {k.shape[1]}/{v.shape[1]} elements (K/V), "
+                             f"the cache holds {n_k}/{n_v}")
+    n_seq = memory.n_seq_max
+    for j, (pos, ids) in enumerate(zip(st.pos, st.seq_ids, strict=True)):
+        if pos < 0:
+            raise StateError(f"stream {s} cell {j}: position {pos} < 0")
+        if not ids or list(ids) != sorted(set(ids)):
+            raise StateError(f"stream {s} cell {j}: sequence ids {ids} not ascending and unique")
+        if seq_id != -1 and ids != (seq_id,):
+            raise StateError(f"stream {s} cell {j}: sequence ids {ids} in a blob of sequence "
+                             f"{seq_id}")
+        for sid in ids:
+            if not 0 <= sid < n_seq:
+                raise StateError(f"stream {s} cell {j}: seq_id {sid} out of range [0, {n_seq})")
+            if seq_id == -1 and memory.seq_to_stream[sid] != s:
+                raise StateError(f"stream {s} cell {j}: seq_id {sid} lives in stream "
+                                 f"{memory.seq_to_stream[sid]}")
+
+
+def _set_shift(cells: KVCells, i: int, shift: int) -> None:
+    """Give the non-empty cell ``i`` a pending K-shift (KVCells has no setter for it)."""
+    cells.shift[i] = shift
+    if shift:
+        cells.has_shift = True
+
+
+def _apply_pending_copies(memory: KVCache) -> None:
+    """Do the K/V part of :meth:`KVCache.update` now: pending stream copies."""
+    for ssrc, sdst in memory.sc_info:
+        for t in memory.k_l + memory.v_l:
+            t[sdst] = t[ssrc]
+    memory.sc_info = []
+
+
+# --8<-- [start:state_read_whole]
+def state_read_whole(memory: KVCache, state: KVState) -> None:
+    r"""Replace the whole memory by ``state``: clear, then cells $0 \dots n-1$ of each stream."""
+    memory.clear(data=True)
+    memory.sc_info = []  # the restored rows are complete: no copy may overwrite them
+    for s, st in enumerate(state.streams):
+        cells = memory.v_cells[s]
+        for i in range(st.cell_count):
+            cells.pos_set(i, st.pos[i])
+            for sid in st.seq_ids[i]:
+                cells.seq_add(i, sid)
+            _set_shift(cells, i, st.shift[i])
+        for il in range(len(st.k)):
+            memory.k_l[il][s, : st.cell_count] = st.k[il]
+            memory.v_l[il][s, : st.cell_count] = st.v[il]
+        memory.v_heads[s] = 0
+# --8<-- [end:state_read_whole]
+
+
+def _seq_ubatch(st: StreamState, dest_seq_id: int) -> Ubatch:
+    """``ubatch_reserve`` filled with the saved cells, all of ``dest_seq_id``."""
+    n = st.cell_count
+    return Ubatch(token=np.zeros(n, np.int32), embd=None, pos=np.array(st.pos, np.int32),
+                  seq_id=((dest_seq_id,),) * n, seq_id_unq=(dest_seq_id,),
+                  output=np.zeros(n, bool), idx=np.arange(n), equal_seqs=False,
+                  n_seq_tokens=n, n_seqs=1)
+
+
+# --8<-- [start:state_read_seq]
+def state_read_seq(memory: KVCache, state: KVState, dest_seq_id: int) -> None:
+    """Put the saved sequence into ``dest_seq_id``: remove it, find a slot, write the cells.
+
+    As ``state_read_meta``: ``seq_rm(dest_seq_id)``, then ``find_slot`` on a ubatch of the
+    saved positions (any free cells, contiguous or not), then ``apply_ubatch``. If no slot
+    is found, the cells and head of the stream are put back and :class:`StateError` is
+    raised: the memory is unchanged.
+    """
+    strm = memory.seq_to_stream[dest_seq_id]
+    backup = memory.v_cells[strm].copy(), memory.v_heads[strm]
+    n_replaced = len(memory.v_cells[strm].seq_pos.get(dest_seq_id, ()))
+    memory.seq_rm(dest_seq_id, -1, -1)
+    st = next((st for st in state.streams if st.cell_count), None)
+    if st is None:  # an empty sequence
+        return
+    ubatch = _seq_ubatch(st, dest_seq_id)
+    sinfo = memory.find_slot(ubatch, cont=False)
+    if sinfo is None:
+        memory.v_cells[strm], memory.v_heads[strm] = backup
+        free = memory.get_size() - memory.v_cells[strm].get_used()
+        raise StateError(f"does not fit: sequence needs {st.cell_count} cells, stream {strm} has "
+                         f"{free} free (+{n_replaced} of sequence {dest_seq_id} it replaces)")
+    _apply_pending_copies(memory)
+    memory.apply_ubatch(sinfo, ubatch)
+    cells = memory.v_cells[strm]
+    idxs = list(sinfo.idxs[0])
+    for j, i in enumerate(idxs):
+        _set_shift(cells, i, st.shift[j])
+    for il in range(len(st.k)):
+        memory.k_l[il][strm, idxs] = st.k[il]
+        memory.v_l[il][strm, idxs] = st.v[il]
+# --8<-- [end:state_read_seq]
+
+
+# --8<-- [start:state_read]
+def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1) -> None:
+    """Restore a blob of :func:`state_write` (``llama_state_set_data`` / ``seq_set_data``).
+
+    Everything is checked first (:func:`state_parse`, :func:`state_check`); only then does
+    the memory change. A whole blob (``dest_seq_id = -1``) replaces the memory; a sequence
+    blob goes into ``dest_seq_id`` wherever the slot search finds room.
+
+    Args:
+        memory: the cache to restore into.
+        hparams: the model's hyperparameters (those of ``memory``).
+        data: the blob.
+        dest_seq_id: -1 for a whole blob; the destination sequence for a sequence blob.
+
+    Raises:
+        StateError: any refusal (see :func:`state_parse`, :func:`state_check`; no room for
+            the sequence). The memory is then exactly as before the call.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> a, b = KVCache(hp, kv_size=8, n_seq_max=2), KVCache(hp, kv_size=8, n_seq_max=2)
+        >>> a.v_cells[0].pos_set(3, 7); a.v_cells[0].seq_add(3, 1); a.k_l[0][0, 3] = 1.0
+        >>> state_read(b, hp, state_write(a, hp, seq_id=1), dest_seq_id=0)
+        >>> b.seq_pos_max(0), b.seq_pos_max(1), float(b.k_l[0][0, 0, 0])
+        (7, -1, 1.0)
+        >>> state_read(b, hp, state_write(a, hp, seq_id=1))
+        Traceback (most recent call last):
+        ...
+        reference.memory.state.StateError: blob holds sequence 1: restore it with dest_seq_id >= 0
+    """
+    state = state_parse(data)
+    state_check(memory, hparams, state, dest_seq_id)
+    if dest_seq_id == -1:
+        state_read_whole(memory, state)
+    else:
+        state_read_seq(memory, state, dest_seq_id)
+# --8<-- [end:state_read]
+
+
+# ---------------------------------------------------------------------------------------------
+# files: tokens + a memory blob
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file next to ``path``, then rename it over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --8<-- [start:state_save_file]
+def state_save_file(
+    path: str | Path,
+    memory: KVCache,
+    hparams: LlamaHParams,
+    tokens: ArrayLike,
+    seq_id: int = -1,
+) -> int:
+    """Save the memory (or one sequence) and the tokens it holds to a file.
+
+    ``llama_state_save_file`` / ``llama_state_seq_save_file``. The file is
+
+    | field | type |
+    |---|---|
+    | magic ``b"LRSF"``, version, total size | 4 bytes, u32, u64 |
+    | n_token_count, tokens | u32, ``n_token_count`` x i32 |
+    | the memory blob | :func:`state_write` |
+    | checksum | SHA-256 of every byte before it |
+
+    written to a temporary file in the same folder and renamed over ``path``, so that a
+    crash never leaves half a file under that name.
+
+    Args:
+        path: the file.
+        memory: the cache.
+        hparams: its hyperparameters.
+        tokens: the token ids the caller wants back at load time (the prompt so far).
+        seq_id: the sequence to save, -1 for all.
+
+    Returns:
+        The file's size in bytes.
+
+    Raises:
+        StateError: as :func:`state_write`.
+    """
+    toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
+        raise StateError("token ids must fit an int32")
+    body = _Writer()
+    body.write("I", toks.size)
+    body.write_array(toks.astype(np.int32))
+    body.write_bytes(state_write(memory, hparams, seq_id))
+    data = _seal(FILE_MAGIC, FILE_VERSION, body.getvalue())
+    _write_atomic(path, data)
+    return len(data)
+# --8<-- [end:state_save_file]
+
+
+# --8<-- [start:state_load_file]
+def state_load_file(
+    path: str | Path, memory: KVCache, hparams: LlamaHParams, dest_seq_id: int = -1
+) -> np.ndarray:
+    """Restore a file of :func:`state_save_file`; returns its tokens.
+
+    ``llama_state_load_file`` / ``llama_state_seq_load_file``: the file's checksum is checked
+    first, then its memory blob is restored as :func:`state_read` does.
+
+    Args:
+        path: the file.
+        memory: the cache to restore into.
+        hparams: its hyperparameters.
+        dest_seq_id: -1 for a whole-memory file; the destination for a sequence file.
+
+    Returns:
+        The saved tokens ``(n_token_count,)`` int32.
+
+    Raises:
+        StateError: a refused file or blob (memory unchanged). OSError: the file cannot be read.
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> cache = KVCache(hp, kv_size=8)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "s.bin"
+        >>> _ = state_save_file(path, cache, hp, [1, 2, 3])
+        >>> state_load_file(path, cache, hp).tolist()
+        [1, 2, 3]
+    """
+    io = _unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
+    n_token_count = io.read("I")
+    tokens = io.read_array(np.dtype(np.int32), (n_token_count,))
+    state_read(memory, hparams, io.read_bytes(len(io.data) - io.off), dest_seq_id)
+    return tokens
+# --8<-- [end:state_load_file]
+
+
+# ---------------------------------------------------------------------------------------------
+# the context's state: outputs + a memory blob
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:context_state_write]
+def context_state_write(
+    memory: KVCache, hparams: LlamaHParams, logits: np.ndarray | None, output_ids: ArrayLike
+) -> bytes:
+    """The context's state: its output buffer, then the memory blob.
+
+    | field | type |
+    |---|---|
+    | magic ``b"LRCX"``, version, total size | 4 bytes, u32, u64 |
+    | has_logits | u32 (0: none) |
+    | logits type, n_outputs, n_vocab, logits | i32, u32, u32, rows (when has_logits) |
+    | n_output_ids, output_ids | u32, i32 each |
+    | memory blob size, memory blob | u64, :func:`state_write` |
+    | checksum | SHA-256 of every byte before it |
+
+    ``output_ids`` is stored as the Context keeps it (any int32 sequence, for example the
+    logits row of each batch index, -1 for none); it is given back unchanged.
+
+    Args:
+        memory: the context's cache.
+        hparams: its hyperparameters.
+        logits: the last decode's logits ``(n_outputs, n_vocab)``, or None.
+        output_ids: the output bookkeeping of the last decode ``(n,)``.
+
+    Returns:
+        The blob.
+
+    Raises:
+        StateError: logits not 2-D or of an unsupported dtype; output ids beyond int32; as
+            :func:`state_write`.
+    """
+    body = _Writer()
+    if logits is None:
+        body.write("I", 0)
+    else:
+        logits = np.asarray(logits)
+        if logits.ndim != 2:
+            raise StateError(f"logits must be (n_outputs, n_vocab), got shape {logits.shape}")
+        body.write("IiII", 1, _ggml_type(logits.dtype), *logits.shape)
+        body.write_array(logits)
+    ids = np.asarray(output_ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
+        raise StateError("output ids must fit an int32")
+    body.write("I", ids.size)
+    body.write_array(ids.astype(np.int32))
+    blob = state_write(memory, hparams)
+    body.write("Q", len(blob))
+    body.write_bytes(blob)
+    return _seal(CONTEXT_MAGIC, CONTEXT_VERSION, body.getvalue())
+# --8<-- [end:context_state_write]
+
+
+# --8<-- [start:context_state_read]
+def context_state_read(
+    memory: KVCache, hparams: LlamaHParams, data: bytes
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """Restore a blob of :func:`context_state_write`; returns ``(logits, output_ids)``.
+
+    The whole blob, the memory blob included, is checked before the memory changes.
+
+    Args:
+        memory: the context's cache.
+        hparams: its hyperparameters.
+        data: the blob.
+
+    Returns:
+        ``logits`` ``(n_outputs, n_vocab)`` or None, and ``output_ids`` ``(n,)`` int32.
+
+    Raises:
+        StateError: any refusal (memory unchanged).
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> cache = KVCache(hp, kv_size=8)
+        >>> blob = context_state_write(cache, hp, np.ones((1, hp.n_vocab), np.float32), [0])
+        >>> logits, ids = context_state_read(cache, hp, blob)
+        >>> logits.shape, ids.tolist()
+        ((1, 32), [0])
+    """
+    io = _unseal(data, CONTEXT_MAGIC, CONTEXT_VERSION, "context state")
+    logits = None
+    if io.read("I"):
+        t, n_outputs, n_vocab = io.read("iII")
+        if t not in DTYPE_OF_GGML_TYPE:
+            raise StateError(f"unsupported logits type {_type_name(t)}")
+        logits = io.read_array(DTYPE_OF_GGML_TYPE[t], (n_outputs, n_vocab))
+    output_ids = io.read_array(np.dtype(np.int32), (io.read("I"),))
+    blob = io.read_bytes(io.read("Q"))
+    if io.off != len(io.data):
+        raise StateError(f"context state has {len(io.data) - io.off} unread bytes")
+    state_read(memory, hparams, blob)
+    return logits, output_ids
+# --8<-- [end:context_state_read]
