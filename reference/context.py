@@ -288,8 +288,8 @@ class Context:
             ubatch; no outputs); -1 when the batch is invalid (nothing changed; the reason is
             in :attr:`last_error`).
 
-        Raises:
-            ContextError: a batch of embeddings (this reference's forward takes token ids).
+        A batch may carry token ids or input embeddings ``(n_tokens, n_embd)``; a bad batch
+        never raises, it returns -1.
 
         Examples:
             >>> from tests.tiny_models import tiny_hparams, random_weights
@@ -302,13 +302,11 @@ class Context:
             >>> ctx.last_error  # doctest: +ELLIPSIS
             'the tokens of sequence 0 in the input batch have inconsistent ...'
         """
-        if batch.embd is not None:
-            raise ContextError("this reference decodes token ids only: the batch holds "
-                               "embeddings")
         # 1. validate: llama_batch_allocr::init (and n_tokens_all <= n_batch)
         try:
             balloc = BatchAllocr(batch, n_vocab=self.n_vocab, n_seq_max=self._n_seq_max,
-                                 memory=self._memory, n_batch=self._n_batch)
+                                 memory=self._memory, n_embd=self.hparams.n_embd,
+                                 n_batch=self._n_batch)
         except BatchError as err:
             self.last_error = str(err)
             return -1
@@ -354,7 +352,7 @@ class Context:
         inp_attn = self._memory.attn_input(ubatch, sinfo)
         out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
         return llama_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp_attn,
-                             out_ids)
+                             out_ids, embd=ubatch.embd)
     # --8<-- [end:process_ubatch]
 
     # --8<-- [start:remove_ubatch]

@@ -150,9 +150,28 @@ def test_coupled_tokens_on_per_sequence_streams_return_1():
     assert unified.memory.seq_pos_max(1) == 1
 
 
-def test_embeddings_batch_is_refused():
-    with pytest.raises(ContextError, match="embeddings"):
-        make().decode(Batch(embd=np.zeros((2, HP.n_embd))))
+@pytest.mark.parametrize("n_ubatch", [1, 3, 256])
+def test_decoding_embeddings_equals_decoding_their_tokens(n_ubatch):
+    """A batch of embeddings is a batch of tokens whose get_rows was done by the caller."""
+    tokens = np.array(PROMPT[:9])
+    by_tokens, by_embd = make(n_ubatch=n_ubatch), make(n_ubatch=n_ubatch)
+    logits = [True] * len(tokens)
+    assert by_tokens.decode(Batch(token=tokens, logits=logits)) == 0
+    embd = W["token_embd.weight"][tokens]  # (n_tokens, n_embd)
+    assert by_embd.decode(Batch(embd=embd, logits=logits)) == 0
+    np.testing.assert_array_equal(by_embd.get_logits(), by_tokens.get_logits())
+    # and the two kinds of batch continue the same memory
+    assert by_embd.decode(Batch(token=[PROMPT[9]])) == by_tokens.decode(Batch(embd=W[
+        "token_embd.weight"][[PROMPT[9]]])) == 0
+    np.testing.assert_array_equal(by_embd.get_logits(), by_tokens.get_logits())
+
+
+def test_embeddings_of_the_wrong_width_are_an_invalid_batch():
+    ctx = make()
+    before = snapshot(ctx)
+    assert ctx.decode(Batch(embd=np.zeros((2, HP.n_embd + 1)))) == -1
+    assert "embd row width" in ctx.last_error
+    assert_same(snapshot(ctx), before)
 
 
 # ---- abort ----------------------------------------------------------------------------------

@@ -352,6 +352,39 @@ def build_ffn(cur: np.ndarray, layer: dict) -> np.ndarray:
 # --8<-- [end:build_ffn]
 
 
+# --8<-- [start:build_inp_embd]
+def build_inp_embd(
+    weights: dict, tokens: np.ndarray | None, embd: np.ndarray | None, dtype: DTypeLike
+) -> np.ndarray:
+    """The input of the first layer (``llm_graph_context::build_inp_embd``).
+
+    A batch carries either token ids, looked up as rows of ``token_embd`` (``get_rows``), or
+    the embeddings themselves (``llama_batch.embd``, e.g. from a vision encoder), used as
+    they are.
+
+    Args:
+        weights: GGUF-named weights.
+        tokens: token ids ``(n_tokens,)``, or None.
+        embd: embeddings ``(n_tokens, n_embd)``, or None; exactly one of the two is given.
+        dtype: the forward's dtype.
+
+    Returns:
+        ``(n_tokens, n_embd)``.
+
+    Examples:
+        >>> w = {"token_embd.weight": np.eye(3)}
+        >>> build_inp_embd(w, np.array([2, 0]), None, np.float64)
+        array([[0., 0., 1.],
+               [1., 0., 0.]])
+        >>> build_inp_embd(w, None, np.ones((1, 3)), np.float64)
+        array([[1., 1., 1.]])
+    """
+    if embd is not None:
+        return np.asarray(embd, dtype=dtype)  # (n_tokens, n_embd)
+    return get_rows(get_weight(weights, "token_embd.weight", dtype), tokens)  # (n_tokens, n_embd)
+# --8<-- [end:build_inp_embd]
+
+
 # --8<-- [start:llm_build_llama]
 def llm_build_llama(
     weights: dict,
@@ -360,16 +393,18 @@ def llm_build_llama(
     pos: np.ndarray,
     inp_attn: AttnInput,
     out_ids: np.ndarray,
+    embd: np.ndarray | None = None,
 ) -> np.ndarray:
     """The graph of ``llm_build_llama`` / ``llm_build_qwen2`` for one ubatch.
 
     Args:
         weights: GGUF-named weights (arrays or quantized tensors).
         hparams: the model's hyperparameters.
-        tokens: token ids ``(n_tokens,)``.
+        tokens: token ids ``(n_tokens,)``, or None when ``embd`` is given.
         pos: their positions ``(n_tokens,)``.
         inp_attn: the memory's attention input for this ubatch.
         out_ids: indices (into the ubatch) of the tokens that get logits ``(n_outputs,)``.
+        embd: input embeddings ``(n_tokens, n_embd)`` instead of token ids.
 
     Returns:
         logits ``(n_outputs, n_vocab)`` in the dtype of :func:`model_dtype`.
@@ -380,7 +415,7 @@ def llm_build_llama(
     rope = rope_cparams(hparams)
     rope_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
 
-    inpL = get_rows(get_weight(weights, "token_embd.weight", dtype), tokens)  # (n_tokens, n_embd)
+    inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
         layer = layer_weights(weights, il, dtype)
         inpSA = inpL
@@ -414,10 +449,11 @@ def llm_build_llama(
 def llama_forward(
     weights: dict,
     hparams: LlamaHParams,
-    tokens: np.ndarray,
+    tokens: np.ndarray | None,
     pos: np.ndarray,
     inp_attn: AttnInput,
     out_ids: np.ndarray | None = None,
+    embd: np.ndarray | None = None,
 ) -> np.ndarray:
     """One forward pass of a ubatch: checks the inputs, then :func:`llm_build_llama`.
 
@@ -425,18 +461,21 @@ def llama_forward(
         weights: GGUF-named weights; their dtype (``token_embd.weight``'s) is the compute
             dtype, float32 for quantized weights.
         hparams: hyperparameters; ``hparams.arch`` must be ``"llama"`` or ``"qwen2"``.
-        tokens: token ids ``(n_tokens,)``.
+        tokens: token ids ``(n_tokens,)``, or None when ``embd`` is given.
         pos: positions ``(n_tokens,)``.
         inp_attn: the memory's attention input for this ubatch (e.g.
             ``SimpleKVCache.init_batch(pos)``).
         out_ids: which tokens of the ubatch get logits ``(n_outputs,)``; None means all.
+        embd: input embeddings ``(n_tokens, n_embd)`` instead of token ids (exactly one of
+            ``tokens`` and ``embd``).
 
     Returns:
         logits ``(n_outputs, n_vocab)``.
 
     Raises:
-        LlamaForwardError: unsupported arch, empty ubatch, a token id out of range, ``pos``
-            of another length than ``tokens``, or ``out_ids`` out of range.
+        LlamaForwardError: unsupported arch, both or neither of ``tokens`` and ``embd``, an
+            empty ubatch, a token id out of range, embeddings of the wrong width, ``pos`` of
+            another length, or ``out_ids`` out of range.
 
     Examples:
         >>> from tests.tiny_models import tiny_hparams, random_weights
@@ -452,22 +491,32 @@ def llama_forward(
         ...
         reference.models.llama.LlamaForwardError: token id 99 out of range [0, 32)
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
     pos = np.asarray(pos, dtype=np.int64)
     if hparams.arch not in SUPPORTED_ARCHS:
         raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {SUPPORTED_ARCHS}")
-    if tokens.ndim != 1 or len(tokens) == 0:
-        raise LlamaForwardError(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
-    bad = tokens[(tokens < 0) | (tokens >= hparams.n_vocab)]
-    if len(bad):
-        raise LlamaForwardError(f"token id {bad[0]} out of range [0, {hparams.n_vocab})")
-    if pos.shape != tokens.shape:
-        raise LlamaForwardError(f"pos has shape {pos.shape}, tokens {tokens.shape}")
-    n_tokens = len(tokens)
+    if (tokens is None) == (embd is None):
+        raise LlamaForwardError("give exactly one of tokens and embd")
+    if tokens is not None:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise LlamaForwardError(f"tokens must be a non-empty 1-D array, got {tokens.shape}")
+        bad = tokens[(tokens < 0) | (tokens >= hparams.n_vocab)]
+        if len(bad):
+            raise LlamaForwardError(f"token id {bad[0]} out of range [0, {hparams.n_vocab})")
+        n_tokens = len(tokens)
+    else:
+        embd = np.asarray(embd)
+        if embd.ndim != 2 or embd.shape[0] == 0 or embd.shape[1] != hparams.n_embd:
+            raise LlamaForwardError(
+                f"embd must be (n_tokens > 0, n_embd={hparams.n_embd}), got {embd.shape}"
+            )
+        n_tokens = embd.shape[0]
+    if pos.shape != (n_tokens,):
+        raise LlamaForwardError(f"pos has shape {pos.shape}, expected ({n_tokens},)")
     out_ids = np.arange(n_tokens) if out_ids is None else np.asarray(out_ids, dtype=np.int64)
     if out_ids.ndim != 1 or ((out_ids < 0) | (out_ids >= n_tokens)).any():
         raise LlamaForwardError(f"out_ids {out_ids.tolist()} out of range [0, {n_tokens})")
-    return llm_build_llama(weights, hparams, tokens, pos, inp_attn, out_ids)
+    return llm_build_llama(weights, hparams, tokens, pos, inp_attn, out_ids, embd)
 # --8<-- [end:llama_forward]
 
 
