@@ -50,6 +50,8 @@ class GgmlCpu:
             "ggml_mul": ([p, p, p], p), "ggml_get_rows": ([p, p, p], p),
             "ggml_scale": ([p, p, f32], p),
             "ggml_rope_ext": ([p, p, p, p] + [ctypes.c_int] * 3 + [f32] * 6, p),
+            "ggml_ssm_conv": ([p, p, p], p),
+            "ggml_ssm_scan": ([p] * 8 + [ctypes.c_int64], p),
         }
         for name, (argtypes, restype) in signatures.items():
             fn = getattr(self.base, name)
