@@ -1027,3 +1027,63 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
 
 
 # --8<-- [end:llama_metadata]
+
+
+# --8<-- [start:mamba_metadata]
+def mamba_metadata(hparams: Any, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The GGUF metadata that describes a ``mamba``/``mamba2`` model, as the converter writes.
+
+    The inverse of :func:`reference.hparams.mamba_hparams_from_gguf`. Like
+    ``convert_hf_to_gguf``'s ``MambaModel`` / ``Mamba2Model`` it also writes
+    ``feed_forward_length = 0`` and ``attention.head_count = 0`` (unused by the graph).
+
+    Args:
+        hparams: a :class:`reference.hparams.MambaHParams`.
+        vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
+            :func:`spm_dummy_vocab`.
+
+    Returns:
+        Key to value, ready for :func:`write_gguf`.
+
+    Raises:
+        GGUFError: another architecture, or a vocabulary whose size is not
+            ``hparams.n_vocab``.
+
+    Examples:
+        >>> from reference.hparams import MambaHParams
+        >>> hp = MambaHParams("mamba2", n_vocab=32, n_embd=16, n_layer=1, n_ctx_train=64,
+        ...     ssm_d_conv=4, ssm_d_inner=32, ssm_d_state=8, ssm_dt_rank=4, ssm_n_group=1,
+        ...     f_norm_rms_eps=1e-5)
+        >>> md = mamba_metadata(hp)
+        >>> md["mamba2.ssm.group_count"], md["mamba2.ssm.time_step_rank"]
+        (1, 4)
+    """
+    arch = hparams.arch
+    if arch not in ("mamba", "mamba2"):
+        raise GGUFError(f"unsupported architecture {arch!r}: expected 'mamba' or 'mamba2'")
+    vocab = spm_dummy_vocab(hparams.n_vocab) if vocab is None else dict(vocab)
+    if len(vocab.get("tokenizer.ggml.tokens", ())) != hparams.n_vocab:
+        raise GGUFError(f"the vocabulary must have n_vocab={hparams.n_vocab} tokens")
+    md: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.name": f"llamaref {arch}",
+        f"{arch}.context_length": hparams.n_ctx_train,
+        f"{arch}.embedding_length": hparams.n_embd,
+        f"{arch}.feed_forward_length": 0,
+        f"{arch}.attention.head_count": 0,
+        f"{arch}.block_count": hparams.n_layer,
+        f"{arch}.ssm.conv_kernel": hparams.ssm_d_conv,
+        f"{arch}.ssm.inner_size": hparams.ssm_d_inner,
+        f"{arch}.ssm.state_size": hparams.ssm_d_state,
+        f"{arch}.ssm.time_step_rank": hparams.ssm_dt_rank,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(hparams.f_norm_rms_eps),
+    }
+    if arch == "mamba":
+        md["mamba.ssm.dt_b_c_rms"] = bool(hparams.ssm_dt_b_c_rms)
+    else:
+        md["mamba2.ssm.group_count"] = hparams.ssm_n_group
+    md.update(vocab)
+    return md
+
+
+# --8<-- [end:mamba_metadata]

@@ -48,6 +48,7 @@ from reference.hparams import (
     SWA_TYPE_STANDARD,
     HParamsError,
     LlamaHParams,
+    MambaHParams,
 )
 
 
@@ -187,8 +188,10 @@ def llama3_rope_factors(rope: dict, n_rot: int, freq_base: float) -> np.ndarray:
 
 
 # --8<-- [start:hparams_from_hf]
-def hparams_from_hf(config: dict) -> LlamaHParams:
+def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
     """Map a HF ``config.json`` (as a dict) to :class:`LlamaHParams`.
+
+    Mamba and Mamba-2 configs go to :func:`mamba_hparams_from_hf`.
 
     Args:
         config: the parsed ``config.json``.
@@ -209,8 +212,11 @@ def hparams_from_hf(config: dict) -> LlamaHParams:
         ('llama', 4, 4, 1000000.0)
     """
     archs = config.get("architectures") or []
+    if len(archs) == 1 and archs[0] in HF_MAMBA_ARCHS:
+        return mamba_hparams_from_hf(config)
     if len(archs) != 1 or archs[0] not in HF_ARCHS:
-        raise HFLoadError(f"unsupported architectures {archs}; supported: {sorted(HF_ARCHS)}")
+        supported = sorted([*HF_ARCHS, *HF_MAMBA_ARCHS])
+        raise HFLoadError(f"unsupported architectures {archs}; supported: {supported}")
     hf_arch = archs[0]
     arch = HF_ARCHS[hf_arch]
     n_head = config["num_attention_heads"]
@@ -325,6 +331,8 @@ def load_hf(
         raise HFLoadError(f"no config.json in {path}")
     config = json.loads((path / "config.json").read_text())
     hp = hparams_from_hf(config)
+    if isinstance(hp, MambaHParams):
+        return load_mamba_hf(path, hp, dtype)
     weights: dict[str, np.ndarray] = {}
     for hf_name, t in _read_safetensors(path).items():
         name = gguf_tensor_name(hf_name)
@@ -370,6 +378,246 @@ def _check_shapes(hp: LlamaHParams, weights: dict[str, np.ndarray]) -> None:
             b + "ffn_up.weight": (hp.n_ff, hp.n_embd),
             b + "ffn_down.weight": (hp.n_embd, hp.n_ff),
         })
+    for name, shape in expected.items():
+        if name not in weights:
+            raise HFLoadError(f"missing tensor {name!r} (GGUF name)")
+        if weights[name].shape != shape:
+            raise HFLoadError(f"tensor {name!r} has shape {weights[name].shape}, expected {shape}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba and Mamba-2 (convert_hf_to_gguf's MambaModel and Mamba2Model, conversion/mamba.py)
+# ---------------------------------------------------------------------------------------------
+
+# --8<-- [start:HF_MAMBA_ARCHS]
+# HF "architectures" entry -> GGUF architecture
+HF_MAMBA_ARCHS = {
+    "MambaForCausalLM": "mamba",
+    "Mamba2ForCausalLM": "mamba2",
+}
+# --8<-- [end:HF_MAMBA_ARCHS]
+
+# --8<-- [start:HF_MAMBA_TENSOR_NAMES]
+# HF tensor name -> GGUF tensor name (gguf-py's tensor_mapping.py)
+HF_MAMBA_TENSOR_NAMES = {
+    "backbone.embeddings.weight": "token_embd.weight",
+    "backbone.norm_f.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_MAMBA_LAYER_TENSOR_NAMES = {  # backbone.layers.{il}.<key> -> blk.{il}.<value>
+    "norm.weight": "attn_norm.weight",
+    "mixer.in_proj.weight": "ssm_in.weight",
+    "mixer.conv1d.weight": "ssm_conv1d.weight",  # (conv_dim, 1, d_conv) squeezed
+    "mixer.conv1d.bias": "ssm_conv1d.bias",
+    "mixer.x_proj.weight": "ssm_x.weight",  # Mamba-1
+    "mixer.dt_proj.weight": "ssm_dt.weight",  # Mamba-1
+    "mixer.dt_proj.bias": "ssm_dt.bias",  # Mamba-1
+    "mixer.dt_bias": "ssm_dt.bias",  # Mamba-2
+    "mixer.A_log": "ssm_a",  # stored as A = -exp(A_log); no .weight suffix
+    "mixer.D": "ssm_d",  # no .weight suffix
+    "mixer.norm.weight": "ssm_norm.weight",  # Mamba-2: (n_group, d_inner / n_group)
+    "mixer.out_proj.weight": "ssm_out.weight",
+}
+# --8<-- [end:HF_MAMBA_TENSOR_NAMES]
+
+
+# --8<-- [start:mamba_gguf_tensor_name]
+def mamba_gguf_tensor_name(hf_name: str) -> str | None:
+    """The GGUF name of a HF Mamba/Mamba-2 tensor, or None for tensors llama.cpp does not use.
+
+    Mamba-Codestral's ``model.backbone.*`` / ``model.lm_head.*`` prefix is dropped first, as
+    the converter does.
+
+    Examples:
+        >>> mamba_gguf_tensor_name("backbone.layers.2.mixer.A_log")
+        'blk.2.ssm_a'
+        >>> mamba_gguf_tensor_name("backbone.layers.0.mixer.dt_bias")
+        'blk.0.ssm_dt.bias'
+        >>> mamba_gguf_tensor_name("model.backbone.norm_f.weight"), mamba_gguf_tensor_name("x")
+        ('output_norm.weight', None)
+    """
+    if hf_name.startswith(("model.backbone.", "model.lm_head.")):
+        hf_name = hf_name.removeprefix("model.")
+    if hf_name in HF_MAMBA_TENSOR_NAMES:
+        return HF_MAMBA_TENSOR_NAMES[hf_name]
+    m = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", hf_name)
+    if m and m.group(2) in HF_MAMBA_LAYER_TENSOR_NAMES:
+        return f"blk.{m.group(1)}.{HF_MAMBA_LAYER_TENSOR_NAMES[m.group(2)]}"
+    return None
+# --8<-- [end:mamba_gguf_tensor_name]
+
+
+def _json_float(value) -> float:
+    """A float of ``config.json``; transformers writes infinity as ``{"__float__": "Infinity"}``."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+# --8<-- [start:mamba_hparams_from_hf]
+def mamba_hparams_from_hf(config: dict) -> MambaHParams:
+    r"""Map a HF ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` config to :class:`MambaHParams`.
+
+    As the converter's ``set_gguf_parameters``: ``d_inner`` is ``intermediate_size`` (else
+    ``expand * hidden_size``); Mamba-1's ``dt_rank`` is ``time_step_rank`` (``"auto"``:
+    ``ceil(hidden_size / 16)``); Mamba-2's head count (``ssm_dt_rank``) is
+    ``d_inner / head_dim`` and its groups ``n_groups``; ``n_ctx_train`` is the converter's
+    arbitrary $2^{20}$ (a recurrent model has no trained context length).
+
+    Raises:
+        HFLoadError: a feature llama.cpp's graph does not have (``use_bias`` projections, no
+            conv bias), a Mamba-2 ``time_step_limit`` other than ``(0, inf)`` (llama.cpp does
+            not clamp $\Delta$), or inconsistent sizes.
+
+    Examples:
+        >>> hp = mamba_hparams_from_hf({"architectures": ["Mamba2ForCausalLM"],
+        ...     "vocab_size": 48, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 8,
+        ...     "expand": 2, "head_dim": 8, "n_groups": 2, "conv_kernel": 4,
+        ...     "layer_norm_epsilon": 1e-5})
+        >>> hp.arch, hp.ssm_d_inner, hp.ssm_dt_rank, hp.ssm_n_group, hp.n_embd_r()
+        ('mamba2', 64, 8, 2, 288)
+    """
+    arch = HF_MAMBA_ARCHS[config["architectures"][0]]
+    n_embd = config["hidden_size"]
+    d_inner = config.get("intermediate_size") or config.get("expand", 2) * n_embd
+    if config.get("use_bias", False):
+        raise HFLoadError(f"{arch}: use_bias=true (in_proj/out_proj biases) is not supported")
+    if not config.get("use_conv_bias", True):
+        raise HFLoadError(f"{arch}: use_conv_bias=false is not supported (llama.cpp needs it)")
+    if arch == "mamba":
+        dt_rank = config.get("time_step_rank", "auto")
+        if dt_rank == "auto":
+            dt_rank = -(n_embd // -16)
+        n_group = 0
+    else:
+        limit = [_json_float(v) for v in config.get("time_step_limit") or (0.0, math.inf)]
+        if limit[0] != 0.0 or math.isfinite(limit[1]):
+            raise HFLoadError(f"mamba2: time_step_limit={limit} is not supported")
+        dt_rank = d_inner // config.get("head_dim", 64)
+        n_group = config.get("n_groups", 1)
+    try:
+        hp = MambaHParams(
+            arch=arch,
+            n_vocab=config["vocab_size"],
+            n_embd=n_embd,
+            n_layer=config["num_hidden_layers"],
+            n_ctx_train=2**20,
+            ssm_d_conv=config.get("conv_kernel", 4),
+            ssm_d_inner=d_inner,
+            ssm_d_state=config.get("state_size", 16 if arch == "mamba" else 128),
+            ssm_dt_rank=dt_rank,
+            ssm_n_group=n_group,
+            f_norm_rms_eps=config.get("layer_norm_epsilon") or 1e-5,
+            tied_output=bool(config.get("tie_word_embeddings", False)),
+        )
+    except HParamsError as e:
+        raise HFLoadError(f"inconsistent config.json: {e}") from e
+    return _float32_fields(hp)
+# --8<-- [end:mamba_hparams_from_hf]
+
+
+# --8<-- [start:mamba_gguf_tensor]
+def mamba_gguf_tensor(name: str, t: np.ndarray, hp: MambaHParams) -> np.ndarray:
+    r"""A HF Mamba tensor in its GGUF form (the converter's ``modify_tensors``).
+
+    - ``A_log`` becomes $A = -e^{A_{log}}$ (the scan wants the negative decay rate);
+    - the conv weight ``(conv_dim, 1, d_conv)`` is squeezed to ``(conv_dim, d_conv)``;
+    - Mamba-2's ``A`` and ``D`` ``(n_head,)`` become ``(n_head, 1)`` (Mamba-1's shapes, and
+      ``D`` broadcasts over ``head_dim``); its norm gain ``(d_inner,)`` becomes
+      ``(n_group, d_inner / n_group)``.
+
+    Args:
+        name: the GGUF name (:func:`mamba_gguf_tensor_name`).
+        t: the HF tensor.
+        hp: the hyperparameters.
+
+    Returns:
+        The tensor to store under ``name``.
+
+    Examples:
+        >>> hp = mamba_hparams_from_hf({"architectures": ["Mamba2ForCausalLM"],
+        ...     "vocab_size": 48, "hidden_size": 32, "num_hidden_layers": 1, "state_size": 8,
+        ...     "head_dim": 16, "n_groups": 2})
+        >>> mamba_gguf_tensor("blk.0.ssm_a", np.zeros(4, np.float32), hp).ravel()
+        array([-1., -1., -1., -1.], dtype=float32)
+        >>> mamba_gguf_tensor("blk.0.ssm_norm.weight", np.ones(64, np.float32), hp).shape
+        (2, 32)
+    """
+    kind = name.split(".")[2] if name.startswith("blk.") else name
+    if kind == "ssm_a":
+        t = -np.exp(t)
+    if kind == "ssm_conv1d" and name.endswith(".weight"):
+        t = t.reshape(t.shape[0], t.shape[-1])  # (conv_dim, d_conv)
+    if hp.arch == "mamba2" and kind in ("ssm_a", "ssm_d"):
+        t = t.reshape(*t.shape, 1)  # (n_head, 1)
+    if hp.arch == "mamba2" and kind == "ssm_norm":
+        t = t.reshape(hp.ssm_n_group, -1)  # (n_group, d_inner / n_group)
+    return t
+# --8<-- [end:mamba_gguf_tensor]
+
+
+# --8<-- [start:load_mamba_hf]
+def load_mamba_hf(
+    path: str | Path, hp: MambaHParams, dtype: DTypeLike = np.float32
+) -> tuple[MambaHParams, dict[str, np.ndarray]]:
+    """The weights of a HF Mamba/Mamba-2 folder with GGUF names and shapes.
+
+    Called by :func:`load_hf` when ``config.json`` names a Mamba architecture.
+
+    Args:
+        path: folder with ``config.json`` and ``*.safetensors``.
+        hp: the hyperparameters from :func:`mamba_hparams_from_hf`.
+        dtype: dtype of the returned weights.
+
+    Returns:
+        ``(hparams, weights)``; ``output.weight`` is absent (``hparams.tied_output`` True)
+        when the checkpoint has no ``lm_head`` or ties it.
+
+    Raises:
+        HFLoadError: a missing or misshapen tensor.
+    """
+    weights: dict[str, np.ndarray] = {}
+    for hf_name, t in _read_safetensors(Path(path)).items():
+        name = mamba_gguf_tensor_name(hf_name)
+        if name is not None:
+            # A = -exp(A_log) in float32, as the converter (torch, float32 checkpoint)
+            weights[name] = mamba_gguf_tensor(name, t.astype(np.float32), hp).astype(dtype)
+    if "output.weight" not in weights and not hp.tied_output:
+        hp = _replace(hp, tied_output=True)
+    if "output.weight" in weights and hp.tied_output:
+        del weights["output.weight"]  # a tied checkpoint that stored lm_head anyway
+    _check_mamba_shapes(hp, weights)
+    return hp, weights
+# --8<-- [end:load_mamba_hf]
+
+
+def _check_mamba_shapes(hp: MambaHParams, weights: dict[str, np.ndarray]) -> None:
+    d_inner, d_state, d_conv = hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_d_conv
+    n_head, conv_dim = hp.n_head(), hp.conv_dim()
+    expected = {"token_embd.weight": (hp.n_vocab, hp.n_embd), "output_norm.weight": (hp.n_embd,)}
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        expected.update({
+            b + "attn_norm.weight": (hp.n_embd,),
+            b + "ssm_conv1d.weight": (conv_dim, d_conv),
+            b + "ssm_conv1d.bias": (conv_dim,),
+            b + "ssm_out.weight": (hp.n_embd, d_inner),
+        })
+        if hp.arch == "mamba":
+            expected.update({
+                b + "ssm_in.weight": (2 * d_inner, hp.n_embd),
+                b + "ssm_x.weight": (hp.ssm_dt_rank + 2 * d_state, d_inner),
+                b + "ssm_dt.weight": (d_inner, hp.ssm_dt_rank),
+                b + "ssm_dt.bias": (d_inner,),
+                b + "ssm_a": (d_inner, d_state),
+                b + "ssm_d": (d_inner,),
+            })
+        else:
+            expected.update({
+                b + "ssm_in.weight": (d_inner + conv_dim + n_head, hp.n_embd),
+                b + "ssm_dt.bias": (n_head,),
+                b + "ssm_a": (n_head, 1),
+                b + "ssm_d": (n_head, 1),
+                b + "ssm_norm.weight": (hp.ssm_n_group, d_inner // hp.ssm_n_group),
+            })
     for name, shape in expected.items():
         if name not in weights:
             raise HFLoadError(f"missing tensor {name!r} (GGUF name)")

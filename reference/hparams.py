@@ -45,6 +45,10 @@ attention in llama.cpp. We read it, so that Mistral-style sliding-window models 
 described; oracle tests against llama.cpp must not set it. (3) Or the old key
 ``{arch}.rope.scale_linear``.
 
+The selective state space models (``mamba``, ``mamba2``) have their own dataclass,
+:class:`MambaHParams` (the ``ssm_*`` fields, ``n_embd_r()``/``n_embd_s()``), read by
+:func:`mamba_hparams_from_gguf` from the ``{arch}.ssm.*`` keys.
+
 Like llama.cpp, floats are held as float32 and a key may hold one value per layer (an
 array of ``n_layer`` items); this dataclass holds one value, so per-layer arrays must be
 uniform.
@@ -223,6 +227,10 @@ def _get(metadata: dict[str, Any], key: str, default: Any, kind: type, n_layer: 
         if abs(value) > np.finfo(np.float32).max and math.isfinite(value):
             raise GGUFError(f"key {key!r}: {value} does not fit a float32")
         return float(np.float32(value))  # llama_hparams holds float
+    if kind is bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise GGUFError(f"key {key!r} must be a bool, got {value!r}")
+        return bool(value)
     if kind is str and not isinstance(value, str):
         raise GGUFError(f"key {key!r} must be a string, got {value!r}")
     return value
@@ -231,19 +239,20 @@ def _get(metadata: dict[str, Any], key: str, default: Any, kind: type, n_layer: 
 # --8<-- [start:hparams_from_gguf]
 def hparams_from_gguf(
     arch: str, metadata: dict[str, Any], tensor_names: Iterable[str] | None = None
-) -> LlamaHParams:
+) -> LlamaHParams | MambaHParams:
     """Hyperparameters from GGUF metadata, as ``llama_model::load_hparams`` reads them.
 
-    See the table of keys in the module docstring.
+    See the table of keys in the module docstring; ``mamba`` and ``mamba2`` go to
+    :func:`mamba_hparams_from_gguf`.
 
     Args:
-        arch: ``general.architecture``: ``"llama"`` or ``"qwen2"``.
+        arch: ``general.architecture``: ``"llama"``, ``"qwen2"``, ``"mamba"`` or ``"mamba2"``.
         metadata: the GGUF key/value pairs (``GGUFFile.metadata``).
         tensor_names: the file's tensor names; ``tied_output`` is True when they lack
             ``output.weight``. None leaves ``tied_output`` False.
 
     Returns:
-        The :class:`LlamaHParams`.
+        The :class:`LlamaHParams` (:class:`MambaHParams` for ``mamba``/``mamba2``).
 
     Raises:
         GGUFError: an unsupported architecture, a missing required key (named), a value of
@@ -259,8 +268,12 @@ def hparams_from_gguf(
         >>> hp.n_embd_head_k, hp.n_rot, hp.n_gqa(), hp.rope_freq_base_train, hp.tied_output
         (16, 16, 2, 10000.0, True)
     """
+    if arch in MAMBA_ARCHS:
+        return mamba_hparams_from_gguf(arch, metadata, tensor_names)
     if arch not in ("llama", "qwen2"):
-        raise GGUFError(f"unsupported architecture {arch!r}: expected 'llama' or 'qwen2'")
+        raise GGUFError(
+            f"unsupported architecture {arch!r}: expected 'llama', 'qwen2', 'mamba' or 'mamba2'"
+        )
     a = arch
     n_layer = _get(metadata, f"{a}.block_count", _REQUIRED, int)
     if n_layer == 0:
@@ -326,3 +339,230 @@ def hparams_from_gguf(
 
 
 # --8<-- [end:hparams_from_gguf]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba and Mamba-2
+# ---------------------------------------------------------------------------------------------
+
+# --8<-- [start:MAMBA_ARCHS]
+MAMBA_ARCHS = ("mamba", "mamba2")  # GGUF architectures of selective state space models
+# --8<-- [end:MAMBA_ARCHS]
+
+
+# --8<-- [start:mamba_hparams_errors]
+def mamba_hparams_errors(hp: MambaHParams) -> list[str]:
+    """What is inconsistent in ``hp``; an empty list when it describes a Mamba model.
+
+    The rules the forward pass relies on (the ``GGML_ASSERT`` checks of ``build_mamba_layer``,
+    ``build_mamba2_layer`` and ``ggml_ssm_scan``): positive sizes; for ``mamba`` no groups
+    (``ssm_n_group = 0``: llama.cpp does not read the key, and the conv state holds ``x``
+    only); for ``mamba2`` at least one group, whole heads (``ssm_dt_rank`` is the head count
+    and divides ``ssm_d_inner``) and whole heads per group, and no ``ssm_dt_b_c_rms`` (a
+    FalconMamba flag that ``mamba2`` does not read).
+
+    Examples:
+        >>> hp = MambaHParams(arch="mamba2", n_vocab=16, n_embd=8, n_layer=1, n_ctx_train=64,
+        ...     ssm_d_conv=4, ssm_d_inner=16, ssm_d_state=4, ssm_dt_rank=4, ssm_n_group=2,
+        ...     f_norm_rms_eps=1e-5)
+        >>> mamba_hparams_errors(hp)
+        []
+        >>> import dataclasses
+        >>> dataclasses.replace(hp, ssm_dt_rank=3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.hparams.HParamsError: mamba2: ssm_d_inner=16 is not a multiple of the head ...
+    """
+    if hp.arch not in MAMBA_ARCHS:
+        return [f"arch {hp.arch!r} is not one of {MAMBA_ARCHS}"]
+    sizes = ("n_vocab", "n_embd", "n_layer", "ssm_d_conv", "ssm_d_inner", "ssm_d_state",
+             "ssm_dt_rank")
+    errors = [f"{name} must be positive, got {getattr(hp, name)}"
+              for name in sizes if getattr(hp, name) <= 0]
+    if errors:
+        return errors
+    if hp.arch == "mamba" and hp.ssm_n_group != 0:
+        errors.append(f"mamba: ssm_n_group must be 0 (no groups), got {hp.ssm_n_group}")
+    if hp.arch == "mamba2":
+        n_head, n_group = hp.ssm_dt_rank, hp.ssm_n_group
+        if n_group <= 0:
+            errors.append(f"mamba2: ssm_n_group must be positive, got {n_group}")
+        elif hp.ssm_d_inner % n_head:
+            errors.append(f"mamba2: ssm_d_inner={hp.ssm_d_inner} is not a multiple of the "
+                          f"head count ssm_dt_rank={n_head}")
+        elif n_head % n_group:
+            errors.append(f"mamba2: the head count ssm_dt_rank={n_head} is not a multiple "
+                          f"of ssm_n_group={n_group}")
+        if hp.ssm_dt_b_c_rms:
+            errors.append("mamba2: ssm_dt_b_c_rms is a mamba (FalconMamba) flag")
+    return errors
+# --8<-- [end:mamba_hparams_errors]
+
+
+# --8<-- [start:MambaHParams]
+@dataclass(frozen=True)
+class MambaHParams:
+    r"""The hyperparameters of Mamba and Mamba-2 (``llama_hparams``' ``ssm_*`` fields).
+
+    Attributes:
+        arch: ``"mamba"`` (Mamba-1, selective scan with a per-channel $A$) or ``"mamba2"``
+            (SSD: a scalar $A$ per head, heads of ``ssm_d_inner / ssm_dt_rank`` channels).
+        n_vocab: vocabulary size.
+        n_embd: width of the residual stream ($d_{model}$).
+        n_layer: number of blocks.
+        n_ctx_train: context length of the GGUF (unused by a recurrent model).
+        ssm_d_conv: width of the causal depthwise convolution (4 in every released model).
+        ssm_d_inner: width of the SSM ($d_{inner}$, ``expand * n_embd``).
+        ssm_d_state: state size $N$ per channel.
+        ssm_dt_rank: Mamba-1: rank of the $\Delta$ projection; Mamba-2: the head count.
+        ssm_n_group: Mamba-2: groups of heads sharing $B$ and $C$; 0 for Mamba-1.
+        ssm_dt_b_c_rms: Mamba-1 (FalconMamba): RMS-normalize $\Delta$, $B$, $C$.
+        f_norm_rms_eps: epsilon of every ``rms_norm``.
+        tied_output: True when the model has no ``output.weight`` and reuses ``token_embd``.
+
+    The memory sizes its rows with :meth:`n_embd_r` and :meth:`n_embd_s`, as
+    ``llama_hparams`` does.
+
+    Examples:
+        >>> hp = MambaHParams(arch="mamba", n_vocab=16, n_embd=8, n_layer=2, n_ctx_train=64,
+        ...     ssm_d_conv=4, ssm_d_inner=16, ssm_d_state=4, ssm_dt_rank=2,
+        ...     f_norm_rms_eps=1e-5)
+        >>> hp.n_embd_r(), hp.n_embd_s()
+        (48, 64)
+    """
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ctx_train: int
+    ssm_d_conv: int
+    ssm_d_inner: int
+    ssm_d_state: int
+    ssm_dt_rank: int
+    f_norm_rms_eps: float
+    ssm_n_group: int = 0
+    ssm_dt_b_c_rms: bool = False
+    tied_output: bool = False
+
+    def __post_init__(self) -> None:
+        for error in mamba_hparams_errors(self):
+            raise HParamsError(error)
+
+    def n_embd_r(self) -> int:
+        r"""Values of one conv-state row: $(d_{conv} - 1)(d_{inner} + 2 n_{group} N)$.
+
+        ``llama_hparams::n_embd_r``: the last $d_{conv} - 1$ inputs of the convolution for
+        each of its channels (``x`` only for Mamba-1, ``x``, ``B`` and ``C`` for Mamba-2).
+        """
+        conv_dim = self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state
+        return (self.ssm_d_conv - 1) * conv_dim
+
+    def n_embd_s(self) -> int:
+        r"""Values of one ssm-state row: $N \cdot d_{inner}$ (``llama_hparams::n_embd_s``)."""
+        return self.ssm_d_state * self.ssm_d_inner
+
+    def conv_dim(self) -> int:
+        """Channels of the convolution: ``ssm_d_inner + 2 * ssm_n_group * ssm_d_state``."""
+        return self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state
+
+    def n_head(self) -> int:
+        """Heads of the scan: ``ssm_d_inner`` for Mamba-1 (head_dim 1), ``ssm_dt_rank`` for
+        Mamba-2 (``build_mamba_layer`` / ``build_mamba2_layer``)."""
+        return self.ssm_d_inner if self.arch == "mamba" else self.ssm_dt_rank
+
+    def head_dim(self) -> int:
+        """Channels per head: ``ssm_d_inner / n_head()``."""
+        return self.ssm_d_inner // self.n_head()
+# --8<-- [end:MambaHParams]
+
+
+# --8<-- [start:mamba_hparams_from_gguf]
+def mamba_hparams_from_gguf(
+    arch: str, metadata: dict[str, Any], tensor_names: Iterable[str] | None = None
+) -> MambaHParams:
+    """Hyperparameters of a ``mamba``/``mamba2`` GGUF, as ``llama_model_mamba{,2}::
+    load_arch_hparams`` reads them (``src/models/mamba.cpp``, ``mamba2.cpp``).
+
+    | GGUF key | field | when absent |
+    |---|---|---|
+    | ``{arch}.context_length`` | ``n_ctx_train`` | required |
+    | ``{arch}.embedding_length`` | ``n_embd`` | required |
+    | ``{arch}.block_count`` | ``n_layer`` | required |
+    | ``{arch}.ssm.conv_kernel`` | ``ssm_d_conv`` | required |
+    | ``{arch}.ssm.inner_size`` | ``ssm_d_inner`` | required |
+    | ``{arch}.ssm.state_size`` | ``ssm_d_state`` | required |
+    | ``{arch}.ssm.time_step_rank`` | ``ssm_dt_rank`` | required |
+    | ``mamba2.ssm.group_count`` | ``ssm_n_group`` | required (mamba2); not read (mamba) |
+    | ``mamba.ssm.dt_b_c_rms`` | ``ssm_dt_b_c_rms`` | false; not read (mamba2) |
+    | ``{arch}.attention.layer_norm_rms_epsilon`` | ``f_norm_rms_eps`` | required |
+    | ``tokenizer.ggml.tokens`` (length), else ``{arch}.vocab_size`` | ``n_vocab`` | required |
+    | no ``output.weight`` tensor | ``tied_output`` | |
+
+    The converter also writes ``feed_forward_length = 0`` and ``attention.head_count = 0``,
+    which a recurrent model does not use (they are not read here).
+
+    Args:
+        arch: ``"mamba"`` or ``"mamba2"``.
+        metadata: the GGUF key/value pairs.
+        tensor_names: the file's tensor names (for ``tied_output``); None leaves it False.
+
+    Returns:
+        The :class:`MambaHParams`.
+
+    Raises:
+        GGUFError: another architecture, a missing required key (named), a value of the
+            wrong type, sizes that cannot describe a model (:func:`mamba_hparams_errors`).
+
+    Examples:
+        >>> md = {"mamba2.context_length": 1024, "mamba2.embedding_length": 16,
+        ...       "mamba2.block_count": 2, "mamba2.ssm.conv_kernel": 4,
+        ...       "mamba2.ssm.inner_size": 32, "mamba2.ssm.state_size": 8,
+        ...       "mamba2.ssm.time_step_rank": 4, "mamba2.ssm.group_count": 2,
+        ...       "mamba2.attention.layer_norm_rms_epsilon": 1e-5, "mamba2.vocab_size": 48}
+        >>> hp = mamba_hparams_from_gguf("mamba2", md)
+        >>> hp.n_head(), hp.head_dim(), hp.n_embd_r(), hp.n_embd_s()
+        (4, 8, 192, 256)
+        >>> mamba_hparams_from_gguf("mamba", md)
+        Traceback (most recent call last):
+        ...
+        reference.gguf.GGUFError: missing required key 'mamba.block_count'
+    """
+    if arch not in MAMBA_ARCHS:
+        raise GGUFError(f"unsupported architecture {arch!r}: expected one of {MAMBA_ARCHS}")
+    a = arch
+    n_layer = _get(metadata, f"{a}.block_count", _REQUIRED, int)
+    if n_layer == 0:
+        raise GGUFError(f"key '{a}.block_count' must be > 0")
+    if "tokenizer.ggml.tokens" in metadata:
+        tokens = metadata["tokenizer.ggml.tokens"]
+        if not isinstance(tokens, list):
+            raise GGUFError("key 'tokenizer.ggml.tokens' must be an array of strings")
+        n_vocab = len(tokens)
+    else:
+        n_vocab = _get(metadata, f"{a}.vocab_size", _REQUIRED, int)
+    try:
+        return MambaHParams(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_embd=_get(metadata, f"{a}.embedding_length", _REQUIRED, int),
+            n_layer=n_layer,
+            n_ctx_train=_get(metadata, f"{a}.context_length", _REQUIRED, int),
+            ssm_d_conv=_get(metadata, f"{a}.ssm.conv_kernel", _REQUIRED, int),
+            ssm_d_inner=_get(metadata, f"{a}.ssm.inner_size", _REQUIRED, int),
+            ssm_d_state=_get(metadata, f"{a}.ssm.state_size", _REQUIRED, int),
+            ssm_dt_rank=_get(metadata, f"{a}.ssm.time_step_rank", _REQUIRED, int),
+            ssm_n_group=(
+                _get(metadata, f"{a}.ssm.group_count", _REQUIRED, int) if a == "mamba2" else 0
+            ),
+            ssm_dt_b_c_rms=(
+                _get(metadata, f"{a}.ssm.dt_b_c_rms", False, bool) if a == "mamba" else False
+            ),
+            f_norm_rms_eps=_get(
+                metadata, f"{a}.attention.layer_norm_rms_epsilon", _REQUIRED, float
+            ),
+            tied_output=tensor_names is not None and "output.weight" not in set(tensor_names),
+        )
+    except HParamsError as e:
+        raise GGUFError(f"inconsistent hyperparameters: {e}") from e
+# --8<-- [end:mamba_hparams_from_gguf]

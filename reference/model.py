@@ -1,7 +1,9 @@
 """Load a model from a GGUF file or a HF checkpoint folder: ``(hparams, weights)``.
 
-Either way the result is the same pair: :class:`reference.hparams.LlamaHParams` and a dict
-of weights keyed by GGUF tensor names (``"blk.0.attn_q.weight"``), matrices in NumPy order.
+Either way the result is the same pair: the hyperparameters
+(:class:`reference.hparams.LlamaHParams`, or :class:`reference.hparams.MambaHParams` for the
+``mamba``/``mamba2`` architectures) and a dict of weights keyed by GGUF tensor names
+(``"blk.0.attn_q.weight"``), matrices in NumPy order.
 GGUF weights stay quantized (:class:`reference.quants.QuantizedTensor`) until the forward
 dequantizes them; HF weights are float32 arrays with llama's Q/K rows already permuted
 (:mod:`reference.hf`).
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reference.hparams import LlamaHParams
+from reference.hparams import LlamaHParams, MambaHParams
 
 
 class ModelLoadError(ValueError):
@@ -19,7 +21,7 @@ class ModelLoadError(ValueError):
 
 
 # --8<-- [start:load_model]
-def load_model(path: str | Path) -> tuple[LlamaHParams, dict]:
+def load_model(path: str | Path) -> tuple[LlamaHParams | MambaHParams, dict]:
     """Load ``path``: a ``.gguf`` file (:func:`reference.gguf.read_gguf`) or a HF folder
     (:func:`reference.hf.load_hf`).
 

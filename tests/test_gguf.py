@@ -562,7 +562,7 @@ def test_hparams_missing_vocab_is_named():
 @pytest.mark.parametrize(
     "arch, extra, match",
     [
-        ("mamba", {}, "unsupported architecture 'mamba'"),
+        ("rwkv6", {}, "unsupported architecture 'rwkv6'"),
         ("llama", {"llama.block_count": "2"}, "must be an integer"),
         ("llama", {"llama.block_count": -1}, "must fit a uint32"),
         ("llama", {"llama.block_count": 0}, "must be > 0"),

@@ -262,3 +262,220 @@ def reference_logits(weights: dict, hp: LlamaHParams, tokens, one_batch: bool = 
         pos = np.array([i])
         rows.append(llama_forward(weights, hp, tokens[i : i + 1], pos, cache.init_batch(pos))[0])
     return np.stack(rows)  # (n_tokens, n_vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba and Mamba-2
+
+
+def tiny_mamba_hparams(
+    arch: str = "mamba",
+    n_vocab: int = 32,
+    n_embd: int = 16,
+    n_layer: int = 2,
+    d_state: int = 8,
+    d_conv: int = 4,
+    dt_rank: int | None = None,
+    head_dim: int = 8,
+    n_group: int = 1,
+    dt_b_c_rms: bool = False,
+    tied: bool = False,
+    eps: float = 1e-5,
+):
+    """A small :class:`reference.hparams.MambaHParams` with ``d_inner = 2 * n_embd``.
+
+    Mamba-1: ``dt_rank`` defaults to ``ceil(n_embd / 16)``; Mamba-2: ``n_head = d_inner /
+    head_dim`` heads (``ssm_dt_rank``) in ``n_group`` groups.
+    """
+    from reference.hparams import MambaHParams
+
+    d_inner = 2 * n_embd
+    if arch == "mamba2":
+        dt_rank = d_inner // head_dim
+    return MambaHParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_ctx_train=2**20,
+        ssm_d_conv=d_conv,
+        ssm_d_inner=d_inner,
+        ssm_d_state=d_state,
+        ssm_dt_rank=dt_rank or -(n_embd // -16),
+        ssm_n_group=n_group if arch == "mamba2" else 0,
+        ssm_dt_b_c_rms=dt_b_c_rms,
+        f_norm_rms_eps=float(np.float32(eps)),  # as a GGUF stores it
+        tied_output=tied,
+    )
+
+
+def _mamba_param(rng: np.random.Generator, name: str, shape: tuple[int, ...], d_state: int):
+    """One random parameter by its (HF or GGUF) name, drawn so that every term matters.
+
+    ``A_log``: the log of 1..d_state-ish rates (as Mamba's init, jittered); ``dt`` biases
+    around -1 (softplus ~ 0.3); ``D`` and norm gains around 1; conv weights with std
+    ``1/sqrt(d_conv)``; matrices with std ``1/sqrt(n_in)``; embeddings N(0, 1).
+    """
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(0.5, d_state, size=shape))
+    if name.endswith(("dt_bias", "dt_proj.bias", "ssm_dt.bias")):
+        return rng.normal(-1.0, 0.5, size=shape)
+    if name.endswith(("mixer.D", "ssm_d")) or name.endswith("norm.weight") or "norm_f" in name:
+        return 1.0 + 0.1 * rng.normal(size=shape)
+    if name.endswith(".bias"):
+        return 0.1 * rng.normal(size=shape)
+    if "conv1d" in name:
+        return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), size=shape)
+    if "embed" in name or name.startswith("token_embd"):
+        return rng.normal(size=shape)
+    return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), size=shape)
+
+
+def random_mamba_weights(hp, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Seeded random Mamba/Mamba-2 weights with GGUF names and shapes (``ssm_a < 0``)."""
+    rng = np.random.default_rng(seed)
+    d_inner, d_state, d_conv = hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_d_conv
+    n_head, conv_dim = hp.n_head(), hp.conv_dim()
+    shapes = {"token_embd.weight": (hp.n_vocab, hp.n_embd)}
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        shapes[b + "attn_norm.weight"] = (hp.n_embd,)
+        if hp.arch == "mamba":
+            shapes[b + "ssm_in.weight"] = (2 * d_inner, hp.n_embd)
+        else:
+            shapes[b + "ssm_in.weight"] = (d_inner + conv_dim + n_head, hp.n_embd)
+        shapes[b + "ssm_conv1d.weight"] = (conv_dim, d_conv)
+        shapes[b + "ssm_conv1d.bias"] = (conv_dim,)
+        if hp.arch == "mamba":
+            shapes[b + "ssm_x.weight"] = (hp.ssm_dt_rank + 2 * d_state, d_inner)
+            shapes[b + "ssm_dt.weight"] = (d_inner, hp.ssm_dt_rank)
+            shapes[b + "ssm_dt.bias"] = (d_inner,)
+            shapes[b + "ssm_a.A_log"] = (d_inner, d_state)
+            shapes[b + "ssm_d"] = (d_inner,)
+        else:
+            shapes[b + "ssm_dt.bias"] = (n_head,)
+            shapes[b + "ssm_a.A_log"] = (n_head, 1)
+            shapes[b + "ssm_d"] = (n_head, 1)
+            shapes[b + "ssm_norm.weight"] = (hp.ssm_n_group, d_inner // hp.ssm_n_group)
+        shapes[b + "ssm_out.weight"] = (hp.n_embd, d_inner)
+    shapes["output_norm.weight"] = (hp.n_embd,)
+    if not hp.tied_output:
+        shapes["output.weight"] = (hp.n_vocab, hp.n_embd)
+    w = {}
+    for name, shape in shapes.items():
+        x = _mamba_param(rng, name, shape, d_state)
+        if name.endswith(".A_log"):
+            name, x = name.removesuffix(".A_log"), -np.exp(x)
+        w[name] = x.astype(dtype)
+    return w
+
+
+def write_tiny_mamba_gguf(path: str | Path, hp, weights: dict) -> Path:
+    """Write Mamba weights as a float32 GGUF llama.cpp can load (dummy SPM vocabulary)."""
+    from reference.gguf import mamba_metadata, write_gguf
+
+    tensors = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+    write_gguf(str(path), mamba_metadata(hp), tensors)
+    return Path(path)
+
+
+def save_tiny_mamba_hf(
+    path: str | Path,
+    kind: str = "mamba",
+    seed: int = 0,
+    vocab_size: int = 48,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 2,
+    state_size: int = 8,
+    conv_kernel: int = 4,
+    head_dim: int = 8,
+    n_groups: int = 1,
+    time_step_rank: int | None = None,
+    tie_word_embeddings: bool = False,
+    chunk_size: int = 4,
+) -> Path:
+    """Build a seeded random ``MambaForCausalLM`` (``kind="mamba"``) or ``Mamba2ForCausalLM``
+    (``"mamba2"``) and ``save_pretrained`` it; ``expand = 2``.
+
+    Parameters are redrawn in NumPy from ``seed`` (:func:`_mamba_param`). Mamba-2's
+    ``chunk_size`` is small so that its chunked SSD prefill crosses chunk boundaries.
+    """
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        state_size=state_size, conv_kernel=conv_kernel, expand=2, layer_norm_epsilon=1e-5,
+        use_bias=False, use_conv_bias=True, tie_word_embeddings=tie_word_embeddings,
+    )
+    if kind == "mamba":
+        config = transformers.MambaConfig(
+            time_step_rank=time_step_rank or -(hidden_size // -16), **common
+        )
+        model = transformers.MambaForCausalLM(config)
+    else:
+        config = transformers.Mamba2Config(
+            num_heads=2 * hidden_size // head_dim, head_dim=head_dim, n_groups=n_groups,
+            chunk_size=chunk_size, **common
+        )
+        model = transformers.Mamba2ForCausalLM(config)
+    rng = np.random.default_rng(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and tie_word_embeddings:
+            continue
+        x = _mamba_param(rng, name, tuple(p.shape), state_size)
+        state[name] = torch.tensor(x, dtype=torch.float32)
+    if tie_word_embeddings:
+        state["lm_head.weight"] = state["backbone.embeddings.weight"]
+    model.load_state_dict(state)
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+def mamba_reference_logits(weights: dict, hp, tokens, chunks=None, dtype=None) -> np.ndarray:
+    """Our logits of every token of one sequence, fed in ``chunks`` (sizes; None: one ubatch).
+
+    Uses :class:`reference.models.mamba.SimpleRecurrentState` in ``dtype`` (default: the
+    weights' dtype). ``chunks=[1] * n`` is token by token.
+    """
+    from reference.models.llama import model_dtype
+    from reference.models.mamba import SimpleRecurrentState, mamba_forward
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    state = SimpleRecurrentState(hp, 1, dtype or model_dtype(weights))
+    chunks = chunks or [len(tokens)]
+    if sum(chunks) != len(tokens):
+        raise ValueError(f"chunks {chunks} do not add up to {len(tokens)} tokens")
+    rows, start = [], 0
+    for n in chunks:
+        rows.append(mamba_forward(weights, hp, tokens[start : start + n], state.init_batch()))
+        start += n
+    return np.concatenate(rows)  # (n_tokens, n_vocab)
+
+
+def mamba_transformers_logits(path: str | Path, tokens, chunks=None) -> np.ndarray:
+    """transformers' logits (torch CPU, float32, the pure-torch Mamba path) of every token.
+
+    ``chunks``: prompt chunk sizes fed through ``cache_params`` (None: one forward without a
+    cache). A chunk of one token takes transformers' recurrent single-step path.
+    """
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([list(int(t) for t in tokens)])
+    with torch.no_grad():
+        if chunks is None:
+            return model(ids).logits[0].numpy()
+        rows, start, cache = [], 0, None
+        for n in chunks:
+            kwargs = dict(use_cache=True, cache_position=torch.arange(start, start + n))
+            if cache is not None:
+                kwargs["cache_params"] = cache
+            out = model(ids[:, start : start + n], **kwargs)
+            cache = out.cache_params
+            rows.append(out.logits[0].numpy())
+            start += n
+        return np.concatenate(rows)  # (n_tokens, n_vocab)
