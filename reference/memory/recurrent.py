@@ -87,13 +87,14 @@ from reference.memory.state import (
     FILE_VERSION,
     StateError,
     _ggml_type,
-    _Reader,
     _seal,
     _type_name,
     _unseal,
     _write_atomic,
     _Writer,
     hparams_fingerprint,
+    read_layer_rows,
+    write_layer_rows,
 )
 
 POS_INF = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
@@ -844,8 +845,7 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
     io.write("II", 0, hparams.n_layer)
     for tensors in (memory.r_l, memory.s_l):
         for x in tensors:
-            io.write("iQ", t, x.dtype.itemsize * x.shape[1])
-            io.write_array(x[rows])  # (cell_count, n_embd_r or n_embd_s)
+            write_layer_rows(io, x[rows])  # (cell_count, n_embd_r or n_embd_s)
     return _seal(RS_STATE_MAGIC, RS_STATE_VERSION, io.getvalue())
 # --8<-- [end:state_write]
 
@@ -876,28 +876,12 @@ def state_parse(data: bytes) -> RecurrentState:
     s_trans, n_layer = io.read("II")
     if s_trans != 0:
         raise StateError("transposed S rows (s_trans = 1) are not supported")
-    r = _read_rows(io, "conv", r_type, n_layer, cell_count)
-    s = _read_rows(io, "ssm", s_type, n_layer, cell_count)
+    r = read_layer_rows(io, "conv", r_type, n_layer, cell_count)
+    s = read_layer_rows(io, "ssm", s_type, n_layer, cell_count)
     if io.off != len(io.data):
         raise StateError(f"recurrent state blob has {len(io.data) - io.off} unread bytes")
     return RecurrentState(arch, fingerprint, r_type, s_type, seq_id, pos, seq_ids, r, s)
 # --8<-- [end:state_parse]
-
-
-def _read_rows(io: _Reader, kind: str, t_ref: int, n_layer: int, cell_count: int) -> list:
-    """Per layer: the ggml type, the row size in bytes, then ``cell_count`` rows."""
-    out = []
-    for il in range(n_layer):
-        t, size_row = io.read("iQ")
-        if t != t_ref:
-            raise StateError(f"layer {il} {kind} rows are {_type_name(t)}, the header says "
-                             f"{_type_name(t_ref)}")
-        dtype = DTYPE_OF_GGML_TYPE[t]
-        if size_row % dtype.itemsize:
-            raise StateError(f"layer {il} {kind} row size {size_row} is not a whole number of "
-                             f"{dtype} elements")
-        out.append(io.read_array(dtype, (cell_count, size_row // dtype.itemsize)))
-    return out
 
 
 # --8<-- [start:state_check]

@@ -339,10 +339,43 @@ def state_write_data(io: _Writer, memory: KVCache, stream: int, idxs: list[int])
     io.write("II", 0, len(memory.k_l))
     for tensors in (memory.k_l, memory.v_l):
         for t in tensors:
-            rows = t[src, idxs]  # (cell_count, n_embd_gqa)
-            io.write("iQ", _ggml_type(t.dtype), t.dtype.itemsize * t.shape[-1])
-            io.write_array(rows)
+            write_layer_rows(io, t[src, idxs])  # (cell_count, n_embd_gqa)
 # --8<-- [end:state_write_data]
+
+
+# --8<-- [start:layer_rows]
+def write_layer_rows(io: _Writer, rows: np.ndarray) -> None:
+    """One layer's block of rows: its ggml type (i32), its row size in bytes (u64), the rows.
+
+    The same block carries K and V rows here and the conv and SSM state rows of the
+    recurrent memory (:mod:`reference.memory.recurrent`).
+    """
+    io.write("iQ", _ggml_type(rows.dtype), rows.dtype.itemsize * rows.shape[-1])
+    io.write_array(rows)  # (cell_count, row_size)
+
+
+def read_layer_rows(
+    io: _Reader, kind: str, t_ref: int, n_layer: int, cell_count: int
+) -> list[np.ndarray]:
+    """Read ``n_layer`` blocks written by :func:`write_layer_rows`, checking each type.
+
+    Raises:
+        StateError: a layer's type differs from the header's ``t_ref``, or its row size is
+            not a whole number of elements.
+    """
+    out = []
+    for il in range(n_layer):
+        t, size_row = io.read("iQ")
+        if t != t_ref:
+            raise StateError(f"layer {il} {kind} rows are {_type_name(t)}, the header "
+                             f"says {_type_name(t_ref)}")
+        dtype = DTYPE_OF_GGML_TYPE[t]
+        if size_row % dtype.itemsize:
+            raise StateError(f"layer {il} {kind} row size {size_row} is not a whole number "
+                             f"of {dtype} elements")
+        out.append(io.read_array(dtype, (cell_count, size_row // dtype.itemsize)))
+    return out
+# --8<-- [end:layer_rows]
 
 
 # --8<-- [start:state_write]
@@ -506,16 +539,7 @@ def state_read_stream(io: _Reader, k_type: int, v_type: int) -> StreamState:
     if v_trans != 0:
         raise StateError("transposed V rows (v_trans = 1) are not supported")
     for kind, t_ref, rows in (("key", k_type, st.k), ("value", v_type, st.v)):
-        for il in range(n_layer):
-            t, size_row = io.read("iQ")
-            if t != t_ref:
-                raise StateError(f"layer {il} {kind} rows are {_type_name(t)}, the header "
-                                 f"says {_type_name(t_ref)}")
-            dtype = DTYPE_OF_GGML_TYPE[t]
-            if size_row % dtype.itemsize:
-                raise StateError(f"layer {il} {kind} row size {size_row} is not a whole number "
-                                 f"of {dtype} elements")
-            rows.append(io.read_array(dtype, (cell_count, size_row // dtype.itemsize)))
+        rows.extend(read_layer_rows(io, kind, t_ref, n_layer, cell_count))
     return st
 # --8<-- [end:state_read_stream]
 
