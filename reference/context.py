@@ -28,6 +28,24 @@ Return codes (``llama_decode``):
 | 2 | aborted by ``abort_callback`` | earlier ubatches kept | none |
 | -1 | invalid batch | unchanged | the previous decode's |
 
+**Recurrent models** (Mamba, Mamba-2) get a
+:class:`~reference.memory.recurrent.RecurrentMemory` instead of a KV cache, as
+``llama_model::create_memory`` gives them a ``llama_memory_recurrent`` of
+``max(1, n_seq_max)`` cells, one per sequence. ``decode`` is the same procedure with four
+differences:
+
+- step 2 does nothing: a state is not rotated by position, there is no K-shift
+  (``init_update`` answers "no update");
+- step 3 always uses ``split_equal(sequential=True)`` (``llama_memory_recurrent::init_batch``;
+  ``split_seq`` only when every token must output embeddings, which this Context never asks):
+  each ubatch is ``n_seqs`` sequence sets of equal length, which the conv and the scan need;
+- step 5 gives each sequence set its own cell (copy on write after ``seq_cp``) and computes
+  :func:`~reference.models.mamba.mamba_forward`, which reads and writes the state rows;
+- an aborted ubatch is undone by restoring the cells and rows it changed. llama.cpp calls
+  ``seq_rm(s, pos_min, -1)``, which a recurrent memory refuses for a sequence that goes on
+  (a partial removal), so there the cell keeps the ubatch's position over a state that was
+  never computed: a divergence.
+
 The sizes follow ``llama_context``'s constructor: ``n_ctx`` is padded to 256 (per stream
 when not unified, :func:`~reference.memory.n_ctx_seq`); ``n_batch`` is capped by the
 ``n_ctx`` asked for (a causal model never needs a longer batch); ``n_ubatch`` by
@@ -42,9 +60,11 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from reference.batch import Batch, BatchAllocr, BatchError, Ubatch, output_order
-from reference.hparams import LlamaHParams
+from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
 from reference.memory import LLAMA_MAX_SEQ, KVCache, n_ctx_seq
+from reference.memory.recurrent import RecurrentMemory
 from reference.models.llama import get_weight, llama_forward, model_dtype
+from reference.models.mamba import mamba_forward
 
 
 # --8<-- [start:ContextError]
@@ -54,6 +74,19 @@ class ContextError(ValueError):
     Raised before anything changes.
     """
 # --8<-- [end:ContextError]
+
+
+# --8<-- [start:is_recurrent]
+def is_recurrent(hparams: LlamaHParams | MambaHParams) -> bool:
+    """Whether the model keeps recurrent states instead of a KV cache (``llm_arch_is_recurrent``).
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams, tiny_mamba_hparams
+        >>> is_recurrent(tiny_hparams()), is_recurrent(tiny_mamba_hparams("mamba2"))
+        (False, True)
+    """
+    return hparams.arch in MAMBA_ARCHS
+# --8<-- [end:is_recurrent]
 
 
 # --8<-- [start:cparams]
@@ -113,21 +146,28 @@ def context_sizes(
 
 # --8<-- [start:Context]
 class Context:
-    """``llama_context``: a model, its KV cache, and the outputs of the last decode.
+    """``llama_context``: a model, its memory, and the outputs of the last decode.
+
+    The memory is chosen by the architecture, as ``llama_model::create_memory`` does: a
+    :class:`~reference.memory.KVCache` for ``llama`` / ``qwen2``, a
+    :class:`~reference.memory.recurrent.RecurrentMemory` of ``n_seq_max`` cells for ``mamba`` /
+    ``mamba2`` (:func:`is_recurrent`).
 
     Args:
-        hparams: the model's hyperparameters.
+        hparams: the model's hyperparameters (:class:`~reference.hparams.LlamaHParams` or
+            :class:`~reference.hparams.MambaHParams`).
         weights: GGUF-named weights. Float arrays are cast once to ``dtype``; quantized
             tensors stay quantized (the forward then computes in float32).
         n_ctx: context size (0: ``hparams.n_ctx_train``); padded to 256 (:func:`context_sizes`).
         n_batch: the most tokens one :meth:`decode` takes (capped by ``n_ctx``).
         n_ubatch: the most tokens one forward computes (capped by ``n_batch``; 0: ``n_batch``).
         n_seq_max: how many sequences (``seq_id`` in ``[0, n_seq_max)``).
-        kv_unified: one KV stream shared by every sequence (True) or one per sequence.
+        kv_unified: one KV stream shared by every sequence (True) or one per sequence
+            (no effect on a recurrent memory).
         swa_full: with a sliding-window model, keep the full context in the cache (True) or
             only what the window needs.
-        dtype: dtype of the KV cache and of the computation (float32 as llama.cpp's CPU
-            backend; float64 for property tests).
+        dtype: dtype of the KV cache (or of the recurrent state rows) and of the computation
+            (float32 as llama.cpp's CPU backend; float64 for property tests).
         abort_callback: called with no argument before each ubatch is computed; True aborts
             the decode (return code 2), like ``llama_set_abort_callback``.
 
@@ -144,11 +184,16 @@ class Context:
         0
         >>> ctx.get_logits().shape, ctx.memory.seq_pos_max(0)
         ((2, 32), 2)
+        >>> from tests.tiny_models import tiny_mamba_hparams, random_mamba_weights
+        >>> mp = tiny_mamba_hparams("mamba2")
+        >>> rctx = Context(mp, random_mamba_weights(mp), n_ctx=64, n_seq_max=3)
+        >>> type(rctx.memory).__name__, rctx.memory.get_size()
+        ('RecurrentMemory', 3)
     """
 
     def __init__(
         self,
-        hparams: LlamaHParams,
+        hparams: LlamaHParams | MambaHParams,
         weights: dict,
         n_ctx: int = 512,
         n_batch: int = 2048,
@@ -176,9 +221,15 @@ class Context:
         self.kv_unified = kv_unified
         self.abort_callback = abort_callback
         self.last_error: str | None = None  # why the last decode did not return 0
-        self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
-                               kv_unified=kv_unified, swa_full=swa_full,
-                               n_ubatch=self._n_ubatch, dtype=self.dtype)
+        self.recurrent = is_recurrent(hparams)
+        self._memory: KVCache | RecurrentMemory
+        if self.recurrent:  # llama_memory_recurrent(mem_size = max(1, n_seq_max), n_seq_max)
+            self._memory = RecurrentMemory(hparams, mem_size=max(1, self._n_seq_max),
+                                           n_seq_max=self._n_seq_max, dtype=self.dtype)
+        else:
+            self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
+                                   kv_unified=kv_unified, swa_full=swa_full,
+                                   n_ubatch=self._n_ubatch, dtype=self.dtype)
         compute = model_dtype(self.weights)
         self.rope_factors = get_weight(self.weights, "rope_freqs.weight", compute, required=False)
         self._logits = np.zeros((0, hparams.n_vocab), compute)  # (n_outputs, n_vocab)
@@ -222,11 +273,11 @@ class Context:
         return len(self._logits)
 
     @property
-    def memory(self) -> KVCache:
+    def memory(self) -> KVCache | RecurrentMemory:
         """The memory (``llama_get_memory``): ``seq_rm``, ``seq_cp``, ``seq_add``, ..."""
         return self._memory
 
-    def get_memory(self) -> KVCache:
+    def get_memory(self) -> KVCache | RecurrentMemory:
         """``llama_get_memory(ctx)``: the same as :attr:`memory`."""
         return self._memory
 # --8<-- [end:Context]
@@ -240,9 +291,14 @@ class Context:
         :meth:`decode` calls it after validating the batch; calling it earlier changes
         nothing that a later decode could see.
 
+        A recurrent memory has nothing to update (``init_update`` answers
+        ``LLAMA_MEMORY_STATUS_NO_UPDATE``): a state is not rotated by position.
+
         Returns:
             True when a K-shift was applied.
         """
+        if self.recurrent:
+            return False
         return self._memory.update(self.rope_factors)
     # --8<-- [end:memory_update]
 
@@ -252,7 +308,9 @@ class Context:
 
         One stream: ``split_simple`` (the next ``n_ubatch`` tokens in batch order). One stream
         per sequence: ``split_equal(sequential=True)`` (equal runs of consecutive sequences,
-        each ubatch touching each stream once).
+        each ubatch touching each stream once). A recurrent memory
+        (``llama_memory_recurrent::init_batch``): always ``split_equal(sequential=True)``,
+        because the conv and the scan run on ``n_seqs`` sets of ``n_seq_tokens`` tokens.
 
         Returns:
             The ubatches, or None when some tokens cannot be split (coupled sequences on a
@@ -261,7 +319,7 @@ class Context:
         balloc.split_reset()
         ubatches = []
         while True:
-            if self._memory.get_n_stream() == 1:
+            if not self.recurrent and self._memory.get_n_stream() == 1:
                 ubatch = balloc.split_simple(self._n_ubatch)
             else:
                 ubatch = balloc.split_equal(self._n_ubatch, sequential=True)
@@ -291,6 +349,11 @@ class Context:
         A batch may carry token ids or input embeddings ``(n_tokens, n_embd)``; a bad batch
         never raises, it returns -1.
 
+        Raises:
+            ContextError: an embeddings batch for a recurrent model (its forward,
+                :func:`~reference.models.mamba.mamba_forward`, takes token ids only);
+                nothing changed.
+
         Examples:
             >>> from tests.tiny_models import tiny_hparams, random_weights
             >>> hp = tiny_hparams()
@@ -302,6 +365,9 @@ class Context:
             >>> ctx.last_error  # doctest: +ELLIPSIS
             'the tokens of sequence 0 in the input batch have inconsistent ...'
         """
+        if self.recurrent and batch.embd is not None:
+            raise ContextError("this Context runs Mamba on token ids only: mamba_forward "
+                               "takes no input embeddings")
         # 1. validate: llama_batch_allocr::init (and n_tokens_all <= n_batch)
         try:
             balloc = BatchAllocr(batch, n_vocab=self.n_vocab, n_seq_max=self._n_seq_max,
@@ -318,7 +384,10 @@ class Context:
         if ubatches is None:
             self.last_error = balloc.split_error or "failed to find a suitable split"
             return 1
-        sinfos = self._memory.prepare(ubatches)
+        if self.recurrent:  # one cell per sequence set; no slot info
+            sinfos = [None] * len(ubatches) if self._memory.prepare(ubatches) else None
+        else:
+            sinfos = self._memory.prepare(ubatches)
         if sinfos is None:
             self.last_error = f"failed to find a memory slot for a batch of {balloc.n_tokens}"
             return 1
@@ -328,9 +397,13 @@ class Context:
         # 5. one forward per ubatch
         rows = []
         for ubatch, sinfo in zip(ubatches, sinfos, strict=True):
-            self._memory.apply_ubatch(sinfo, ubatch)
+            backup = self._memory.backup() if self.recurrent else None
+            if self.recurrent:
+                self._memory.apply_ubatch(ubatch)
+            else:
+                self._memory.apply_ubatch(sinfo, ubatch)
             if self.abort_callback is not None and self.abort_callback():
-                self.remove_ubatch(ubatch)
+                self.remove_ubatch(ubatch, backup)
                 self.last_error = "aborted by abort_callback"
                 return 2
             rows.append(self.process_ubatch(ubatch, sinfo))
@@ -348,22 +421,47 @@ class Context:
         The model writes the ubatch's K/V into its slot and attends to the first ``n_kv``
         cells of each stream through the KQ mask (:meth:`KVCache.attn_input`). Only the
         output tokens go through the last layer's FFN and the lm_head (``out_ids``).
+
+        A recurrent model reads the states of the ubatch's ``n_seqs`` sequence sets from their
+        cells and writes the final ones back (:meth:`RecurrentMemory.rs_input`); ``sinfo`` is
+        then None.
         """
-        inp_attn = self._memory.attn_input(ubatch, sinfo)
         out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
+        if self.recurrent:
+            inp_rs = self._memory.rs_input(ubatch)
+            return mamba_forward(self.weights, self.hparams, ubatch.token, inp_rs, out_ids,
+                                 n_seqs=ubatch.n_seqs)
+        inp_attn = self._memory.attn_input(ubatch, sinfo)
         return llama_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp_attn,
                              out_ids, embd=ubatch.embd)
     # --8<-- [end:process_ubatch]
 
     # --8<-- [start:remove_ubatch]
-    def remove_ubatch(self, ubatch: Ubatch) -> None:
+    def remove_ubatch(self, ubatch: Ubatch, backup: tuple | None = None) -> None:
         """Undo an applied ubatch that was not computed: ``seq_rm(s, pos_min_s, -1)``.
 
         llama.cpp does this when a ubatch's compute fails or is aborted, for the *first*
         seq id of each token only; a token shared by several sequences then stays in the
         others, its K/V possibly unwritten. Here every seq id of the ubatch is cleaned (a
         divergence, see :mod:`reference.context`'s chapter).
+
+        A recurrent memory cannot forget the last tokens of a sequence that goes on
+        (``seq_rm`` of a partial range returns False), so its cells and state rows are put
+        back as they were before :meth:`RecurrentMemory.apply_ubatch` (``backup``, taken by
+        :meth:`decode`). llama.cpp's ``seq_rm`` there is refused, and the cell keeps the
+        ubatch's last position over a state that was never computed (a divergence).
+
+        Args:
+            ubatch: the applied ubatch.
+            backup: for a recurrent memory, what ``RecurrentMemory.backup()`` saved before
+                the ubatch was applied.
         """
+        if self.recurrent:
+            if backup is None:
+                raise ContextError("removing a ubatch from a recurrent memory needs the "
+                                   "backup taken before it was applied")
+            self._memory.restore(backup)
+            return
         pos_min: dict[int, int] = {}
         for p, ids in zip(ubatch.pos.tolist(), ubatch.seq_id, strict=True):
             for s in ids:
@@ -443,11 +541,14 @@ class Context:
     def state_get_data(self) -> bytes:
         """The last decode's outputs and the memory, as bytes (``llama_state_get_data``).
 
-        See :func:`reference.memory.state.context_state_write` for the layout.
+        See :func:`reference.memory.state.context_state_write` for the layout; a recurrent
+        memory's blob (:func:`reference.memory.recurrent.state_write`) takes the place of the
+        KV cache's.
         """
         from reference.memory.state import context_state_write
 
-        return context_state_write(self._memory, self.hparams, self._logits, self._output_ids)
+        return context_state_write(self._memory, self.hparams, self._logits, self._output_ids,
+                                   self._state_module().state_write)
 
     def state_set_data(self, data: bytes) -> int:
         """Restore :meth:`state_get_data`'s bytes (``llama_state_set_data``); returns their size.
@@ -457,16 +558,16 @@ class Context:
         """
         from reference.memory.state import context_state_read
 
-        logits, output_ids = context_state_read(self._memory, self.hparams, data)
+        logits, output_ids = context_state_read(self._memory, self.hparams, data,
+                                                self._state_module().state_read)
         n_vocab = self.n_vocab
         self._logits = logits if logits is not None else self._logits[:0].reshape(0, n_vocab)
         self._output_ids = np.asarray(output_ids, dtype=np.int64)
         return len(data)
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
-        """One sequence's cells and K/V (``llama_state_seq_get_data``)."""
-        from reference.memory.state import state_write
-
+        """One sequence's cells and K/V, or its state rows (``llama_state_seq_get_data``)."""
+        state_write = self._state_module().state_write
         return state_write(self._memory, self.hparams, seq_id)
 
     def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
@@ -478,34 +579,37 @@ class Context:
         Raises:
             StateError: a refused blob (no slot, another model, corrupted); nothing changed.
         """
-        from reference.memory.state import state_read
-
+        state_read = self._state_module().state_read
         state_read(self._memory, self.hparams, data, dest_seq_id)
         return len(data)
 
     def state_save_file(self, path, tokens) -> int:
         """Save the memory and ``tokens`` to ``path`` (``llama_state_save_file``); its size."""
-        from reference.memory.state import state_save_file
-
+        state_save_file = self._state_module().state_save_file
         return state_save_file(path, self._memory, self.hparams, tokens)
 
     def state_load_file(self, path) -> np.ndarray:
         """Restore a file of :meth:`state_save_file`; returns its tokens."""
-        from reference.memory.state import state_load_file
-
+        state_load_file = self._state_module().state_load_file
         return state_load_file(path, self._memory, self.hparams)
 
     def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
         """Save one sequence and ``tokens`` to ``path`` (``llama_state_seq_save_file``)."""
-        from reference.memory.state import state_save_file
-
+        state_save_file = self._state_module().state_save_file
         return state_save_file(path, self._memory, self.hparams, tokens, seq_id)
 
     def state_seq_load_file(self, path, dest_seq_id: int) -> np.ndarray:
         """Restore a sequence file into ``dest_seq_id``; returns its tokens."""
-        from reference.memory.state import state_load_file
-
+        state_load_file = self._state_module().state_load_file
         return state_load_file(path, self._memory, self.hparams, dest_seq_id)
+
+    def _state_module(self):
+        """The module with ``state_write`` / ``state_read`` / files for this memory."""
+        if self.recurrent:
+            import reference.memory.recurrent as module
+        else:
+            import reference.memory.state as module
+        return module
     # --8<-- [end:state]
 
 

@@ -309,6 +309,22 @@ class LlamaCppContext:
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         return int(self._ll.llama_state_seq_set_data(self._ctx, buf, len(blob), dest_seq_id))
 
+    # -- abort -------------------------------------------------------------------------------
+
+    def set_abort_callback(self, callback) -> None:
+        """``llama_set_abort_callback``: ``callback()`` (no argument) answering True aborts.
+
+        ggml's CPU backend asks it after each graph node, so an aborted ``llama_decode``
+        returns 2 after computing part of a ubatch's graph. None removes the callback.
+        """
+        ll = self._ll
+        if callback is None:
+            self._abort_cb = None
+            ll.llama_set_abort_callback(self._ctx, ll.ggml_abort_callback(0), None)
+            return
+        self._abort_cb = ll.ggml_abort_callback(lambda data: bool(callback()))  # kept alive
+        ll.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+
     # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:

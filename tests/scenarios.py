@@ -428,3 +428,85 @@ SCENARIOS = {
         AUTO_POSITIONS,
     )
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba and Mamba-2: the same scenarios on the recurrent memory (one cell per sequence)
+
+
+MAMBA_MODELS = {  # name -> tiny_mamba_hparams kwargs (random_mamba_weights seed 1)
+    "mamba": dict(arch="mamba", n_vocab=64, n_embd=16, n_layer=2, d_state=8),
+    "mamba2": dict(arch="mamba2", n_vocab=64, n_embd=16, n_layer=2, d_state=8, head_dim=8,
+                   n_group=2),
+}
+
+
+def tiny_mamba_model(name: str, dtype=np.float32):
+    """``(hparams, weights)`` of the tiny Mamba model ``name`` (a key of :data:`MAMBA_MODELS`)."""
+    from tests.tiny_models import random_mamba_weights, tiny_mamba_hparams
+
+    hp = tiny_mamba_hparams(**MAMBA_MODELS[name])
+    return hp, random_mamba_weights(hp, seed=1, dtype=dtype)
+
+
+def mamba_scenarios(model: str) -> dict[str, Scenario]:
+    """The recurrent-memory scenarios on ``model`` (``"mamba"`` or ``"mamba2"``), 3 sequences.
+
+    - ``multi_seq_ub*``: three prompts interleaved in one batch, then their continuations,
+      for several ``n_ubatch`` (``split_equal`` gives sets of equal length);
+    - ``seq_cp``: a prefix, shared with two sequences by ``seq_cp``; a token of two coupled
+      sequences returns 1 (``split_equal(sequential=True)`` cannot split coupled sequences:
+      no recurrent model decodes them) and changes nothing; three divergent continuations in
+      one batch, ``seq_keep``, go on;
+    - ``seq_rm``: removing a whole sequence (True) and decoding it again; a partial removal
+      at the end (False, nothing changes); ranges that miss the last position (True, no-op);
+    - ``invalid``: bad batches return -1 and change nothing, then the valid continuation;
+    - ``clear``: clear then decode equals a fresh decode.
+    """
+    def sc(name, steps, **kw):
+        kw.setdefault("n_seq_max", 3)
+        return Scenario(f"{model}_{name}", tuple(steps), model=model, **kw)
+
+    out = [
+        sc(f"multi_seq_ub{n_ubatch}",
+           (interleave([A, B, C]), interleave([A2, B2, C2], [len(A), len(B), len(C)])),
+           n_ubatch=n_ubatch)
+        for n_ubatch in (256, 4, 2, 1)
+    ]
+    n = len(A)
+    out.append(sc("seq_cp", (
+        all_logits(A),
+        SeqCp(0, 1, -1, -1),
+        SeqCp(0, 2, 3, 5),  # the range is ignored: the whole state is shared
+        Decode((7,), (n,), ((0, 1),), (True,)),  # coupled sequences: no split, rc 1
+        interleave([B2, C2, D2], [n, n, n]),  # three divergent continuations
+        SeqKeep(1),
+        all_logits(D2, seq=1),
+    )))
+    out.append(sc("seq_rm", (
+        interleave([A, B]),
+        SeqRm(1, -1, -1),  # the whole sequence: True, it is empty
+        all_logits(C, seq=1),  # seq 1 starts again from a zero state
+        SeqRm(0, 5, -1),  # the last tokens but not all: False, nothing changes
+        SeqRm(0, 0, 5),  # misses the last position: True, nothing to remove
+        SeqRm(0, n, -1),  # after the last position: True, no change
+        SeqRm(2, -1, -1),  # an empty sequence: True
+        all_logits(A2, seq=0),
+        SeqRm(0, 0, -1),  # everything: True
+        all_logits(B2, seq=0),
+    )))
+    out.append(sc("invalid", (
+        all_logits(A[:4]),
+        Decode((1,), (4,), ((3,),)),  # seq id 3 >= n_seq_max
+        Decode((1,), (6,)),  # gap
+        Decode((1,), (3,)),  # overlap: a state cannot rewind
+        Decode((1, 2), (4, 6)),  # a hole
+        Decode((64,), (4,)),  # token id >= n_vocab
+        Decode((1,), (4,), ((0, 1),)),  # coupled to seq 1, which is empty
+        all_logits(B, pos=range(4, 4 + len(B))),
+    )))
+    out.append(sc("clear", (all_logits(A), Clear(), all_logits(B))))
+    return {s.name: s for s in out}
+
+
+MAMBA_SCENARIOS = {**mamba_scenarios("mamba"), **mamba_scenarios("mamba2")}

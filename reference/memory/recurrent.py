@@ -546,6 +546,17 @@ class RecurrentMemory:
     def _restore(self, snap: tuple) -> None:
         self.cells, self.used, self.head, self.n, self.rs_z = snap
 
+    def backup(self) -> tuple:
+        """Everything a ubatch may change: the cells and every state row (to undo an abort)."""
+        return self._snapshot(), [t.copy() for t in self.r_l + self.s_l]
+
+    def restore(self, backup: tuple) -> None:
+        """Put back what :meth:`backup` saved."""
+        snap, rows = backup
+        self._restore(snap)
+        for t, saved in zip(self.r_l + self.s_l, rows, strict=True):
+            t[...] = saved
+
     # --8<-- [start:find_slot]
     def find_slot(self, ubatch: Ubatch) -> bool:
         """Give each sequence set of ``ubatch`` its own cell, contiguous (``find_slot``).

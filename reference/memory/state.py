@@ -61,6 +61,7 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -847,7 +848,11 @@ def state_load_file(
 
 # --8<-- [start:context_state_write]
 def context_state_write(
-    memory: KVCache, hparams: LlamaHParams, logits: np.ndarray | None, output_ids: ArrayLike
+    memory: KVCache,
+    hparams: LlamaHParams,
+    logits: np.ndarray | None,
+    output_ids: ArrayLike,
+    write_memory: Callable = state_write,
 ) -> bytes:
     """The context's state: its output buffer, then the memory blob.
 
@@ -868,6 +873,8 @@ def context_state_write(
         hparams: its hyperparameters.
         logits: the last decode's logits ``(n_outputs, n_vocab)``, or None.
         output_ids: the output bookkeeping of the last decode ``(n,)``.
+        write_memory: the memory's blob writer: :func:`state_write` for a KV cache,
+            :func:`reference.memory.recurrent.state_write` for a recurrent memory.
 
     Returns:
         The blob.
@@ -890,7 +897,7 @@ def context_state_write(
         raise StateError("output ids must fit an int32")
     body.write("I", ids.size)
     body.write_array(ids.astype(np.int32))
-    blob = state_write(memory, hparams)
+    blob = write_memory(memory, hparams)
     body.write("Q", len(blob))
     body.write_bytes(blob)
     return _seal(CONTEXT_MAGIC, CONTEXT_VERSION, body.getvalue())
@@ -899,7 +906,7 @@ def context_state_write(
 
 # --8<-- [start:context_state_read]
 def context_state_read(
-    memory: KVCache, hparams: LlamaHParams, data: bytes
+    memory: KVCache, hparams: LlamaHParams, data: bytes, read_memory: Callable = state_read
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Restore a blob of :func:`context_state_write`; returns ``(logits, output_ids)``.
 
@@ -909,6 +916,8 @@ def context_state_read(
         memory: the context's cache.
         hparams: its hyperparameters.
         data: the blob.
+        read_memory: the memory's blob reader, as ``write_memory`` of
+            :func:`context_state_write`.
 
     Returns:
         ``logits`` ``(n_outputs, n_vocab)`` or None, and ``output_ids`` ``(n,)`` int32.
@@ -936,6 +945,6 @@ def context_state_read(
     blob = io.read_bytes(io.read("Q"))
     if io.off != len(io.data):
         raise StateError(f"context state has {len(io.data) - io.off} unread bytes")
-    state_read(memory, hparams, blob)
+    read_memory(memory, hparams, blob)
     return logits, output_ids
 # --8<-- [end:context_state_read]
