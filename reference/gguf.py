@@ -963,6 +963,21 @@ def spm_dummy_vocab(n_vocab: int) -> dict[str, Any]:
 # --8<-- [end:spm_dummy_vocab]
 
 
+def _model_metadata(arch: str, hparams: Any, vocab: dict[str, Any] | None) -> dict[str, Any]:
+    """The keys every model writes: its name and sizes, and its vocabulary (checked)."""
+    vocab = spm_dummy_vocab(hparams.n_vocab) if vocab is None else dict(vocab)
+    if len(vocab.get("tokenizer.ggml.tokens", ())) != hparams.n_vocab:
+        raise GGUFError(f"the vocabulary must have n_vocab={hparams.n_vocab} tokens")
+    return {
+        "general.architecture": arch,
+        "general.name": f"llamaref {arch}",
+        f"{arch}.context_length": hparams.n_ctx_train,
+        f"{arch}.embedding_length": hparams.n_embd,
+        f"{arch}.block_count": hparams.n_layer,
+        **vocab,
+    }
+
+
 # --8<-- [start:llama_metadata]
 def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
     """The GGUF metadata that describes ``hparams`` (arch ``llama`` or ``qwen2``).
@@ -997,15 +1012,8 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
     arch = hparams.arch
     if arch not in ("llama", "qwen2"):
         raise GGUFError(f"unsupported architecture {arch!r}: expected 'llama' or 'qwen2'")
-    vocab = spm_dummy_vocab(hparams.n_vocab) if vocab is None else dict(vocab)
-    if len(vocab.get("tokenizer.ggml.tokens", ())) != hparams.n_vocab:
-        raise GGUFError(f"the vocabulary must have n_vocab={hparams.n_vocab} tokens")
-    md: dict[str, Any] = {
-        "general.architecture": arch,
-        "general.name": f"llamaref {arch}",
-        f"{arch}.context_length": hparams.n_ctx_train,
-        f"{arch}.embedding_length": hparams.n_embd,
-        f"{arch}.block_count": hparams.n_layer,
+    md = _model_metadata(arch, hparams, vocab)
+    md.update({
         f"{arch}.feed_forward_length": hparams.n_ff,
         f"{arch}.attention.head_count": hparams.n_head,
         f"{arch}.attention.head_count_kv": hparams.n_head_kv,
@@ -1017,12 +1025,11 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
         f"{arch}.rope.scaling.type": ROPE_SCALING_TYPE_NAMES[hparams.rope_scaling_type_train],
         f"{arch}.rope.scaling.original_context_length": hparams.n_ctx_orig_yarn
         or hparams.n_ctx_train,
-    }
+    })
     if hparams.rope_freq_scale_train != 1.0:
         md[f"{arch}.rope.scaling.factor"] = 1.0 / hparams.rope_freq_scale_train
     if hparams.n_swa:
         md[f"{arch}.attention.sliding_window"] = hparams.n_swa
-    md.update(vocab)
     return md
 
 
@@ -1061,28 +1068,20 @@ def mamba_metadata(hparams: Any, vocab: dict[str, Any] | None = None) -> dict[st
     arch = hparams.arch
     if arch not in ("mamba", "mamba2"):
         raise GGUFError(f"unsupported architecture {arch!r}: expected 'mamba' or 'mamba2'")
-    vocab = spm_dummy_vocab(hparams.n_vocab) if vocab is None else dict(vocab)
-    if len(vocab.get("tokenizer.ggml.tokens", ())) != hparams.n_vocab:
-        raise GGUFError(f"the vocabulary must have n_vocab={hparams.n_vocab} tokens")
-    md: dict[str, Any] = {
-        "general.architecture": arch,
-        "general.name": f"llamaref {arch}",
-        f"{arch}.context_length": hparams.n_ctx_train,
-        f"{arch}.embedding_length": hparams.n_embd,
+    md = _model_metadata(arch, hparams, vocab)
+    md.update({
         f"{arch}.feed_forward_length": 0,
         f"{arch}.attention.head_count": 0,
-        f"{arch}.block_count": hparams.n_layer,
         f"{arch}.ssm.conv_kernel": hparams.ssm_d_conv,
         f"{arch}.ssm.inner_size": hparams.ssm_d_inner,
         f"{arch}.ssm.state_size": hparams.ssm_d_state,
         f"{arch}.ssm.time_step_rank": hparams.ssm_dt_rank,
         f"{arch}.attention.layer_norm_rms_epsilon": float(hparams.f_norm_rms_eps),
-    }
+    })
     if arch == "mamba":
         md["mamba.ssm.dt_b_c_rms"] = bool(hparams.ssm_dt_b_c_rms)
     else:
         md["mamba2.ssm.group_count"] = hparams.ssm_n_group
-    md.update(vocab)
     return md
 
 

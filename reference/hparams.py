@@ -236,6 +236,16 @@ def _get(metadata: dict[str, Any], key: str, default: Any, kind: type, n_layer: 
     return value
 
 
+def _n_vocab(metadata: dict[str, Any], arch: str) -> int:
+    """The vocabulary size: the token list's length, else ``{arch}.vocab_size``."""
+    if "tokenizer.ggml.tokens" in metadata:
+        tokens = metadata["tokenizer.ggml.tokens"]
+        if not isinstance(tokens, list):
+            raise GGUFError("key 'tokenizer.ggml.tokens' must be an array of strings")
+        return len(tokens)
+    return _get(metadata, f"{arch}.vocab_size", _REQUIRED, int)
+
+
 # --8<-- [start:hparams_from_gguf]
 def hparams_from_gguf(
     arch: str, metadata: dict[str, Any], tensor_names: Iterable[str] | None = None
@@ -300,13 +310,7 @@ def hparams_from_gguf(
     freq_scale = 1.0 if factor == 0.0 else float(np.float32(1.0) / np.float32(factor))
 
     n_swa = _get(metadata, f"{a}.attention.sliding_window", 0, int)
-    if "tokenizer.ggml.tokens" in metadata:
-        tokens = metadata["tokenizer.ggml.tokens"]
-        if not isinstance(tokens, list):
-            raise GGUFError("key 'tokenizer.ggml.tokens' must be an array of strings")
-        n_vocab = len(tokens)
-    else:
-        n_vocab = _get(metadata, f"{a}.vocab_size", _REQUIRED, int)
+    n_vocab = _n_vocab(metadata, a)
     try:
         return LlamaHParams(
             arch=arch,
@@ -534,13 +538,7 @@ def mamba_hparams_from_gguf(
     n_layer = _get(metadata, f"{a}.block_count", _REQUIRED, int)
     if n_layer == 0:
         raise GGUFError(f"key '{a}.block_count' must be > 0")
-    if "tokenizer.ggml.tokens" in metadata:
-        tokens = metadata["tokenizer.ggml.tokens"]
-        if not isinstance(tokens, list):
-            raise GGUFError("key 'tokenizer.ggml.tokens' must be an array of strings")
-        n_vocab = len(tokens)
-    else:
-        n_vocab = _get(metadata, f"{a}.vocab_size", _REQUIRED, int)
+    n_vocab = _n_vocab(metadata, a)
     try:
         return MambaHParams(
             arch=arch,
