@@ -29,20 +29,30 @@ import numpy as np
 from reference.ops.errors import OpShapeError
 
 
-def _repeat_like(b: np.ndarray, a: np.ndarray, op: str) -> np.ndarray:
-    """``ggml_repeat(b, a)``: ``b`` tiled to ``a``'s shape, in ``a``'s dtype."""
-    if b.ndim > a.ndim:
+def _repeat_reps(a_shape: tuple, b_shape: tuple, op: str) -> tuple[tuple, tuple]:
+    """``ggml_can_repeat(b, a)``: ``b``'s shape left-padded with 1s, and the tile counts.
+
+    Pure shape bookkeeping, shared with the MLX twin.
+    """
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(b_shape) > len(a_shape):
         raise OpShapeError(
             f"{op}: b cannot be repeated into a, it has more dimensions: "
-            f"a.shape={a.shape}, b.shape={b.shape}"
+            f"a.shape={a_shape}, b.shape={b_shape}"
         )
-    b_shape = (1,) * (a.ndim - b.ndim) + b.shape
-    if any((na % nb != 0) if nb else (na != 0) for na, nb in zip(a.shape, b_shape, strict=True)):
+    b_shape = (1,) * (len(a_shape) - len(b_shape)) + b_shape
+    if any((na % nb != 0) if nb else (na != 0) for na, nb in zip(a_shape, b_shape, strict=True)):
         raise OpShapeError(
             f"{op}: b cannot be repeated into a (ggml_can_repeat: every dimension of a must be "
-            f"a multiple of b's): a.shape={a.shape}, b.shape={b.shape}"
+            f"a multiple of b's): a.shape={a_shape}, b.shape={b_shape}"
         )
-    reps = tuple(na // nb if nb else 1 for na, nb in zip(a.shape, b_shape, strict=True))
+    reps = tuple(na // nb if nb else 1 for na, nb in zip(a_shape, b_shape, strict=True))
+    return b_shape, reps
+
+
+def _repeat_like(b: np.ndarray, a: np.ndarray, op: str) -> np.ndarray:
+    """``ggml_repeat(b, a)``: ``b`` tiled to ``a``'s shape, in ``a``'s dtype."""
+    b_shape, reps = _repeat_reps(a.shape, b.shape, op)
     return np.tile(b.reshape(b_shape), reps).astype(a.dtype, copy=False)  # a.shape
 
 

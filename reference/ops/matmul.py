@@ -45,6 +45,31 @@ def _pad_leading(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return (1,) * (n - len(shape)) + tuple(shape)
 
 
+def _mul_mat_leading(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
+    """``ggml_can_mul_mat``: the leading dims of ``a`` and ``b``, padded to the same count.
+
+    Pure shape bookkeeping, shared with the MLX twin.
+    """
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        raise OpShapeError(f"mul_mat needs matrices: got a.shape={a_shape}, b.shape={b_shape}")
+    if a_shape[-1] != b_shape[-1]:
+        raise OpShapeError(
+            f"mul_mat: a and b must have the same row length K (last axis): "
+            f"a.shape={a_shape}, b.shape={b_shape}"
+        )
+    n = max(len(a_shape), len(b_shape))
+    a_lead = _pad_leading(a_shape[:-2], n - 2)
+    b_lead = _pad_leading(b_shape[:-2], n - 2)
+    for da, db in zip(a_lead, b_lead, strict=True):
+        if (db % da != 0) if da else (db != 0):
+            raise OpShapeError(
+                f"mul_mat: each leading dimension of b must be a multiple of a's "
+                f"(ggml_can_mul_mat): a.shape={a_shape}, b.shape={b_shape}"
+            )
+    return a_lead, b_lead
+
+
 # --8<-- [start:mul_mat]
 def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``ggml_mul_mat(a, b)``: every row of ``b`` dotted with every row of ``a``.
@@ -74,24 +99,7 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         >>> mul_mat(k, q)[:, 0, 0]                # heads 0,1 see KV head 0; 2,3 see KV head 1
         array([0., 0., 1., 1.])
     """
-    if a.ndim < 2 or b.ndim < 2:
-        raise OpShapeError(
-            f"mul_mat needs matrices: got a.shape={a.shape}, b.shape={b.shape}"
-        )
-    if a.shape[-1] != b.shape[-1]:
-        raise OpShapeError(
-            f"mul_mat: a and b must have the same row length K (last axis): "
-            f"a.shape={a.shape}, b.shape={b.shape}"
-        )
-    n = max(a.ndim, b.ndim)
-    a_lead = _pad_leading(a.shape[:-2], n - 2)
-    b_lead = _pad_leading(b.shape[:-2], n - 2)
-    for da, db in zip(a_lead, b_lead, strict=True):
-        if (db % da != 0) if da else (db != 0):
-            raise OpShapeError(
-                f"mul_mat: each leading dimension of b must be a multiple of a's "
-                f"(ggml_can_mul_mat): a.shape={a.shape}, b.shape={b.shape}"
-            )
+    a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
     a = a.reshape(a_lead + a.shape[-2:])  # (..., M, K) with as many dims as b
     for axis, (da, db) in enumerate(zip(a_lead, b_lead, strict=True)):
         if da:

@@ -35,6 +35,34 @@ def _check_row_indices(rows: np.ndarray, n_rows: int, op: str) -> None:
         )
 
 
+def _check_get_rows(a_shape: tuple, rows: np.ndarray) -> None:
+    """``get_rows``'s contract on the host: shapes, then every index in range."""
+    if len(a_shape) < 2 or tuple(a_shape[:-2]) != rows.shape[:-1]:
+        raise OpShapeError(
+            f"get_rows: need a (..., n_rows, n_cols) and rows (..., n) with the same leading "
+            f"dimensions; got a.shape={tuple(a_shape)}, rows.shape={rows.shape}"
+        )
+    _check_row_indices(rows, a_shape[-2], "get_rows")
+
+
+def _set_rows_targets(dst, src, rows: np.ndarray) -> np.ndarray:
+    """``set_rows``'s target rows ``(..., n)``: checked, then tiled over ``src``'s leading dims.
+
+    Shapes, range and repeated targets are all checked here, on the host, before anything is
+    written. Shared with the MLX twin.
+    """
+    _check_set_rows_shapes(dst, src, rows)
+    _check_row_indices(rows, dst.shape[-2], "set_rows")
+    lead = tuple(src.shape[:-2])
+    rows_lead = (1,) * (len(lead) - (rows.ndim - 1)) + rows.shape[:-1]
+    rows = np.tile(rows.reshape(rows_lead + rows.shape[-1:]),
+                   tuple(s // r for s, r in zip(lead, rows_lead, strict=True)) + (1,))  # (..., n)
+    for idx in np.ndindex(*lead):
+        if len(np.unique(rows[idx])) != rows.shape[-1]:
+            raise OpIndexError(f"set_rows: a target row repeats: rows{list(idx)}={rows[idx]}")
+    return rows
+
+
 # --8<-- [start:get_rows]
 def get_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``ggml_get_rows(a, rows)``: the rows of ``a`` named by ``rows``, in that order.
@@ -64,12 +92,7 @@ def get_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
                [6., 7.]])
     """
     rows = np.asarray(rows)
-    if a.ndim < 2 or a.shape[:-2] != rows.shape[:-1]:
-        raise OpShapeError(
-            f"get_rows: need a (..., n_rows, n_cols) and rows (..., n) with the same leading "
-            f"dimensions; got a.shape={a.shape}, rows.shape={rows.shape}"
-        )
-    _check_row_indices(rows, a.shape[-2], "get_rows")
+    _check_get_rows(a.shape, rows)
     if np.issubdtype(a.dtype, np.floating) and a.dtype.itemsize < 4:
         a = a.astype(np.float32)  # ggml's get_rows returns F32
     return np.take_along_axis(a, rows[..., None], axis=-2)  # (..., n, n_cols)
@@ -115,16 +138,8 @@ def set_rows(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> np.ndarray:
                [1., 2.],
                [0., 0.]], dtype=float16)
     """
-    rows = np.asarray(rows)
-    _check_set_rows_shapes(dst, src, rows)
-    _check_row_indices(rows, dst.shape[-2], "set_rows")
+    rows = _set_rows_targets(dst, src, np.asarray(rows))  # (..., n)
     lead = src.shape[:-2]
-    rows_lead = (1,) * (len(lead) - (rows.ndim - 1)) + rows.shape[:-1]
-    rows = np.tile(rows.reshape(rows_lead + rows.shape[-1:]),
-                   tuple(s // r for s, r in zip(lead, rows_lead, strict=True)) + (1,))  # (..., n)
-    for idx in np.ndindex(*lead):
-        if len(np.unique(rows[idx])) != rows.shape[-1]:
-            raise OpIndexError(f"set_rows: a target row repeats: rows{list(idx)}={rows[idx]}")
     for idx in np.ndindex(*lead):
         dst[idx][rows[idx]] = src[idx]  # converts to dst.dtype
     return dst

@@ -47,6 +47,27 @@ import numpy as np
 from reference.ops.errors import OpIndexError, OpShapeError, OpTypeError
 
 
+def _ssm_conv_sizes(sx_shape: tuple, c_shape: tuple) -> tuple[int, int, int, int]:
+    """``(n_seqs, conv_dim, n_seq_tokens, d_conv)`` of an ``ssm_conv``, checked.
+
+    Pure shape bookkeeping, shared with the MLX twin.
+    """
+    if len(sx_shape) != 3 or len(c_shape) != 2:
+        raise OpShapeError(
+            f"ssm_conv: sx must be (n_seqs, conv_dim, d_conv - 1 + n_seq_tokens) and c "
+            f"(conv_dim, d_conv), got sx {tuple(sx_shape)} and c {tuple(c_shape)}"
+        )
+    n_seqs, conv_dim, n_cols = sx_shape
+    d_conv = c_shape[1]
+    n_seq_tokens = n_cols - (d_conv - 1)
+    if c_shape[0] != conv_dim or n_seq_tokens < 0:
+        raise OpShapeError(
+            f"ssm_conv: sx {tuple(sx_shape)} does not fit c {tuple(c_shape)}: need "
+            f"sx.shape[1] == c.shape[0] and at least d_conv - 1 = {d_conv - 1} columns in sx"
+        )
+    return n_seqs, conv_dim, n_seq_tokens, d_conv
+
+
 # --8<-- [start:ssm_conv]
 def ssm_conv(sx: np.ndarray, c: np.ndarray) -> np.ndarray:
     r"""``ggml_ssm_conv(sx, c)``: the causal depthwise 1-D convolution of a ubatch.
@@ -87,7 +108,7 @@ def ssm_conv(sx: np.ndarray, c: np.ndarray) -> np.ndarray:
         OpShapeError: ``sx`` is not 3-D, ``c`` not 2-D, their ``conv_dim`` differ, or ``sx``
             has fewer than ``d_conv - 1`` columns.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> conv_state = np.zeros((1, 2, 2))                     # (n_seqs, conv_dim, d_conv - 1)
         >>> x = np.array([[[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]]])  # (n_seqs, T, conv_dim)
@@ -101,19 +122,7 @@ def ssm_conv(sx: np.ndarray, c: np.ndarray) -> np.ndarray:
         array([[[ 2.,  3.],
                 [20., 30.]]])
     """
-    if sx.ndim != 3 or c.ndim != 2:
-        raise OpShapeError(
-            f"ssm_conv: sx must be (n_seqs, conv_dim, d_conv - 1 + n_seq_tokens) and c "
-            f"(conv_dim, d_conv), got sx {sx.shape} and c {c.shape}"
-        )
-    n_seqs, conv_dim, n_cols = sx.shape
-    d_conv = c.shape[1]
-    n_seq_tokens = n_cols - (d_conv - 1)
-    if c.shape[0] != conv_dim or n_seq_tokens < 0:
-        raise OpShapeError(
-            f"ssm_conv: sx {sx.shape} does not fit c {c.shape}: need sx.shape[1] == "
-            f"c.shape[0] and at least d_conv - 1 = {d_conv - 1} columns in sx"
-        )
+    n_seqs, conv_dim, n_seq_tokens, d_conv = _ssm_conv_sizes(sx.shape, c.shape)
     # The self-overlapping view: the token axis steps one column, like the tap axis.
     step = sx.strides[-1]
     windows = np.lib.stride_tricks.as_strided(
@@ -150,7 +159,7 @@ def compute_softplus(dt: np.ndarray) -> np.ndarray:
     Returns:
         Same shape and dtype as ``dt``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> compute_softplus(np.array([0.0, 25.0], dtype=np.float32))
         array([ 0.6931472, 25.       ], dtype=float32)
@@ -264,7 +273,7 @@ def ssm_scan(
         OpTypeError: ``ids`` is not an integer array.
         OpIndexError: an id is outside ``[0, n_rs)``.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> s = np.zeros((1, 1, 1, 1))                    # (n_rs, n_head, head_dim, d_state)
         >>> x = np.ones((1, 3, 1, 1))                     # (n_seqs, n_seq_tokens, n_head, head_dim)

@@ -1,0 +1,121 @@
+r"""Twin of :mod:`reference.ops.attention`: ``ggml_soft_max_ext`` and ``build_attn_mha`` on MLX.
+
+``soft_max_ext`` is written with MLX ops (``mx.softmax(..., precise=True)``, which
+accumulates in float32 where ggml and the reference sum in double). ``build_attn_mha`` uses
+MLX's fused kernel ``mx.fast.scaled_dot_product_attention``: it computes
+$\mathrm{softmax}(\mathrm{scale}\,QK^T + \mathrm{mask})\,V$ with the same grouped-query mapping
+as ``mul_mat``'s block broadcast (query head $h$ reads KV head
+$\lfloor h / (n_\text{head}/n_\text{head\_kv}) \rfloor$) and an additive float mask; ALiBi is
+folded into that mask per head (slope times mask). The fused kernel returns NaN for a row
+whose keys are all hidden; the twin replaces such rows with zeros, as the reference does.
+The ALiBi slopes are the reference's (:func:`reference.ops.attention.alibi_slopes`, a tiny
+host-side array).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from reference.ops.attention import _check_attn_args, _check_soft_max_args, _tile_reps
+from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
+
+
+# --8<-- [start:alibi_slopes]
+def alibi_slopes(n_head: int, max_bias: float) -> mx.array:
+    r"""Twin of :func:`reference.ops.attention.alibi_slopes`.
+
+    Computed by the reference on the host (``n_head`` float32 values) and moved to MLX.
+
+    Examples:
+        >>> alibi_slopes(4, 8.0).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    return mx.array(_alibi_slopes_ref(n_head, max_bias))  # (n_head,)
+
+
+# --8<-- [end:alibi_slopes]
+
+
+# --8<-- [start:soft_max_ext]
+def soft_max_ext(
+    x: mx.array,
+    mask: mx.array | None = None,
+    scale: float = 1.0,
+    max_bias: float = 0.0,
+) -> mx.array:
+    r"""Twin of :func:`reference.ops.attention.soft_max_ext`.
+
+    Lazy MLX ops; the row sum is float32 (``mx.softmax(precise=True)``) instead of double. A
+    fully masked row is zeros, as in the reference.
+
+    Examples:
+        >>> import numpy as np
+        >>> causal = np.array([[0.0, -np.inf, -np.inf], [0.0, 0.0, -np.inf]])
+        >>> soft_max_ext(np.zeros((1, 2, 3)), causal).tolist()
+        [[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]]]
+    """
+    x = mx.array(x)
+    mask = None if mask is None else mx.array(mask)
+    _check_soft_max_args(x, mask, max_bias)
+    w = x * scale  # (..., n_head, n_tokens, n_kv)
+    if mask is not None:
+        n_head = x.shape[-3] if x.ndim >= 3 else 1  # a 2-D x is head 0 of 1
+        slope = alibi_slopes(n_head, max_bias).astype(x.dtype)  # (n_head,)
+        slope = slope.reshape((n_head, 1, 1)[3 - min(x.ndim, 3):])  # (n_head, 1, 1)
+        m = mx.tile(mask[..., : x.shape[-2], :], list(_tile_reps(mask.shape, x.shape)))
+        w = w + slope * m.astype(x.dtype)  # (..., n_head, n_tokens, n_kv)
+    visible = mx.max(w, axis=-1, keepdims=True) > -mx.inf  # (..., n_tokens, 1)
+    p = mx.softmax(w, axis=-1, precise=True)  # NaN in a fully masked row
+    return mx.where(visible, p, mx.array(0, dtype=x.dtype))  # (..., n_head, n_tokens, n_kv)
+
+
+# --8<-- [end:soft_max_ext]
+
+
+# --8<-- [start:build_attn_mha]
+def build_attn_mha(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    kq_mask: mx.array,
+    kq_scale: float,
+    max_bias: float = 0.0,
+) -> mx.array:
+    r"""Twin of :func:`reference.ops.attention.build_attn_mha`.
+
+    One fused ``mx.fast.scaled_dot_product_attention`` call instead of ``mul_mat``,
+    ``soft_max_ext``, ``mul_mat``: GQA is native (no repeat of K/V), the softmax accumulates
+    in float32, and ALiBi enters as a per-head additive mask. Rows with no visible key are
+    zeros, as in the reference.
+
+    Examples:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> q = rng.standard_normal((2, 4, 8)).astype(np.float32)   # (n_tokens, n_head, d_k)
+        >>> k = rng.standard_normal((2, 2, 8)).astype(np.float32)   # (n_kv, n_head_kv, d_k)
+        >>> v = rng.standard_normal((2, 2, 3)).astype(np.float32)   # (n_kv, n_head_kv, d_v)
+        >>> causal = np.array([[0.0, -np.inf], [0.0, 0.0]], dtype=np.float32)
+        >>> out = build_attn_mha(q, k, v, causal, kq_scale=8 ** -0.5)
+        >>> out.shape, bool(np.allclose(np.array(out[0]).reshape(4, 3), v[0, [0, 0, 1, 1]]))
+        ((2, 12), True)
+    """
+    q, k, v, kq_mask = mx.array(q), mx.array(k), mx.array(v), mx.array(kq_mask)
+    _check_attn_args(q, k, v, kq_mask)
+    n_tokens, n_head, _ = q.shape
+    mask = kq_mask[:n_tokens].astype(q.dtype)  # (n_tokens, n_kv)
+    visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (n_tokens, 1)
+    if max_bias > 0.0:
+        slope = alibi_slopes(n_head, max_bias).astype(q.dtype)  # (n_head,)
+        mask = slope[:, None, None] * mask  # (n_head, n_tokens, n_kv)
+    out = mx.fast.scaled_dot_product_attention(
+        q.transpose(1, 0, 2)[None],  # (1, n_head, n_tokens, d_k)
+        k.transpose(1, 0, 2)[None],  # (1, n_head_kv, n_kv, d_k)
+        v.transpose(1, 0, 2)[None],  # (1, n_head_kv, n_kv, d_v)
+        scale=kq_scale,
+        mask=mask,
+    )[0]  # (n_head, n_tokens, d_v)
+    out = mx.where(visible, out, mx.array(0, dtype=out.dtype))  # fully masked rows: zeros
+    return out.transpose(1, 0, 2).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
+
+
+# --8<-- [end:build_attn_mha]

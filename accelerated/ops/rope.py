@@ -1,0 +1,276 @@
+r"""Twin of :mod:`reference.ops.rope`: ``ggml_rope_ext`` on MLX.
+
+**Fused kernel where the semantics are the same.** Without YaRN (``ext_factor == 0``),
+:func:`rope_ext` calls ``mx.fast.rope`` with one "batch" entry per token and
+``offset = pos`` (a vector of per-token positions, negative ones included):
+
+- ``traditional=True`` is ggml's ``ROPE_TYPE_NORM`` (interleaved pairs $(x_{2j}, x_{2j+1})$),
+  ``traditional=False`` is ``ROPE_TYPE_NEOX`` (halves);
+- ``mx.fast.rope``'s ``scale`` multiplies the positions, which is ggml's ``freq_scale``
+  multiplying the angles ($s\,p\,b^{-2j/n}$ either way);
+- ``freq_factors`` $f_j$ are passed as MLX's ``freqs`` (periods): $b^{2j/n_{dims}} f_j$;
+- ``attn_factor`` (no parameter in MLX) multiplies the rotated dims afterwards.
+
+The kernel evaluates the closed form $p\,b^{-2j/n_{dims}}$ where ggml repeats a float32
+recurrence (see :func:`reference.ops.rope.rope_theta`); the angles differ by a few ulps,
+which the twin registry bounds (NMSE below $10^{-8}$ up to positions of 30000).
+
+**YaRN is not in ``mx.fast.rope``.** With ``ext_factor != 0`` the twin builds the cos/sin
+cache with plain MLX ops, mirroring the reference function by function (the float32 angle
+recurrence, ``rope_yarn_ramp``, ``rope_yarn``, ``rotate_pairs``). The correction dims are
+host scalars: :func:`reference.ops.rope.rope_yarn_corr_dims` is imported, not re-written.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from reference.ops.rope import (
+    ROPE_TYPE_NEOX,
+    ROPE_TYPE_NORM,
+    RopeError,
+    _check_rope_args,
+    rope_yarn_corr_dims,
+)
+
+__all__ = [
+    "ROPE_TYPE_NEOX",
+    "ROPE_TYPE_NORM",
+    "RopeError",
+    "rope_cache_init",
+    "rope_ext",
+    "rope_theta",
+    "rope_yarn",
+    "rope_yarn_corr_dims",
+    "rope_yarn_ramp",
+    "rotate_pairs",
+]
+
+
+def _mx_dtype(dtype) -> mx.Dtype:
+    """The MLX dtype of a NumPy dtype (``np.float32`` -> ``mx.float32``), or an MLX dtype as is."""
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    return getattr(mx, np.dtype(dtype).name)
+
+
+# --8<-- [start:rope_yarn_ramp]
+def rope_yarn_ramp(low: float, high: float, i0: mx.array, dtype: type = np.float32) -> mx.array:
+    r"""Twin of :func:`reference.ops.rope.rope_yarn_ramp`.
+
+    Examples:
+        >>> rope_yarn_ramp(1.0, 3.0, mx.arange(0, 10, 2)).tolist()
+        [1.0, 1.0, 0.5, 0.0, 0.0]
+    """
+    dt = _mx_dtype(dtype)
+    j = (mx.array(i0) // 2).astype(dt)
+    y = (j - mx.array(low, dt)) / mx.maximum(mx.array(0.001, dt), mx.array(high - low, dt))
+    return 1 - mx.minimum(1, mx.maximum(0, y))
+
+
+# --8<-- [end:rope_yarn_ramp]
+
+
+# --8<-- [start:rope_yarn]
+def rope_yarn(
+    theta_extrap: mx.array,
+    freq_scale: float,
+    corr_dims: tuple[float, float],
+    i0: mx.array,
+    ext_factor: float,
+    mscale: float,
+) -> tuple[mx.array, mx.array]:
+    r"""Twin of :func:`reference.ops.rope.rope_yarn`.
+
+    ``mx.cos``/``mx.sin`` in the array's dtype (the reference rounds a float64 evaluation
+    once; MLX's float32 functions may differ by an ulp).
+
+    Examples:
+        >>> c, s = rope_yarn(mx.array([0.0, 1.5707964]), 1.0, (0.0, 1.0), mx.array([0, 2]),
+        ...                  0.0, 1.0)
+        >>> [round(v, 6) for v in c.tolist()], [round(v, 6) for v in s.tolist()]
+        ([1.0, -0.0], [0.0, 1.0])
+    """
+    theta_extrap = mx.array(theta_extrap)
+    dt = theta_extrap.dtype
+    theta = mx.array(freq_scale, dt) * theta_extrap
+    m = mx.array(mscale, dt)
+    if ext_factor != 0.0:
+        ramp_mix = rope_yarn_ramp(corr_dims[0], corr_dims[1], i0, dt) * mx.array(ext_factor, dt)
+        theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
+        m = m * (1 + mx.array(0.1, dt) * mx.log(1 / mx.array(freq_scale, dt)))
+    return mx.cos(theta) * m, mx.sin(theta) * m
+
+
+# --8<-- [end:rope_yarn]
+
+
+# --8<-- [start:rope_theta]
+def rope_theta(
+    pos: mx.array, n_dims: int, freq_base: float, dtype: type = np.float32
+) -> mx.array:
+    r"""Twin of :func:`reference.ops.rope.rope_theta`.
+
+    The same recurrence $\theta_{j+1} = \mathrm{fl}(\theta_j s)$ as lazy MLX multiplies
+    (``n_dims // 2`` of them, stacked); ``theta_scale`` is computed once on the host, rounded
+    from double as C's ``powf``.
+
+    Examples:
+        >>> rope_theta(mx.array([0, 1, 2]), 4, 100.0).tolist()
+        [[0.0, 0.0], [1.0, 0.10000000149011612], [2.0, 0.20000000298023224]]
+    """
+    dt = _mx_dtype(dtype)
+    pos = mx.array(pos)
+    if n_dims < 2:
+        return mx.zeros((pos.shape[0], 0), dtype=dt)  # (n_tokens, 0)
+    theta_scale = mx.array(float(np.float32(freq_base ** (-2.0 / n_dims)))
+                           if dt == mx.float32 else freq_base ** (-2.0 / n_dims), dt)
+    theta_j = pos.astype(dt)  # (n_tokens,)
+    columns = []
+    for _ in range(n_dims // 2):
+        columns.append(theta_j)
+        theta_j = theta_j * theta_scale
+    return mx.stack(columns, axis=-1)  # (n_tokens, n_dims/2)
+
+
+# --8<-- [end:rope_theta]
+
+
+# --8<-- [start:rope_cache_init]
+def rope_cache_init(
+    pos: mx.array,
+    n_dims: int,
+    freq_base: float,
+    freq_scale: float,
+    freq_factors: mx.array | None,
+    corr_dims: tuple[float, float],
+    ext_factor: float,
+    attn_factor: float,
+    dtype: type = np.float32,
+) -> tuple[mx.array, mx.array]:
+    r"""Twin of :func:`reference.ops.rope.rope_cache_init`.
+
+    Examples:
+        >>> c, s = rope_cache_init(mx.array([0, 1]), 2, 10000.0, 1.0, None, (0.0, 1.0), 0.0, 1.0)
+        >>> c.shape, s.dtype
+        ((2, 1), mlx.core.float32)
+    """
+    dt = _mx_dtype(dtype)
+    theta_extrap = rope_theta(pos, n_dims, freq_base, dt)  # (n_tokens, n_dims/2)
+    if freq_factors is not None:
+        ff = mx.array(freq_factors)[: n_dims // 2].astype(dt)  # (n_dims/2,)
+        theta_extrap = theta_extrap / ff
+    i0 = 2 * mx.arange(n_dims // 2)  # (n_dims/2,) the even dimension index of each pair
+    return rope_yarn(theta_extrap, freq_scale, corr_dims, i0, ext_factor, attn_factor)
+
+
+# --8<-- [end:rope_cache_init]
+
+
+# --8<-- [start:rotate_pairs]
+def rotate_pairs(
+    x: mx.array, cos_theta: mx.array, sin_theta: mx.array, n_dims: int, mode: int
+) -> mx.array:
+    r"""Twin of :func:`reference.ops.rope.rotate_pairs`.
+
+    MLX has no slice assignment by stride that is cheap to express, so the rotated halves are
+    re-assembled with ``mx.stack`` (NORM: interleave) or ``mx.concatenate`` (NEOX).
+
+    Examples:
+        >>> x = mx.arange(6, dtype=mx.float32).reshape(1, 1, 6)
+        >>> c, s = mx.array([[0.0, 0.0]]), mx.array([[1.0, 1.0]])  # a quarter turn
+        >>> rotate_pairs(x, c, s, 4, ROPE_TYPE_NORM).tolist()
+        [[[-1.0, 0.0, -3.0, 2.0, 4.0, 5.0]]]
+        >>> rotate_pairs(x, c, s, 4, ROPE_TYPE_NEOX).tolist()
+        [[[-2.0, -3.0, 0.0, 1.0, 4.0, 5.0]]]
+    """
+    x = mx.array(x)
+    half = n_dims // 2
+    c = mx.array(cos_theta)[:, None, :]  # (n_tokens, 1, n_dims/2): same angles for every head
+    s = mx.array(sin_theta)[:, None, :]  # (n_tokens, 1, n_dims/2)
+    if mode == ROPE_TYPE_NORM:
+        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]  # x[2j], x[2j+1]
+    else:
+        x0, x1 = x[..., 0:half], x[..., half:n_dims]  # x[j], x[j + n_dims/2]
+    y0 = x0 * c - x1 * s  # (..., n_tokens, n_head, n_dims/2)
+    y1 = x0 * s + x1 * c  # (..., n_tokens, n_head, n_dims/2)
+    if mode == ROPE_TYPE_NORM:
+        rot = mx.stack([y0, y1], axis=-1).reshape(*y0.shape[:-1], n_dims)  # (..., n_dims)
+    else:
+        rot = mx.concatenate([y0, y1], axis=-1)  # (..., n_dims)
+    return mx.concatenate([rot, x[..., n_dims:]], axis=-1)  # (..., head_dim)
+
+
+# --8<-- [end:rotate_pairs]
+
+
+# --8<-- [start:rope_ext]
+def rope_ext(
+    x: mx.array,
+    pos: mx.array,
+    n_dims: int,
+    mode: int = ROPE_TYPE_NORM,
+    n_ctx_orig: int = 0,
+    freq_base: float = 10000.0,
+    freq_scale: float = 1.0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    freq_factors: mx.array | None = None,
+) -> mx.array:
+    r"""Twin of :func:`reference.ops.rope.rope_ext`.
+
+    ``ext_factor == 0``: one fused ``mx.fast.rope`` call (``traditional`` = NORM mode,
+    ``scale`` = ``freq_scale``, ``offset`` = ``pos`` per token, ``freqs`` from
+    ``freq_factors``), then ``attn_factor`` on the rotated dims. ``ext_factor != 0`` (YaRN):
+    the plain-MLX cos/sin cache and :func:`rotate_pairs`. ``pos`` is read on the host to be
+    validated. Computes in float32 for float16/bfloat16 input, like ggml.
+
+    Examples:
+        >>> import numpy as np
+        >>> y = rope_ext(np.ones((2, 1, 4), dtype=np.float32), np.array([0, 1]), n_dims=2)
+        >>> y[0].tolist(), y[1, 0, 2:].tolist()
+        ([[1.0, 1.0, 1.0, 1.0]], [1.0, 1.0])
+        >>> np.allclose(y[1, 0, :2], [np.cos(1) - np.sin(1), np.sin(1) + np.cos(1)])
+        True
+    """
+    x = mx.array(x)
+    pos_np = np.asarray(pos)
+    _check_rope_args(x, pos_np, n_dims, mode, freq_factors)
+    in_dtype = x.dtype
+    dt = mx.float64 if in_dtype == mx.float64 else mx.float32
+    xc = x.astype(dt)
+    if n_dims == 0:
+        return x
+    if ext_factor == 0.0:
+        lead = x.shape[:-3]
+        n_tokens, n_head, head_dim = x.shape[-3:]
+        # (n_tokens, n_head, head_dim) per leading index -> batch = token, T = 1
+        xt = mx.moveaxis(xc.reshape(-1, n_tokens, n_head, head_dim), 1, 0)  # (n_t, L, H, D)
+        xt = xt.reshape(n_tokens, -1, 1, head_dim)  # (n_tokens, L*n_head, 1, head_dim)
+        freqs = None
+        if freq_factors is not None:
+            j = mx.arange(n_dims // 2, dtype=mx.float32)
+            ff = mx.array(freq_factors)[: n_dims // 2].astype(mx.float32)
+            freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
+        y = mx.fast.rope(
+            xt, n_dims, traditional=(mode == ROPE_TYPE_NORM),
+            base=None if freqs is not None else freq_base, scale=freq_scale,
+            offset=mx.array(pos_np.astype(np.int32)), freqs=freqs,
+        )  # (n_tokens, L*n_head, 1, head_dim)
+        if attn_factor != 1.0:
+            y = mx.concatenate([y[..., :n_dims] * attn_factor, y[..., n_dims:]], axis=-1)
+        y = mx.moveaxis(y.reshape(n_tokens, -1, n_head, head_dim), 0, 1)  # (L, n_t, H, D)
+        return y.reshape(*lead, n_tokens, n_head, head_dim).astype(in_dtype)
+    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
+                                    np.float64 if dt == mx.float64 else np.float32)
+    cos_theta, sin_theta = rope_cache_init(
+        mx.array(pos_np), n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor,
+        attn_factor, dt,
+    )  # (n_tokens, n_dims/2) each
+    return rotate_pairs(xc, cos_theta, sin_theta, n_dims, mode).astype(in_dtype)
+
+
+# --8<-- [end:rope_ext]

@@ -1,0 +1,123 @@
+r"""Twin of :mod:`reference.ops.ssm`: ``ggml_ssm_conv`` and ``ggml_ssm_scan`` on MLX.
+
+No fused kernel: both are written with lazy MLX ops in the reference's order. The
+convolution is ``d_conv`` shifted slices of ``sx`` (the self-overlapping view, one slice per
+tap) summed tap by tap; the scan is a Python loop over the ubatch's tokens that builds one
+lazy graph (one decay, one update and one readout per token), evaluated once. The shape checks
+are the reference's; ``ids`` is bookkeeping and is read on the host to be validated.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from reference.ops.ssm import SOFTPLUS_THRESHOLD, _check_scan_args, _ssm_conv_sizes
+
+__all__ = ["SOFTPLUS_THRESHOLD", "compute_softplus", "ssm_conv", "ssm_scan"]
+
+
+def _result_dtype(*arrays: mx.array) -> mx.Dtype:
+    """MLX's promoted dtype of ``arrays`` (``np.result_type``), from a lazy 0-d sum."""
+    total = mx.zeros((), dtype=arrays[0].dtype)
+    for a in arrays[1:]:
+        total = total + mx.zeros((), dtype=a.dtype)
+    return total.dtype
+
+
+# --8<-- [start:ssm_conv]
+def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
+    r"""Twin of :func:`reference.ops.ssm.ssm_conv`.
+
+    The windows are ``d_conv`` shifted slices ``sx[..., k : k + T]`` (MLX has no
+    ``as_strided`` view worth the name), each scaled by tap ``k`` and summed in tap order.
+
+    Examples:
+        >>> import numpy as np
+        >>> sx = np.array([[[0, 0, 1, 2, 3], [0, 0, 10, 20, 30]]], dtype=np.float32)
+        >>> c = np.array([[0.0, 0.0, 1.0], [1.0, 1.0, 1.0]], dtype=np.float32)
+        >>> ssm_conv(sx, c).tolist()
+        [[[1.0, 10.0], [2.0, 30.0], [3.0, 60.0]]]
+    """
+    sx, c = mx.array(sx), mx.array(c)
+    n_seqs, conv_dim, n_seq_tokens, d_conv = _ssm_conv_sizes(sx.shape, c.shape)
+    y = mx.zeros((n_seqs, conv_dim, n_seq_tokens), dtype=_result_dtype(sx, c))
+    for k in range(d_conv):
+        y = y + sx[..., k : k + n_seq_tokens] * c[:, k : k + 1]  # (n_seqs, conv_dim, n_t)
+    return y.transpose(0, 2, 1)  # (n_seqs, n_seq_tokens, conv_dim)
+
+
+# --8<-- [end:ssm_conv]
+
+
+# --8<-- [start:compute_softplus]
+def compute_softplus(dt: mx.array) -> mx.array:
+    r"""Twin of :func:`reference.ops.ssm.compute_softplus`.
+
+    The same ``log(1 + exp(x))`` below the threshold (not ``log1p``), so
+    ``compute_softplus(-20) == 0`` in float32 here too.
+
+    Examples:
+        >>> compute_softplus(mx.array([0.0, 25.0, -20.0])).tolist()
+        [0.6931471824645996, 25.0, 0.0]
+    """
+    dt = mx.array(dt)
+    below = mx.minimum(dt, SOFTPLUS_THRESHOLD)  # no overflow in exp
+    return mx.where(dt > SOFTPLUS_THRESHOLD, dt, mx.log(1 + mx.exp(below)))
+
+
+# --8<-- [end:compute_softplus]
+
+
+# --8<-- [start:ssm_scan]
+def ssm_scan(
+    s: mx.array,
+    x: mx.array,
+    dt: mx.array,
+    A: mx.array,
+    B: mx.array,
+    C: mx.array,
+    ids: mx.array,
+) -> tuple[mx.array, mx.array]:
+    r"""Twin of :func:`reference.ops.ssm.ssm_scan`.
+
+    A Python loop over tokens building one lazy MLX graph; groups of ``B``/``C`` are
+    repeated for their heads with ``mx.repeat``; returns ``(y, states)`` as MLX arrays.
+
+    Examples:
+        >>> import numpy as np
+        >>> s = np.zeros((1, 1, 1, 1), dtype=np.float32)
+        >>> x = np.ones((1, 3, 1, 1), dtype=np.float32)
+        >>> dt = np.full((1, 3, 1), 30.0, dtype=np.float32)
+        >>> A = np.array([[-np.log(2) / 30]], dtype=np.float32)
+        >>> B = C = np.full((1, 3, 1, 1), 1 / 30, dtype=np.float32)
+        >>> y, states = ssm_scan(s, x, dt, A, B, C, ids=np.array([0]))
+        >>> [round(v * 30, 5) for v in y[0, :, 0, 0].tolist()], states.shape
+        ([1.0, 1.5, 1.75], (1, 1, 1, 1))
+    """
+    ids_np = np.asarray(ids)
+    s, x, dt, A, B, C = (mx.array(a) for a in (s, x, dt, A, B, C))
+    _check_scan_args(s, x, dt, A, B, C, ids_np)
+    n_seqs, n_seq_tokens, n_head, head_dim = x.shape
+    dtype = _result_dtype(s, x, dt, A, B, C)
+    delta = compute_softplus(dt.astype(dtype))  # (n_seqs, n_seq_tokens, n_head)
+    heads_per_group = n_head // B.shape[2]
+    B_h = mx.repeat(B.astype(dtype), heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
+    C_h = mx.repeat(C.astype(dtype), heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
+    A_h = A.astype(dtype)[:, None, :]  # (n_head, 1, d_state or 1)
+    h = s[mx.array(ids_np.astype(np.int32))].astype(dtype)  # (n_seqs, n_head, head_dim, d_state)
+    ys = []
+    for t in range(n_seq_tokens):
+        d_t = delta[:, t, :, None, None]  # (n_seqs, n_head, 1, 1)
+        dA = mx.exp(d_t * A_h)  # (n_seqs, n_head, 1, d_state or 1)
+        x_dt = x[:, t, :, :, None].astype(dtype) * d_t  # (n_seqs, n_head, head_dim, 1)
+        h = h * dA + B_h[:, t, :, None, :] * x_dt  # (n_seqs, n_head, head_dim, d_state)
+        ys.append(mx.sum(h * C_h[:, t, :, None, :], axis=-1))  # (n_seqs, n_head, head_dim)
+    if ys:
+        y = mx.stack(ys, axis=1)  # (n_seqs, n_seq_tokens, n_head, head_dim)
+    else:
+        y = mx.zeros((n_seqs, 0, n_head, head_dim), dtype=dtype)
+    return y, h
+
+
+# --8<-- [end:ssm_scan]
