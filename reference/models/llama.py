@@ -445,6 +445,61 @@ def llm_build_llama(
 # --8<-- [end:llm_build_llama]
 
 
+# --8<-- [start:check_forward_inputs]
+def check_forward_inputs(
+    hparams: LlamaHParams,
+    tokens: np.ndarray | None,
+    pos: np.ndarray,
+    out_ids: np.ndarray | None,
+    embd: np.ndarray | None,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The contract of a forward's inputs, checked on the host before any array work.
+
+    Shared by :func:`llama_forward` and its MLX twin.
+
+    Returns:
+        ``(tokens, pos, out_ids, embd)`` as int64 / float arrays; ``out_ids`` defaults to every
+        token.
+
+    Raises:
+        LlamaForwardError: unsupported arch, both or neither of ``tokens`` and ``embd``, an
+            empty ubatch, a token id out of range, embeddings of the wrong width, ``pos`` of
+            another length, or ``out_ids`` out of range.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> check_forward_inputs(tiny_hparams(), [3, 4], [0, 1], None, None)[2]
+        array([0, 1])
+    """
+    pos = np.asarray(pos, dtype=np.int64)
+    if hparams.arch not in SUPPORTED_ARCHS:
+        raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {SUPPORTED_ARCHS}")
+    if (tokens is None) == (embd is None):
+        raise LlamaForwardError("give exactly one of tokens and embd")
+    if tokens is not None:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise LlamaForwardError(f"tokens must be a non-empty 1-D array, got {tokens.shape}")
+        bad = tokens[(tokens < 0) | (tokens >= hparams.n_vocab)]
+        if len(bad):
+            raise LlamaForwardError(f"token id {bad[0]} out of range [0, {hparams.n_vocab})")
+        n_tokens = len(tokens)
+    else:
+        embd = np.asarray(embd)
+        if embd.ndim != 2 or embd.shape[0] == 0 or embd.shape[1] != hparams.n_embd:
+            raise LlamaForwardError(
+                f"embd must be (n_tokens > 0, n_embd={hparams.n_embd}), got {embd.shape}"
+            )
+        n_tokens = embd.shape[0]
+    if pos.shape != (n_tokens,):
+        raise LlamaForwardError(f"pos has shape {pos.shape}, expected ({n_tokens},)")
+    out_ids = np.arange(n_tokens) if out_ids is None else np.asarray(out_ids, dtype=np.int64)
+    if out_ids.ndim != 1 or ((out_ids < 0) | (out_ids >= n_tokens)).any():
+        raise LlamaForwardError(f"out_ids {out_ids.tolist()} out of range [0, {n_tokens})")
+    return tokens, pos, out_ids, embd
+# --8<-- [end:check_forward_inputs]
+
+
 # --8<-- [start:llama_forward]
 def llama_forward(
     weights: dict,
@@ -491,31 +546,7 @@ def llama_forward(
         ...
         reference.models.llama.LlamaForwardError: token id 99 out of range [0, 32)
     """
-    pos = np.asarray(pos, dtype=np.int64)
-    if hparams.arch not in SUPPORTED_ARCHS:
-        raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {SUPPORTED_ARCHS}")
-    if (tokens is None) == (embd is None):
-        raise LlamaForwardError("give exactly one of tokens and embd")
-    if tokens is not None:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise LlamaForwardError(f"tokens must be a non-empty 1-D array, got {tokens.shape}")
-        bad = tokens[(tokens < 0) | (tokens >= hparams.n_vocab)]
-        if len(bad):
-            raise LlamaForwardError(f"token id {bad[0]} out of range [0, {hparams.n_vocab})")
-        n_tokens = len(tokens)
-    else:
-        embd = np.asarray(embd)
-        if embd.ndim != 2 or embd.shape[0] == 0 or embd.shape[1] != hparams.n_embd:
-            raise LlamaForwardError(
-                f"embd must be (n_tokens > 0, n_embd={hparams.n_embd}), got {embd.shape}"
-            )
-        n_tokens = embd.shape[0]
-    if pos.shape != (n_tokens,):
-        raise LlamaForwardError(f"pos has shape {pos.shape}, expected ({n_tokens},)")
-    out_ids = np.arange(n_tokens) if out_ids is None else np.asarray(out_ids, dtype=np.int64)
-    if out_ids.ndim != 1 or ((out_ids < 0) | (out_ids >= n_tokens)).any():
-        raise LlamaForwardError(f"out_ids {out_ids.tolist()} out of range [0, {n_tokens})")
+    tokens, pos, out_ids, embd = check_forward_inputs(hparams, tokens, pos, out_ids, embd)
     return llm_build_llama(weights, hparams, tokens, pos, inp_attn, out_ids, embd)
 # --8<-- [end:llama_forward]
 

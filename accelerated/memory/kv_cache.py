@@ -1,0 +1,240 @@
+"""Twin of :mod:`reference.memory.kv_cache`: ``llama_kv_cache`` with MLX K/V tensors.
+
+:class:`KVCache` *is* the reference's cache (a subclass): the cells, streams, slot search,
+``seq_*`` operations and ``prepare``/``apply_ubatch`` are inherited unchanged. What differs:
+
+- ``k_l[il]`` / ``v_l[il]`` are ``mx.array`` of the reference's shapes
+  ``(n_stream, kv_size, n_embd_k_gqa)``; MLX arrays are values, so a write replaces the
+  list entry (``k_l[il] = ...``) instead of writing through a NumPy view;
+- :class:`KVCacheAttnInput` builds the KQ mask with the reference's
+  :func:`reference.memory.kv_cache.set_input_kq_mask` (host bookkeeping, NumPy) and hands
+  it to the graph as an ``mx.array``; ``get_k``/``get_v`` slice the MLX tensors;
+- the K-shift in :meth:`KVCache.update` is :func:`build_rope_shift` on MLX
+  (``accelerated.ops.rope_ext``), applied to the shifted rows with one scatter per layer.
+
+The tensors compute in float32 (MLX's CPU float64 support is partial): a ``dtype`` of
+float64 is stored as float32; float16/bfloat16 are kept.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from numpy.typing import DTypeLike
+
+from accelerated.ops import rope_ext, set_rows
+from reference.hparams import LlamaHParams
+from reference.memory import kv_cache as ref
+from reference.memory.kv_cache import (  # bookkeeping, imported as it is
+    POS_INF,
+    KVCacheError,
+    SlotInfo,
+    ggml_pad,
+    k_shift_rope_params,
+    kv_size_swa,
+    n_ctx_seq,
+    set_input_kq_mask,
+)
+
+__all__ = [
+    "POS_INF",
+    "KVCache",
+    "KVCacheAttnInput",
+    "KVCacheError",
+    "SlotInfo",
+    "build_rope_shift",
+    "ggml_pad",
+    "k_shift_rope_params",
+    "kv_size_swa",
+    "mx_dtype",
+    "n_ctx_seq",
+    "set_input_kq_mask",
+]
+
+_MX_DTYPES = {
+    np.dtype(np.float16): mx.float16,
+    np.dtype(np.float32): mx.float32,
+    np.dtype(np.float64): mx.float32,
+}
+
+
+def mx_dtype(dtype: DTypeLike) -> mx.Dtype:
+    """The MLX dtype of the cache tensors for a NumPy ``dtype`` (float64 -> float32).
+
+    Examples:
+        >>> mx_dtype(np.float64)
+        mlx.core.float32
+    """
+    return _MX_DTYPES.get(np.dtype(dtype), mx.float32)
+
+
+# --8<-- [start:build_rope_shift]
+def build_rope_shift(
+    k: mx.array, shift: np.ndarray, hparams: LlamaHParams, rope_factors: mx.array | None = None
+) -> mx.array:
+    """Twin of :func:`reference.memory.kv_cache.build_rope_shift`. ``rope_ext`` on MLX.
+
+    Args:
+        k: keys of the cells ``(n_cells, n_head_kv, n_embd_head_k)``.
+        shift: the shift of each cell ``(n_cells,)``.
+        hparams: the model's hyperparameters.
+        rope_factors: the model's ``rope_freqs.weight`` or None.
+
+    Returns:
+        The turned keys, same shape.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.models.llama import rope_cparams
+        >>> hp = tiny_hparams(n_embd=8, n_head=2, n_head_kv=1)
+        >>> k = np.random.default_rng(0).normal(size=(1, 1, 4)).astype(np.float32)
+        >>> kp = rope_ext(k, np.array([3]), **rope_cparams(hp))
+        >>> k5 = rope_ext(k, np.array([5]), **rope_cparams(hp))
+        >>> bool(mx.allclose(build_rope_shift(kp, np.array([2]), hp), k5, atol=1e-6))
+        True
+    """
+    params = k_shift_rope_params(hparams)
+    if rope_factors is not None:
+        rope_factors = mx.array(rope_factors)
+    return rope_ext(k, np.asarray(shift), freq_factors=rope_factors, **params)
+# --8<-- [end:build_rope_shift]
+
+
+# --8<-- [start:KVCacheAttnInput]
+class KVCacheAttnInput(ref.KVCacheAttnInput):
+    """Twin of :class:`reference.memory.kv_cache.KVCacheAttnInput` on MLX tensors.
+
+    ``k_idxs`` and the mask are computed by the reference constructor (host bookkeeping);
+    the mask is converted once to an ``mx.array``. ``cpy_k``/``cpy_v`` scatter into the
+    flattened ``(n_stream * kv_size, n_embd_gqa)`` tensor and store the result back in the
+    cache's list; ``get_k``/``get_v`` are MLX slices (lazy).
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.batch import Batch, BatchAllocr
+        >>> hp = tiny_hparams()
+        >>> cache = KVCache(hp, kv_size=16)
+        >>> ub = BatchAllocr(Batch(token=[1, 2]), n_vocab=32, n_seq_max=1,
+        ...                  memory=cache).split_simple(8)
+        >>> sinfo = cache.prepare([ub])[0]
+        >>> cache.apply_ubatch(sinfo, ub)
+        >>> inp = cache.attn_input(ub, sinfo)
+        >>> inp.get_kq_mask(0).shape, inp.get_k(0).shape[1:]
+        ((2, 16), (2, 4))
+    """
+
+    def __init__(self, cache: KVCache, ubatch, sinfo: SlotInfo):
+        super().__init__(cache, ubatch, sinfo)
+        self.kq_mask = mx.array(self.kq_mask.astype(np.float32))  # (n_tokens, ns * n_kv)
+        self._k_idxs = mx.array(self.k_idxs.astype(np.int32))  # (n_tokens,)
+
+    def _store(self, tensors: list, il: int, cur: mx.array) -> None:
+        t = tensors[il]
+        rows = t.reshape(-1, t.shape[-1])  # (n_stream * kv_size, n_embd_gqa)
+        set_rows(rows, mx.array(cur).reshape(len(self.k_idxs), -1), self.k_idxs)
+        tensors[il] = rows.reshape(t.shape)  # (n_stream, kv_size, n_embd_gqa)
+
+    def cpy_k(self, il: int, k_cur: mx.array) -> None:
+        """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` in the slot's cells of layer ``il``."""
+        self._store(self.cache.k_l, il, k_cur)
+
+    def cpy_v(self, il: int, v_cur: mx.array) -> None:
+        """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` in the slot's cells of layer ``il``."""
+        self._store(self.cache.v_l, il, v_cur)
+
+    def _view(self, t: mx.array, d: int) -> mx.array:
+        n_head_kv = self.cache.hparams.n_head_kv
+        strm = self.sinfo.strm
+        if len(strm) == 1:
+            block = t[strm[0], : self.n_kv]  # (n_kv, n_embd_gqa)
+        else:
+            block = mx.concatenate([t[s, : self.n_kv] for s in strm])  # (ns * n_kv, n_embd_gqa)
+        return block.reshape(-1, n_head_kv, d)  # (ns * n_kv, n_head_kv, d)
+
+    def get_k(self, il: int) -> mx.array:
+        """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
+        return self._view(self.cache.k_l[il], self.cache.hparams.n_embd_head_k)
+
+    def get_v(self, il: int) -> mx.array:
+        """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
+        return self._view(self.cache.v_l[il], self.cache.hparams.n_embd_head_v)
+
+    def get_kq_mask(self, il: int) -> mx.array:
+        """The KQ mask ``(n_tokens, ns * n_kv)`` as an ``mx.array`` (the same for every layer)."""
+        return self.kq_mask
+# --8<-- [end:KVCacheAttnInput]
+
+
+# --8<-- [start:KVCache]
+class KVCache(ref.KVCache):
+    """Twin of :class:`reference.memory.kv_cache.KVCache`: the same cells, MLX tensors.
+
+    Constructor arguments are the reference's; ``k_l``/``v_l`` become ``mx.array`` zeros of
+    the same shapes (dtype by :func:`mx_dtype`). Every bookkeeping method is inherited.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> cache = KVCache(tiny_hparams(), kv_size=16, n_seq_max=2, kv_unified=False)
+        >>> cache.k_l[0].shape, cache.k_l[0].dtype, cache.get_n_stream()
+        ((2, 16, 8), mlx.core.float32, 2)
+    """
+
+    def __init__(self, hparams: LlamaHParams, *args, **kwargs):
+        super().__init__(hparams, *args, **kwargs)
+        dt = mx_dtype(self.dtype)
+        self.k_l = [mx.zeros(t.shape, dtype=dt) for t in self.k_l]
+        self.v_l = [mx.zeros(t.shape, dtype=dt) for t in self.v_l]
+
+    def clear(self, data: bool = True) -> None:
+        """Empty every cell; with ``data`` also zero the K/V tensors (``llama_memory_clear``).
+
+        The tensors are replaced by zeros of their own kind: MLX normally, NumPy while the
+        reference's state functions work on NumPy copies
+        (:meth:`accelerated.context.Context.state_set_data`).
+        """
+        super().clear(data=False)
+        if data:
+            zeros = mx.zeros_like if isinstance(self.k_l[0], mx.array) else np.zeros_like
+            self.k_l = [zeros(t) for t in self.k_l]
+            self.v_l = [zeros(t) for t in self.v_l]
+
+    def attn_input(self, ubatch, sinfo: SlotInfo) -> KVCacheAttnInput:
+        """The MLX :class:`KVCacheAttnInput` of ``ubatch`` (call after ``apply_ubatch``)."""
+        return KVCacheAttnInput(self, ubatch, sinfo)
+
+    # --8<-- [start:update]
+    def update(self, rope_factors: np.ndarray | None = None) -> bool:
+        """Twin of :meth:`reference.memory.kv_cache.KVCache.update` on MLX tensors.
+
+        Stream copies replace whole streams; the K-shift turns the shifted rows of each
+        stream (:func:`build_rope_shift`) and scatters them back, in every layer.
+
+        Args:
+            rope_factors: the model's ``rope_freqs.weight``, if it has one.
+
+        Returns:
+            True when a K-shift was applied.
+        """
+        for ssrc, sdst in self.sc_info:
+            for tensors in (self.k_l, self.v_l):
+                for il, t in enumerate(tensors):
+                    t[sdst] = t[ssrc]
+                    tensors[il] = t
+        self.sc_info = []
+        if not self.get_has_shift():
+            return False
+        hp = self.hparams
+        for s, cells in enumerate(self.v_cells):
+            rows = [i for i in range(cells.size()) if not cells.is_empty(i) and cells.get_shift(i)]
+            if rows:
+                shift = np.array([cells.get_shift(i) for i in rows])  # (n_rows,)
+                idx = mx.array(np.array(rows, dtype=np.int32))  # (n_rows,)
+                for il, k in enumerate(self.k_l):
+                    k_rows = k[s][idx].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
+                    k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
+                    k[s, idx] = k_rows.reshape(len(rows), -1).astype(k.dtype)  # (n_rows, E)
+                    self.k_l[il] = k
+            cells.reset_shift()
+        return True
+    # --8<-- [end:update]
+# --8<-- [end:KVCache]

@@ -1,0 +1,256 @@
+r"""Twin of :mod:`reference.memory.recurrent`: the recurrent memory with MLX state rows.
+
+The cell bookkeeping (``find_slot``, ``seq_rm``/``seq_cp``/``seq_keep``/``seq_add``/
+``seq_div``, ``prepare``, copy on write, ``rs_z``, ``src0``) is inherited from
+:class:`reference.memory.recurrent.RecurrentMemory`, never rewritten. Only the array work
+differs:
+
+- ``r_l[il]`` ``(mem_size, n_embd_r)`` and ``s_l[il]`` ``(mem_size, n_embd_s)`` are
+  ``mx.array``. MLX arrays are values, so a write replaces a layer's array in the list by a new
+  (lazy) one instead of writing into a buffer; nothing else holds a reference to the rows.
+- :meth:`RecurrentMemory.apply_ubatch` moves the rows with one gather per layer and state
+  (``mx.take``) and evaluates the result, so a ubatch's graph starts from concrete rows.
+- :class:`RecurrentMemoryInput` hands the model ``mx.array`` rows and takes lazy ones back.
+
+- State save/restore (:func:`state_write`, :func:`state_read` and the file forms) is the
+  reference's code run on host copies of the rows (:func:`_on_host`), so a blob written by
+  either memory restores in the other; parsing and checking blobs are imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
+
+from reference.batch import Ubatch
+from reference.memory import recurrent as ref
+from reference.memory.recurrent import (
+    POS_INF,
+    RS_STATE_MAGIC,
+    RS_STATE_VERSION,
+    MemCell,
+    RecurrentHParams,
+    RecurrentMemoryError,
+    RecurrentState,
+    state_check,
+    state_parse,
+)
+
+__all__ = [
+    "POS_INF",
+    "RS_STATE_MAGIC",
+    "RS_STATE_VERSION",
+    "MemCell",
+    "RecurrentHParams",
+    "RecurrentMemory",
+    "RecurrentMemoryError",
+    "RecurrentMemoryInput",
+    "RecurrentState",
+    "state_check",
+    "state_load_file",
+    "state_parse",
+    "state_read",
+    "state_save_file",
+    "state_write",
+]
+
+_MX_DTYPES = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16}
+
+
+def _put_rows(t: mx.array, start: int, rows: mx.array) -> mx.array:
+    """``t`` with rows ``start .. start + len(rows)`` replaced by ``rows`` (a new array)."""
+    return mx.slice_update(t, rows.astype(t.dtype), mx.array([start]), axes=(0,))
+
+
+# --8<-- [start:RecurrentMemoryInput]
+class RecurrentMemoryInput(ref.RecurrentMemoryInput):
+    """Twin of :class:`reference.memory.recurrent.RecurrentMemoryInput`.
+
+    ``get_r``/``get_s`` return lazy slices of the memory's ``mx.array`` rows (no copy is
+    needed: MLX arrays are values); ``cpy_r``/``cpy_s`` replace the layer's array by one with
+    the ubatch's rows written (``mx.slice_update``). The constructor is the reference's.
+    """
+
+    def get_r(self, il: int) -> mx.array:
+        """Conv states of layer ``il``, one row per sequence set ``(n_seqs, n_embd_r)``."""
+        return self.memory.r_l[il][self.head: self.head + self.n_seqs]
+
+    def get_s(self, il: int) -> mx.array:
+        """SSM states of layer ``il``, one row per sequence set ``(n_seqs, n_embd_s)``."""
+        return self.memory.s_l[il][self.head: self.head + self.n_seqs]
+
+    def cpy_r(self, il: int, r: mx.array) -> None:
+        """Store the final conv states ``(n_seqs, n_embd_r)`` of layer ``il``."""
+        rows = mx.array(r).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_r)
+        self.memory.r_l[il] = _put_rows(self.memory.r_l[il], self.head, rows)
+
+    def cpy_s(self, il: int, s: mx.array) -> None:
+        """Store the final SSM states ``(n_seqs, n_embd_s)`` of layer ``il``."""
+        rows = mx.array(s).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_s)
+        self.memory.s_l[il] = _put_rows(self.memory.s_l[il], self.head, rows)
+# --8<-- [end:RecurrentMemoryInput]
+
+
+# --8<-- [start:RecurrentMemory]
+class RecurrentMemory(ref.RecurrentMemory):
+    """Twin of :class:`reference.memory.recurrent.RecurrentMemory`.
+
+    The same cells and API; ``r_l``/``s_l`` are lists of ``mx.array``. ``dtype`` is float32
+    (llama.cpp's) or float16; ``self.dtype`` stays the NumPy dtype, as in the reference.
+
+    Raises:
+        RecurrentMemoryError: as the reference; also a ``dtype`` other than float32/float16.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> hp = SimpleNamespace(arch="mamba", n_layer=2, n_embd_r=lambda: 6, n_embd_s=lambda: 8)
+        >>> mem = RecurrentMemory(hp, mem_size=2, n_seq_max=2)
+        >>> mem.r_l[0].shape, mem.s_l[1].dtype, mem.seq_pos_max(0), mem.can_shift()
+        ((2, 6), mlx.core.float32, -1, True)
+    """
+
+    def __init__(self, hparams: RecurrentHParams, mem_size: int, n_seq_max: int = 1,
+                 dtype: DTypeLike = np.float32):
+        if np.dtype(dtype) not in _MX_DTYPES:
+            raise RecurrentMemoryError(f"dtype {np.dtype(dtype)} is not float32 or float16")
+        super().__init__(hparams, mem_size, n_seq_max, dtype)
+        mx_dtype = _MX_DTYPES[self.dtype]
+        self.r_l = [mx.zeros((mem_size, hparams.n_embd_r()), mx_dtype)
+                    for _ in range(hparams.n_layer)]  # (mem_size, n_embd_r) per layer
+        self.s_l = [mx.zeros((mem_size, hparams.n_embd_s()), mx_dtype)
+                    for _ in range(hparams.n_layer)]  # (mem_size, n_embd_s) per layer
+
+    # --8<-- [start:clear]
+    def clear(self, data: bool = True) -> None:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.clear`: rows become zeros."""
+        super().clear(data=False)
+        if data:  # NumPy rows while the reference's state_read runs (_on_host)
+            on_host = bool(self.r_l) and isinstance(self.r_l[0], np.ndarray)
+            zeros = np.zeros_like if on_host else mx.zeros_like
+            self.r_l = [zeros(t) for t in self.r_l]
+            self.s_l = [zeros(t) for t in self.s_l]
+    # --8<-- [end:clear]
+
+    def backup(self) -> tuple:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.backup`.
+
+        The rows are immutable values: keeping the arrays (not copies) is the backup.
+        """
+        return self._snapshot(), (list(self.r_l), list(self.s_l))
+
+    def restore(self, backup: tuple) -> None:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.restore`."""
+        snap, (r_l, s_l) = backup
+        self._restore(snap)
+        self.r_l, self.s_l = list(r_l), list(s_l)
+
+    # --8<-- [start:apply_ubatch]
+    def apply_ubatch(self, ubatch: Ubatch) -> None:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.apply_ubatch`.
+
+        ``find_slot`` is the reference's; the row moves are, per layer and state, a zeroed
+        ``rs_z`` row then one gather ``t[src0]`` written over cells ``head .. head + n``
+        (the gather reads the array before the write, as the reference's fancy indexing);
+        the new rows are evaluated.
+
+        Examples:
+            >>> from types import SimpleNamespace
+            >>> from reference.batch import Batch, BatchAllocr
+            >>> hp = SimpleNamespace(arch="t", n_layer=1, n_embd_r=lambda: 1, n_embd_s=lambda: 2)
+            >>> mem = RecurrentMemory(hp, mem_size=2, n_seq_max=2)
+            >>> b = Batch(token=[1, 2, 3], seq_id=[[0], [1], [0]])
+            >>> ub = BatchAllocr(b, n_vocab=8, n_seq_max=2, memory=mem).split_equal(8, True)
+            >>> mem.prepare([ub]), ub.n_seqs, ub.n_seq_tokens
+            (True, 2, 1)
+            >>> mem.apply_ubatch(ub)
+            >>> inp = mem.rs_input(ub)
+            >>> inp.get_s(0).tolist()  # two new sequences: zeros
+            [[0.0, 0.0], [0.0, 0.0]]
+            >>> inp.cpy_s(0, mx.ones((2, 2)))
+            >>> mem.seq_pos_max(0), mem.seq_pos_max(1), mem.s_l[0].sum().item()
+            (0, 0, 4.0)
+        """
+        snap = self._snapshot()
+        if not self.find_slot(ubatch):
+            self._restore(snap)
+            raise RecurrentMemoryError(f"no cell for a sequence of {ubatch.seq_id_unq}: "
+                                       f"seq ids must be < mem_size = {self.size}")
+        src = mx.array([self.cells[i].src0 for i in range(self.head, self.head + self.n)],
+                       dtype=mx.int32)  # (n,)
+        for rows in (self.r_l, self.s_l):
+            for il, t in enumerate(rows):
+                if self.rs_z >= 0:
+                    t = _put_rows(t, self.rs_z, mx.zeros((1, t.shape[1]), t.dtype))
+                rows[il] = _put_rows(t, self.head, mx.take(t, src, axis=0))  # (size, n_embd)
+        mx.eval(self.r_l + self.s_l)
+    # --8<-- [end:apply_ubatch]
+
+    # --8<-- [start:rs_input]
+    def rs_input(self, ubatch: Ubatch) -> RecurrentMemoryInput:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.rs_input`."""
+        return RecurrentMemoryInput(self, ubatch)
+    # --8<-- [end:rs_input]
+# --8<-- [end:RecurrentMemory]
+
+
+@contextmanager
+def _on_host(memory: RecurrentMemory) -> Iterator[None]:
+    """Give ``memory`` NumPy rows for the duration, then MLX rows again (even on an error)."""
+    mx_dtype = memory.r_l[0].dtype if memory.r_l else mx.float32
+    memory.r_l = [np.array(t) for t in memory.r_l]
+    memory.s_l = [np.array(t) for t in memory.s_l]
+    try:
+        yield
+    finally:
+        memory.r_l = [mx.array(np.asarray(t)).astype(mx_dtype) for t in memory.r_l]
+        memory.s_l = [mx.array(np.asarray(t)).astype(mx_dtype) for t in memory.s_l]
+
+
+# --8<-- [start:state_write]
+def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int = -1) -> bytes:
+    """Twin of :func:`reference.memory.recurrent.state_write`. The reference on host rows.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_mamba_hparams
+        >>> hp = tiny_mamba_hparams("mamba")
+        >>> state_write(RecurrentMemory(hp, mem_size=1), hp)[:4]
+        b'LRRS'
+    """
+    with _on_host(memory):
+        return ref.state_write(memory, hparams, seq_id)
+# --8<-- [end:state_write]
+
+
+# --8<-- [start:state_read]
+def state_read(memory: RecurrentMemory, hparams: RecurrentHParams, data: bytes,
+               dest_seq_id: int = -1) -> None:
+    """Twin of :func:`reference.memory.recurrent.state_read`. The reference on host rows.
+
+    A refused blob raises :class:`reference.memory.state.StateError` and changes nothing.
+    """
+    with _on_host(memory):
+        ref.state_read(memory, hparams, data, dest_seq_id)
+# --8<-- [end:state_read]
+
+
+# --8<-- [start:state_save_file]
+def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
+                    tokens: ArrayLike, seq_id: int = -1) -> int:
+    """Twin of :func:`reference.memory.recurrent.state_save_file`. The reference on host rows."""
+    with _on_host(memory):
+        return ref.state_save_file(path, memory, hparams, tokens, seq_id)
+# --8<-- [end:state_save_file]
+
+
+# --8<-- [start:state_load_file]
+def state_load_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
+                    dest_seq_id: int = -1) -> np.ndarray:
+    """Twin of :func:`reference.memory.recurrent.state_load_file`. The reference on host rows."""
+    with _on_host(memory):
+        return ref.state_load_file(path, memory, hparams, dest_seq_id)
+# --8<-- [end:state_load_file]

@@ -1,0 +1,193 @@
+"""The accelerated Llama/Qwen2 twin (MLX forward + MLX KV cache) against the reference.
+
+End to end through the two Contexts: the same logits (NMSE <= 1e-6 in float32) for a
+prefill and for multi-sequence batches split into small ubatches in both KV modes; the
+accelerated path's own laws (batched == unbatched, token-by-token == prefill); the lazy
+K-shift after ``context_shift``; state blobs that cross from one twin to the other; and
+SmolLM2-135M Q4_1 run quantized in MLX giving the reference's greedy continuation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from accelerated.context import Context as MLXContext
+from accelerated.models.llama import prepare_weights
+from accelerated.quants import MLXQuantized
+from reference.batch import Batch
+from reference.context import Context as RefContext
+from reference.context import ContextError, context_shift
+from tests.tiny_models import (
+    nmse,
+    random_mamba_weights,
+    random_weights,
+    tiny_hparams,
+    tiny_mamba_hparams,
+)
+
+TOL = 1e-6  # NMSE, float32 end to end
+
+MODELS = {
+    "llama-gqa": (tiny_hparams(n_layer=2, n_ctx_train=4096), {"seed": 1, "out_ffn_bias": True}),
+    "qwen2-bias": (tiny_hparams("qwen2", n_layer=2, n_ctx_train=4096), {"seed": 2}),
+    "llama-tied": (tiny_hparams(n_layer=2, tied=True, n_ctx_train=4096), {"seed": 3}),
+}
+PROMPT = np.random.default_rng(0).integers(0, 32, 24).tolist()
+
+
+def model(name):
+    hp, kw = MODELS[name]
+    return hp, random_weights(hp, **kw)
+
+
+def pair(name, **kwargs):
+    hp, w = model(name)
+    kwargs = dict(dict(n_ctx=256, n_batch=256, n_ubatch=256), **kwargs)
+    return RefContext(hp, w, **kwargs), MLXContext(hp, w, **kwargs)
+
+
+def multi_seq_batch(n_seq: int = 3, n_each: int = 7) -> Batch:
+    """Interleaved tokens of ``n_seq`` sequences, every token an output."""
+    rng = np.random.default_rng(5)
+    tokens, seq_ids = [], []
+    for _ in range(n_each):
+        for s in range(n_seq):
+            tokens.append(int(rng.integers(0, 32)))
+            seq_ids.append([s])
+    return Batch(token=tokens, seq_id=seq_ids, logits=[True] * len(tokens))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_logits_equal_the_reference(name):
+    ref, acc = pair(name)
+    batch = Batch(token=PROMPT, logits=[True] * len(PROMPT))
+    assert ref.decode(batch) == 0 and acc.decode(batch) == 0
+    out = acc.get_logits()
+    assert isinstance(out, np.ndarray) and out.shape == (len(PROMPT), 32)
+    assert nmse(ref.get_logits(), out) <= TOL
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+@pytest.mark.parametrize("name", MODELS)
+def test_multi_sequence_small_ubatches_equal_the_reference(name, kv_unified):
+    ref, acc = pair(name, n_seq_max=3, n_ubatch=4, kv_unified=kv_unified)
+    batch = multi_seq_batch()
+    assert ref.decode(batch) == 0 and acc.decode(batch) == 0
+    assert nmse(ref.get_logits(), acc.get_logits()) <= TOL
+    # a second batch continues every sequence
+    more = Batch(token=[3, 4, 5], seq_id=[[0], [1], [2]], logits=[True] * 3)
+    assert ref.decode(more) == 0 and acc.decode(more) == 0
+    assert nmse(ref.get_logits(), acc.get_logits()) <= TOL
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+@pytest.mark.parametrize("name", MODELS)
+def test_accelerated_batched_equals_unbatched(name, kv_unified):
+    hp, w = model(name)
+    batch = multi_seq_batch()
+    acc = MLXContext(hp, w, n_ctx=256, n_seq_max=3, n_ubatch=5, kv_unified=kv_unified)
+    assert acc.decode(batch) == 0
+    batched = acc.get_logits()
+    seq_of = np.array([ids[0] for ids in batch.seq_id])
+    for s in range(3):
+        alone = MLXContext(hp, w, n_ctx=256)
+        toks = [t for t, q in zip(batch.token, seq_of, strict=True) if q == s]
+        assert alone.decode(Batch(token=toks, logits=[True] * len(toks))) == 0
+        assert nmse(alone.get_logits(), batched[seq_of == s]) <= TOL
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_accelerated_token_by_token_equals_prefill(name):
+    hp, w = model(name)
+    prefill = MLXContext(hp, w, n_ctx=256)
+    assert prefill.decode(Batch(token=PROMPT, logits=[True] * len(PROMPT))) == 0
+    step = MLXContext(hp, w, n_ctx=256)
+    rows = []
+    for t in PROMPT:
+        assert step.decode(Batch(token=[t])) == 0
+        rows.append(step.get_logits()[-1])
+    assert nmse(prefill.get_logits(), np.stack(rows)) <= TOL
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_context_shift_then_decode_equals_the_reference(name):
+    ref, acc = pair(name, n_seq_max=2)
+    for ctx in (ref, acc):
+        assert ctx.decode(Batch(token=PROMPT[:16])) == 0
+        context_shift(ctx, 0, n_keep=2, n_discard=6)  # K-shift pending: applied at next decode
+        ctx.memory.seq_cp(0, 1, -1, -1)
+        ctx.memory.seq_add(1, 4, -1, 3)  # a second, positive shift on a shared copy
+    assert acc.memory.get_has_shift()
+    for t in PROMPT[16:20]:
+        b = Batch(token=[t, t], seq_id=[[0], [1]], logits=[True, True])
+        assert ref.decode(b) == 0 and acc.decode(b) == 0
+        assert nmse(ref.get_logits(), acc.get_logits()) <= TOL
+    assert not acc.memory.get_has_shift()
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_state_crosses_between_the_twins(tmp_path, kv_unified):
+    kw = dict(n_seq_max=2, kv_unified=kv_unified)
+    for src_cls, dst_cls in ((RefContext, MLXContext), (MLXContext, RefContext)):
+        hp, w = model("qwen2-bias")
+        src = src_cls(hp, w, n_ctx=256, **kw)
+        batch = Batch(token=PROMPT[:10] + PROMPT[:6], seq_id=[[0]] * 10 + [[1]] * 6,
+                      logits=[True] * 16)
+        assert src.decode(batch) == 0
+        blob, seq_blob = src.state_get_data(), src.state_seq_get_data(0)
+        dst = dst_cls(hp, w, n_ctx=256, **kw)
+        assert dst.state_set_data(blob) == len(blob)
+        np.testing.assert_array_equal(dst.get_logits(), src.get_logits())
+        assert dst.state_get_data() == blob  # the tensors came back bit for bit
+        nxt = Batch(token=PROMPT[10:14], seq_id=[[0]] * 4, logits=[True] * 4)
+        assert src.decode(nxt) == 0 and dst.decode(nxt) == 0
+        assert nmse(src.get_logits(), dst.get_logits()) <= TOL
+        # one sequence into another id
+        one = dst_cls(hp, w, n_ctx=256, **kw)
+        assert one.state_seq_set_data(seq_blob, 1) == len(seq_blob)
+        cont = Batch(token=PROMPT[10:14], seq_id=[[1]] * 4, logits=[True] * 4)
+        assert one.decode(cont) == 0
+        assert nmse(src.get_logits(), one.get_logits()) <= TOL
+        # files
+        src.state_save_file(tmp_path / "s.bin", PROMPT[:14])
+        again = dst_cls(hp, w, n_ctx=256, **kw)
+        assert again.state_load_file(tmp_path / "s.bin").tolist() == PROMPT[:14]
+        assert again.memory.seq_pos_max(0) == 13
+
+
+def test_mamba_is_refused_with_a_clear_error():
+    hp = tiny_mamba_hparams("mamba2")
+    with pytest.raises(ContextError, match="use reference.context.Context for Mamba"):
+        MLXContext(hp, random_mamba_weights(hp))
+
+
+# ---- SmolLM2-135M Q4_1 -------------------------------------------------------------------
+
+N_GREEDY = 64
+
+
+def greedy(ctx, prompt, n):
+    assert ctx.decode(Batch(token=prompt)) == 0
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(ctx.get_logits()[-1]))
+        out.append(t)
+        assert ctx.decode(Batch(token=[t])) == 0
+    return out
+
+
+def test_smollm2_q4_1_quantized_greedy_equals_the_reference():
+    from reference.cli import default_model_path
+    from reference.model import load_model
+
+    hp, weights = load_model(default_model_path())
+    mlx_weights = prepare_weights(weights)
+    assert isinstance(mlx_weights["blk.0.attn_q.weight"], MLXQuantized)  # runs quantized
+    dense = {k: v.dequantize() if hasattr(v, "dequantize") else v for k, v in weights.items()}
+    prompt = [1, 504, 3458, 282]
+    n_ctx = 256
+    ref_tokens = greedy(RefContext(hp, dense, n_ctx=n_ctx), prompt, N_GREEDY)
+    acc = MLXContext(hp, weights, n_ctx=n_ctx)
+    acc_tokens = greedy(acc, prompt, N_GREEDY)
+    assert acc_tokens == ref_tokens
