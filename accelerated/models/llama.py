@@ -27,6 +27,7 @@ from accelerated.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_nor
 from accelerated.quants import MLXQuantized, load_weight, quantized_matmul
 from reference.hparams import LlamaHParams
 from reference.models.llama import (  # host-side pieces, imported as they are
+    LLAMA_LAYER_TENSORS,
     SUPPORTED_ARCHS,
     AttnInput,
     LlamaForwardError,
@@ -134,27 +135,9 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
         ...
         reference.models.llama.LlamaForwardError: missing weight 'blk.0.attn_norm.weight'
     """
-    names = {  # llama_layer field -> (GGUF name, required)
-        "attn_norm": ("attn_norm.weight", True),
-        "wq": ("attn_q.weight", True),
-        "wk": ("attn_k.weight", True),
-        "wv": ("attn_v.weight", True),
-        "wo": ("attn_output.weight", True),
-        "bq": ("attn_q.bias", False),
-        "bk": ("attn_k.bias", False),
-        "bv": ("attn_v.bias", False),
-        "bo": ("attn_output.bias", False),
-        "ffn_norm": ("ffn_norm.weight", True),
-        "ffn_gate": ("ffn_gate.weight", True),
-        "ffn_up": ("ffn_up.weight", True),
-        "ffn_down": ("ffn_down.weight", True),
-        "ffn_gate_b": ("ffn_gate.bias", False),
-        "ffn_up_b": ("ffn_up.bias", False),
-        "ffn_down_b": ("ffn_down.bias", False),
-    }
     return {
         field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
-        for field, (name, required) in names.items()
+        for field, (name, required) in LLAMA_LAYER_TENSORS.items()
     }
 
 

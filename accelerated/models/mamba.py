@@ -26,7 +26,7 @@ from accelerated.models.llama import _dense, build_norm, get_weight, linear, pre
 from accelerated.ops import add, get_rows, mul, rms_norm, silu, ssm_conv, ssm_scan, swiglu
 from accelerated.quants import MLXQuantized
 from reference.hparams import MAMBA_ARCHS, MambaHParams
-from reference.models.mamba import MambaForwardError, RecurrentInput
+from reference.models.mamba import MambaForwardError, RecurrentInput, mamba_layer_tensors
 
 __all__ = [
     "MambaForwardError",
@@ -62,19 +62,7 @@ def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: ob
         ((4, 1), (2, 16), None)
     """
     mamba2 = hparams.arch == "mamba2"
-    names = {  # llama_layer field -> (GGUF name, required)
-        "attn_norm": ("attn_norm.weight", True),
-        "ssm_in": ("ssm_in.weight", True),
-        "ssm_conv1d": ("ssm_conv1d.weight", True),
-        "ssm_conv1d_b": ("ssm_conv1d.bias", True),
-        "ssm_x": ("ssm_x.weight", not mamba2),
-        "ssm_dt": ("ssm_dt.weight", not mamba2),
-        "ssm_dt_b": ("ssm_dt.bias", True),
-        "ssm_a": ("ssm_a", True),
-        "ssm_d": ("ssm_d", True),
-        "ssm_norm": ("ssm_norm.weight", mamba2),
-        "ssm_out": ("ssm_out.weight", True),
-    }
+    names = mamba_layer_tensors(mamba2)
     layer = {
         field: get_weight(weights, f"blk.{il}.{name}", np.float32, required)
         for field, (name, required) in names.items()

@@ -131,6 +131,29 @@ def get_weight(
 # --8<-- [end:get_weight]
 
 
+# --8<-- [start:LLAMA_LAYER_TENSORS]
+# A block's tensors: llama_layer's field name -> (GGUF name after "blk.{il}.", required).
+LLAMA_LAYER_TENSORS = {
+    "attn_norm": ("attn_norm.weight", True),
+    "wq": ("attn_q.weight", True),
+    "wk": ("attn_k.weight", True),
+    "wv": ("attn_v.weight", True),
+    "wo": ("attn_output.weight", True),
+    "bq": ("attn_q.bias", False),
+    "bk": ("attn_k.bias", False),
+    "bv": ("attn_v.bias", False),
+    "bo": ("attn_output.bias", False),
+    "ffn_norm": ("ffn_norm.weight", True),
+    "ffn_gate": ("ffn_gate.weight", True),
+    "ffn_up": ("ffn_up.weight", True),
+    "ffn_down": ("ffn_down.weight", True),
+    "ffn_gate_b": ("ffn_gate.bias", False),
+    "ffn_up_b": ("ffn_up.bias", False),
+    "ffn_down_b": ("ffn_down.bias", False),
+}
+# --8<-- [end:LLAMA_LAYER_TENSORS]
+
+
 # --8<-- [start:layer_weights]
 def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
     """The weights of block ``il`` under ``llama_layer``'s field names (None when absent).
@@ -146,27 +169,9 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
         ...
         reference.models.llama.LlamaForwardError: missing weight 'blk.0.attn_norm.weight'
     """
-    names = {  # llama_layer field -> (GGUF name, required)
-        "attn_norm": ("attn_norm.weight", True),
-        "wq": ("attn_q.weight", True),
-        "wk": ("attn_k.weight", True),
-        "wv": ("attn_v.weight", True),
-        "wo": ("attn_output.weight", True),
-        "bq": ("attn_q.bias", False),
-        "bk": ("attn_k.bias", False),
-        "bv": ("attn_v.bias", False),
-        "bo": ("attn_output.bias", False),
-        "ffn_norm": ("ffn_norm.weight", True),
-        "ffn_gate": ("ffn_gate.weight", True),
-        "ffn_up": ("ffn_up.weight", True),
-        "ffn_down": ("ffn_down.weight", True),
-        "ffn_gate_b": ("ffn_gate.bias", False),
-        "ffn_up_b": ("ffn_up.bias", False),
-        "ffn_down_b": ("ffn_down.bias", False),
-    }
     return {
         field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
-        for field, (name, required) in names.items()
+        for field, (name, required) in LLAMA_LAYER_TENSORS.items()
     }
 # --8<-- [end:layer_weights]
 

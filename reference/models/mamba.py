@@ -90,6 +90,33 @@ class RecurrentInput(Protocol):
 # --8<-- [end:RecurrentInput]
 
 
+# --8<-- [start:mamba_layer_tensors]
+def mamba_layer_tensors(mamba2: bool) -> dict[str, tuple[str, bool]]:
+    """A block's tensors: field name -> (GGUF name after ``"blk.{il}."``, required).
+
+    Mamba-1 projects ``dt``, ``B``, ``C`` with ``ssm_x``/``ssm_dt``; Mamba-2 does it inside
+    ``ssm_in`` and adds the grouped ``ssm_norm``.
+
+    Examples:
+        >>> mamba_layer_tensors(mamba2=True)["ssm_norm"], mamba_layer_tensors(False)["ssm_x"]
+        (('ssm_norm.weight', True), ('ssm_x.weight', True))
+    """
+    return {
+        "attn_norm": ("attn_norm.weight", True),
+        "ssm_in": ("ssm_in.weight", True),
+        "ssm_conv1d": ("ssm_conv1d.weight", True),
+        "ssm_conv1d_b": ("ssm_conv1d.bias", True),
+        "ssm_x": ("ssm_x.weight", not mamba2),
+        "ssm_dt": ("ssm_dt.weight", not mamba2),
+        "ssm_dt_b": ("ssm_dt.bias", True),
+        "ssm_a": ("ssm_a", True),
+        "ssm_d": ("ssm_d", True),
+        "ssm_norm": ("ssm_norm.weight", mamba2),
+        "ssm_out": ("ssm_out.weight", True),
+    }
+# --8<-- [end:mamba_layer_tensors]
+
+
 # --8<-- [start:mamba_layer_weights]
 def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: DTypeLike) -> dict:
     """The weights of block ``il`` under ``llama_layer``'s field names (None when absent).
@@ -122,19 +149,7 @@ def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: DT
         ((4, 1), (2, 16), None)
     """
     mamba2 = hparams.arch == "mamba2"
-    names = {  # llama_layer field -> (GGUF name, required)
-        "attn_norm": ("attn_norm.weight", True),
-        "ssm_in": ("ssm_in.weight", True),
-        "ssm_conv1d": ("ssm_conv1d.weight", True),
-        "ssm_conv1d_b": ("ssm_conv1d.bias", True),
-        "ssm_x": ("ssm_x.weight", not mamba2),
-        "ssm_dt": ("ssm_dt.weight", not mamba2),
-        "ssm_dt_b": ("ssm_dt.bias", True),
-        "ssm_a": ("ssm_a", True),
-        "ssm_d": ("ssm_d", True),
-        "ssm_norm": ("ssm_norm.weight", mamba2),
-        "ssm_out": ("ssm_out.weight", True),
-    }
+    names = mamba_layer_tensors(mamba2)
     layer = {
         field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
         for field, (name, required) in names.items()
