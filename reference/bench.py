@@ -15,10 +15,12 @@ run.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -137,3 +139,33 @@ def run_bench(
         seconds = bench_tg(weights, hparams, n_gen, repetitions)
         rows.append(BenchRow(model_name, "reference", "f32", f"tg{n_gen}", seconds, n_gen))
     return rows
+
+
+# --8<-- [start:command]
+def add_bench_command(subparsers) -> None:
+    """Register ``llamaref bench`` on the CLI's subparsers (the CLI calls this)."""
+    bench = subparsers.add_parser("bench", help="prompt processing (pp) and generation (tg) speed")
+    bench.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
+    bench.add_argument("-p", "--n-prompt", type=int, default=128, help="pp test size (0: skip)")
+    bench.add_argument("-n", "--n-gen", type=int, default=32, help="tg test size (0: skip)")
+    bench.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test")
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time prompt processing and generation on the reference backend; print a table."""
+    from reference.cli import CLIError, default_model_path
+    from reference.model import load_model
+
+    path = Path(args.model) if args.model else default_model_path()
+    if not path.exists():
+        raise CLIError(f"model not found: {path}")
+    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
+        raise CLIError("-r must be >= 1, -p and -n must be >= 0")
+    hparams, weights = load_model(path)
+    rows = run_bench(path.name, weights, hparams, args.n_prompt, args.n_gen, args.repetitions)
+    print(HEADER)
+    for row in rows:
+        print(row.markdown(), flush=True)
+    return 0
+# --8<-- [end:command]

@@ -69,24 +69,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Time prompt processing and generation on the reference backend; print a table."""
-    from reference.bench import HEADER, run_bench
-    from reference.model import load_model
-
-    path = Path(args.model) if args.model else default_model_path()
-    if not path.exists():
-        raise CLIError(f"model not found: {path}")
-    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
-        raise CLIError("-r must be >= 1, -p and -n must be >= 0")
-    hparams, weights = load_model(path)
-    rows = run_bench(path.name, weights, hparams, args.n_prompt, args.n_gen, args.repetitions)
-    print(HEADER)
-    for row in rows:
-        print(row.markdown(), flush=True)
-    return 0
-
-
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -107,12 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
     info.add_argument("--tensors", action="store_true", help="list every tensor")
     info.set_defaults(func=cmd_info)
-    bench = sub.add_parser("bench", help="prompt processing (pp) and generation (tg) speed")
-    bench.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
-    bench.add_argument("-p", "--n-prompt", type=int, default=128, help="pp test size (0: skip)")
-    bench.add_argument("-n", "--n-gen", type=int, default=32, help="tg test size (0: skip)")
-    bench.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test")
-    bench.set_defaults(func=cmd_bench)
+    from reference.bench import add_bench_command
+
+    add_bench_command(sub)
     return parser
 
 
