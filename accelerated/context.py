@@ -1,67 +1,165 @@
-"""Twin of :mod:`reference.context`: ``llama_context`` with the MLX KV cache and forward.
+r"""Twin of :mod:`reference.context`: ``llama_context`` with MLX memory, forwards and graphs.
 
 :class:`Context` *is* the reference's context (a subclass): batch validation, splitting,
 slot search, return codes, output ordering and the state layout are inherited. What
 differs:
 
-- the memory is :class:`accelerated.memory.KVCache` (MLX K/V tensors, the same cells);
-- each ubatch runs :func:`accelerated.models.llama.llama_forward` on weights prepared once
-  (:func:`accelerated.models.llama.prepare_weights`: Q4_0/Q4_1/Q8_0 stay quantized); its
-  logits are evaluated and brought back as NumPy rows, so :meth:`Context.get_logits` returns
-  NumPy as the reference does;
+- the memory is :class:`accelerated.memory.KVCache` (MLX K/V tensors, the same cells), or
+  for a recurrent model (Mamba, Mamba-2) :class:`accelerated.memory.recurrent.RecurrentMemory`
+  (MLX state rows, the same cells);
+- the weights are prepared once (:func:`accelerated.models.llama.prepare_weights`: dense and
+  transposed on the CPU device, Q4_0/Q4_1/Q8_0 quantized on a GPU; ``matmul`` chooses);
+- each Llama/Qwen2 ubatch runs one **graph**: :func:`accelerated.models.llama.llm_build_llama`
+  as a pure function of the ubatch's inputs and the cache tensors,
+
+  $$ (\text{tokens}, \text{pos}, \text{out\_ids}, \text{kq\_mask}, \text{k\_idxs},
+     K_0 \dots K_{L-1}, V_0 \dots V_{L-1}) \mapsto
+     (\text{logits}, K'_0 \dots K'_{L-1}, V'_0 \dots V'_{L-1}), $$
+
+  traced once by ``mx.compile`` for each :class:`GraphKey` (the shapes: tokens or
+  embeddings, ``n_tokens``, ``n_outputs``, ``n_kv``, the slot's streams) and kept in a small
+  LRU cache. A ubatch whose key equals the previous ubatch's reuses its graph, the rule of
+  llama.cpp's ``llm_graph_result::can_reuse``, and counts in ``perf().n_reused``.
+  ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
+  llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
+  bit the same (``tests/test_twin_reuse.py``);
+- a Mamba ubatch runs :func:`accelerated.models.mamba.mamba_forward` (not compiled: its
+  graph reads the states of cells that move from ubatch to ubatch);
+- the logits are evaluated and brought back as NumPy rows, so :meth:`Context.get_logits`
+  returns NumPy as the reference does; :meth:`Context.get_logits_ith_device` gives the same
+  row as an ``mx.array`` without a host copy, for a sampler that runs on the device;
 - the state functions of :mod:`reference.memory.state` read and write ``memory.k_l`` /
   ``v_l`` as NumPy arrays, so each state method runs them on NumPy copies of the tensors and
-  puts the (possibly restored) tensors back as MLX arrays: blobs are interchangeable between
-  the two contexts.
-
-Only ``llama`` / ``qwen2`` run here; Mamba (recurrent memory) stays on the reference path:
-constructing this Context for a Mamba model raises :class:`reference.context.ContextError`.
+  puts the (possibly restored) tensors back as MLX arrays; a recurrent memory uses
+  :mod:`accelerated.memory.recurrent`'s state functions, which do the same with its rows.
+  Blobs are interchangeable between the two contexts.
 """
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.memory import KVCache
-from accelerated.memory.kv_cache import mx_dtype
-from accelerated.models.llama import llama_forward, prepare_weights
+from accelerated.memory.kv_cache import GraphAttnInput, mx_dtype
+from accelerated.memory.recurrent import RecurrentMemory
+from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
+from accelerated.models.mamba import mamba_forward
 from reference import context as ref
-from reference.batch import Ubatch
-from reference.context import ContextError, context_shift, context_sizes, is_recurrent
-from reference.hparams import LlamaHParams
+from reference.batch import Batch, Ubatch, output_order
+from reference.context import (
+    ContextError,
+    PerfContextData,
+    context_shift,
+    context_sizes,
+    is_recurrent,
+)
+from reference.hparams import LlamaHParams, MambaHParams
+from reference.models.llama import check_forward_inputs
 
-__all__ = ["Context", "ContextError", "context_shift", "context_sizes", "is_recurrent"]
+__all__ = [
+    "GRAPH_CACHE_SIZE",
+    "Context",
+    "ContextError",
+    "GraphKey",
+    "PerfContextData",
+    "context_shift",
+    "context_sizes",
+    "is_recurrent",
+]
+
+# Compiled graphs kept per context (least recently used first out). Token-by-token
+# generation needs one; a prompt of several ubatches one more per distinct ubatch size.
+GRAPH_CACHE_SIZE = 8
+
+
+# --8<-- [start:GraphKey]
+@dataclass(frozen=True)
+class GraphKey:
+    """What fixes the topology of a ubatch's graph: two ubatches with equal keys share it.
+
+    llama.cpp (``llm_graph_params::allow_reuse`` and the inputs' ``can_reuse``) compares the
+    ubatch's ``n_tokens``, its sequence sets, ``n_outputs``, tokens vs embeddings and the
+    KQ mask's shape (``n_kv`` and the streams). The same here; every other input (token ids,
+    positions, which rows output, the mask's values, the cells written) is an array
+    argument of the graph.
+
+    Attributes:
+        embd: the ubatch carries embeddings instead of token ids.
+        n_tokens: tokens of the ubatch.
+        n_outputs: tokens that get logits.
+        n_kv: cells of each stream in view (:meth:`reference.memory.KVCache.get_n_kv`).
+        strm: the streams of the slot.
+    """
+
+    embd: bool
+    n_tokens: int
+    n_outputs: int
+    n_kv: int
+    strm: tuple[int, ...]
+# --8<-- [end:GraphKey]
+
+
+def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.array,
+                 pos: mx.array, out_ids: mx.array, kq_mask: mx.array, k_idxs: mx.array,
+                 *kv: mx.array) -> tuple[mx.array, ...]:
+    """The ubatch's forward as a pure function: ``(logits, *K', *V')`` from the inputs and caches.
+
+    ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``;
+    ``kv`` the ``n_layer`` K tensors then the ``n_layer`` V tensors.
+    """
+    n_layer = hparams.n_layer
+    inp = GraphAttnInput(kv[:n_layer], kv[n_layer:], k_idxs, kq_mask, key.n_kv, key.strm,
+                         hparams.n_head_kv)
+    tokens, embd = (None, x) if key.embd else (x, None)
+    logits = llm_build_llama(weights, hparams, tokens, pos, inp, out_ids, embd)
+    return (logits, *inp.k_l, *inp.v_l)
 
 
 # --8<-- [start:Context]
 class Context(ref.Context):
-    """Twin of :class:`reference.context.Context` on MLX (llama / qwen2 only).
+    """Twin of :class:`reference.context.Context` on MLX: Llama/Qwen2 and Mamba/Mamba-2.
 
-    Same constructor arguments. ``dtype`` sets the reference bookkeeping's dtype (state
-    blobs, logits); the MLX tensors and the forward compute in float32.
+    Same constructor arguments, and three of its own. ``dtype`` sets the reference
+    bookkeeping's dtype (state blobs, logits); the MLX tensors and the forward compute in
+    float32 (a float16 ``dtype`` keeps a float16 cache).
+
+    Args:
+        graph_reuse: trace each ubatch's graph once with ``mx.compile`` and reuse it
+            (True), or build and run it op by op every time (False: llama.cpp's
+            ``graph_reuse_disable``). Results are bit for bit the same. The environment
+            variable ``LLAMA_GRAPH_REUSE_DISABLE`` set to a non-zero integer turns it off.
+        matmul: ``"dense"`` or ``"quantized"`` matmul weights
+            (:func:`accelerated.models.llama.prepare_weights`); None:
+            :func:`accelerated.models.llama.default_matmul` (dense on the CPU device).
+        graph_cache_size: how many compiled graphs to keep (least recently used out).
 
     Raises:
-        ContextError: a recurrent (Mamba) model, or a bad size.
+        ContextError: a bad size, or ``graph_cache_size < 1``.
 
     Examples:
         >>> from tests.tiny_models import tiny_hparams, random_weights
-        >>> from reference.batch import Batch
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), n_ctx=64, n_seq_max=2)
         >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))
         0
         >>> type(ctx.get_logits()).__name__, ctx.get_logits().shape, ctx.memory.seq_pos_max(0)
         ('ndarray', (2, 32), 2)
+        >>> [ctx.decode(Batch(token=[t])) for t in (4, 5, 6)], ctx.perf().n_reused
+        ([0, 0, 0], 2)
     """
 
     def __init__(
         self,
-        hparams: LlamaHParams,
+        hparams: LlamaHParams | MambaHParams,
         weights: dict,
         n_ctx: int = 512,
         n_batch: int = 2048,
@@ -71,41 +169,173 @@ class Context(ref.Context):
         swa_full: bool = True,
         dtype: DTypeLike = np.float32,
         abort_callback: Callable[[], bool] | None = None,
+        graph_reuse: bool = True,
+        matmul: str | None = None,
+        graph_cache_size: int = GRAPH_CACHE_SIZE,
     ):
-        if is_recurrent(hparams):
-            raise ContextError(
-                f"the accelerated Context runs llama/qwen2 only; {hparams.arch!r} is recurrent: "
-                "use reference.context.Context for Mamba"
-            )
+        if graph_cache_size < 1:
+            raise ContextError(f"graph_cache_size = {graph_cache_size} must be >= 1")
         super().__init__(hparams, weights, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                          n_seq_max=n_seq_max, kv_unified=kv_unified, swa_full=swa_full,
                          dtype=dtype, abort_callback=abort_callback)
-        # the reference built a NumPy KVCache; the twin takes its place, empty as it is
-        self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
-                               kv_unified=kv_unified, swa_full=swa_full,
-                               n_ubatch=self._n_ubatch, dtype=self.dtype)
-        self.mlx_weights = prepare_weights(self.weights)
+        # the reference built a NumPy memory; the twin takes its place, empty as it is
+        if self.recurrent:
+            state_dtype = np.float16 if self.dtype == np.float16 else np.float32
+            self._memory = RecurrentMemory(hparams, mem_size=max(1, self._n_seq_max),
+                                           n_seq_max=self._n_seq_max, dtype=state_dtype)
+        else:
+            self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
+                                   kv_unified=kv_unified, swa_full=swa_full,
+                                   n_ubatch=self._n_ubatch, dtype=self.dtype)
+        self.mlx_weights = prepare_weights(self.weights, matmul or default_matmul())
+        disabled = os.environ.get("LLAMA_GRAPH_REUSE_DISABLE", "0").strip() or "0"
+        self.graph_reuse = bool(graph_reuse) and not int(disabled)
+        self.graph_cache_size = graph_cache_size
+        self._graphs: OrderedDict[GraphKey, Callable] = OrderedDict()
+        self._prev_key: GraphKey | None = None
+        self._pending: list[tuple[np.ndarray, mx.array]] = []
+        self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
+        self._device_rows: list[tuple[np.ndarray, mx.array]] = []
+# --8<-- [end:Context]
+
+    # --8<-- [start:decode]
+    def decode(self, batch: Batch) -> int:
+        """Twin of :meth:`reference.context.Context.decode`: the same, keeping device logits.
+
+        The logits rows of the ubatches stay on the device too; a successful decode makes
+        them the rows :meth:`get_logits_ith_device` reads (an abort leaves none; a refused
+        batch keeps the previous ones, as it keeps the NumPy logits).
+        """
+        self._pending = []
+        ret = super().decode(batch)
+        if ret == 0:
+            self._device_rows, self._logits_device = self._pending, None
+        elif ret == 2:
+            self._device_rows, self._logits_device = [], None
+        self._pending = []
+        return ret
+    # --8<-- [end:decode]
 
     # --8<-- [start:process_ubatch]
     def process_ubatch(self, ubatch: Ubatch, sinfo) -> np.ndarray:
         """Twin of :meth:`reference.context.Context.process_ubatch`: the MLX forward.
 
+        Llama/Qwen2: the ubatch's graph (:meth:`graph`) on its inputs and the cache tensors;
+        the written tensors replace the cache's. Mamba: :func:`mamba_forward` on the
+        memory's rows. Everything is evaluated here (one ``mx.eval``).
+
         Returns:
-            The ubatch's logits rows ``(n_outputs_ubatch, n_vocab)`` as NumPy (evaluated).
+            The ubatch's logits rows ``(n_outputs_ubatch, n_vocab)`` as NumPy.
         """
         out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
-        inp_attn = self._memory.attn_input(ubatch, sinfo)
-        logits = llama_forward(self.mlx_weights, self.hparams, ubatch.token, ubatch.pos,
-                               inp_attn, out_ids, embd=ubatch.embd)  # (n_outputs, n_vocab)
-        mx.eval(logits, *self._memory.k_l, *self._memory.v_l)
+        mem = self._memory
+        if self.recurrent:
+            logits = mamba_forward(self.mlx_weights, self.hparams, ubatch.token,
+                                   mem.rs_input(ubatch), out_ids, n_seqs=ubatch.n_seqs)
+            mx.eval(logits, *mem.r_l, *mem.s_l)
+        else:
+            logits = self._llama_ubatch(ubatch, sinfo, out_ids)
+        self._pending.append((np.asarray(ubatch.idx)[out_ids], logits))
         return np.array(logits).astype(self._logits.dtype, copy=False)
     # --8<-- [end:process_ubatch]
+
+    # --8<-- [start:graph]
+    def graph(self, key: GraphKey) -> Callable:
+        """The graph function for ``key``: compiled and cached, or plain when reuse is off.
+
+        A key equal to the previous ubatch's counts as a reuse (``n_reused``). The cache
+        holds at most ``graph_cache_size`` compiled graphs, least recently used out.
+        """
+        if not self.graph_reuse:
+            return partial(_llama_graph, self.mlx_weights, self.hparams, key)
+        if key == self._prev_key and key in self._graphs:
+            self._n_reused += 1
+        self._prev_key = key
+        fn = self._graphs.get(key)
+        if fn is None:
+            fn = mx.compile(partial(_llama_graph, self.mlx_weights, self.hparams, key))
+            self._graphs[key] = fn
+            while len(self._graphs) > self.graph_cache_size:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        return fn
+    # --8<-- [end:graph]
+
+    def _llama_ubatch(self, ubatch: Ubatch, sinfo, out_ids: np.ndarray) -> mx.array:
+        """Run one Llama/Qwen2 ubatch through its graph; the cache takes the written tensors."""
+        mem = self._memory
+        inp = mem.attn_input(ubatch, sinfo)  # host bookkeeping: k_idxs, the KQ mask
+        tokens, pos, out_ids, embd = check_forward_inputs(self.hparams, ubatch.token, ubatch.pos,
+                                                          out_ids, ubatch.embd)
+        key = GraphKey(embd is not None, len(pos), len(out_ids), inp.n_kv, tuple(sinfo.strm))
+        x = mx.array(tokens.astype(np.int32)) if embd is None else mx.array(embd, mx.float32)
+        kv = [*mem.k_l, *mem.v_l]
+        outs = self.graph(key)(x, mx.array(pos.astype(np.int32)),
+                               mx.array(out_ids.astype(np.int32)), inp.kq_mask,
+                               mx.array(inp.k_idxs.astype(np.int32)), *kv)
+        n_layer = self.hparams.n_layer
+        # the graph holds the old tensors now: with no other reference left, the writes into
+        # them can reuse their buffers (MLX donates an input that nothing else holds)
+        del kv
+        mem.k_l[:] = outs[1:1 + n_layer]
+        mem.v_l[:] = outs[1 + n_layer:]
+        mx.eval(outs)
+        return outs[0]
+
+    # --8<-- [start:get_logits_ith_device]
+    def get_logits_ith_device(self, i: int) -> mx.array:
+        """The logits of batch token ``i`` of the last decode, on the device: ``(n_vocab,)``.
+
+        The same row and index rules as :meth:`get_logits_ith` (``i < 0`` counts from the
+        last output) and the same errors, without a host copy: a sampler that runs in MLX
+        can pick the token there, and only the token leaves the device.
+
+        Raises:
+            ContextError: as :meth:`get_logits_ith`.
+
+        Examples:
+            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> hp = tiny_hparams()
+            >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
+            >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))
+            0
+            >>> row = ctx.get_logits_ith_device(-1)
+            >>> type(row).__name__, row.shape
+            ('array', (32,))
+            >>> bool((np.array(row) == ctx.get_logits_ith(2)).all())
+            True
+        """
+        super().get_logits_ith(i)  # the index checks, with the reference's errors
+        j = self.n_outputs + i if i < 0 else int(self._output_ids[i])
+        if self._logits_device is None:
+            self._logits_device = self._device_logits()
+        return self._logits_device[j]
+
+    def _device_logits(self) -> mx.array:
+        """The last decode's rows on the device in batch order (from NumPy after a restore)."""
+        if not self._device_rows:  # restored by state_set_data: only the host copy exists
+            return mx.array(self._logits)
+        idx = np.concatenate([ids for ids, _ in self._device_rows])  # (n_outputs,)
+        rows = [r for _, r in self._device_rows]
+        stacked = rows[0] if len(rows) == 1 else mx.concatenate(rows)  # (n_outputs, n_vocab)
+        order = output_order(idx)
+        if (order == np.arange(len(order))).all():
+            return stacked
+        return mx.take(stacked, mx.array(order.astype(np.int32)), axis=0)
+    # --8<-- [end:get_logits_ith_device]
 
     # --8<-- [start:state]
     @contextmanager
     def _numpy_memory(self):
-        """The cache tensors as NumPy (``memory.dtype``) inside, MLX again after."""
+        """The cache tensors as NumPy (``memory.dtype``) inside, MLX again after.
+
+        A recurrent memory is left as it is: its state functions
+        (:mod:`accelerated.memory.recurrent`) move its rows to the host themselves.
+        """
         mem = self._memory
+        if self.recurrent:
+            yield
+            return
         dt = mx_dtype(mem.dtype)
         mem.k_l = [np.array(t).astype(mem.dtype) for t in mem.k_l]
         mem.v_l = [np.array(t).astype(mem.dtype) for t in mem.v_l]
@@ -115,6 +345,14 @@ class Context(ref.Context):
             mem.k_l = [mx.array(t).astype(dt) for t in mem.k_l]
             mem.v_l = [mx.array(t).astype(dt) for t in mem.v_l]
 
+    def _state_module(self):
+        """The module with ``state_write`` / ``state_read`` / files for this memory."""
+        if self.recurrent:
+            import accelerated.memory.recurrent as module
+
+            return module
+        return super()._state_module()
+
     def state_get_data(self) -> bytes:
         """:meth:`reference.context.Context.state_get_data` on NumPy copies of the tensors."""
         with self._numpy_memory():
@@ -123,7 +361,9 @@ class Context(ref.Context):
     def state_set_data(self, data: bytes) -> int:
         """:meth:`reference.context.Context.state_set_data`, restoring into MLX tensors."""
         with self._numpy_memory():
-            return super().state_set_data(data)
+            n = super().state_set_data(data)
+        self._device_rows, self._logits_device = [], None
+        return n
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """:meth:`reference.context.Context.state_seq_get_data` on NumPy copies."""
@@ -155,4 +395,3 @@ class Context(ref.Context):
         with self._numpy_memory():
             return super().state_seq_load_file(path, dest_seq_id)
     # --8<-- [end:state]
-# --8<-- [end:Context]

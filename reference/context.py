@@ -54,7 +54,9 @@ when not unified, :func:`~reference.memory.n_ctx_seq`); ``n_batch`` is capped by
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -74,6 +76,48 @@ class ContextError(ValueError):
     Raised before anything changes.
     """
 # --8<-- [end:ContextError]
+
+
+# --8<-- [start:PerfContextData]
+@dataclass(frozen=True)
+class PerfContextData:
+    """The context's timings and counters (``llama_perf_context_data``).
+
+    ``llama_context`` accumulates them when it synchronizes after a decode: a decode of one
+    token counts as *eval* (generation), a decode of more than one as *prompt eval*.
+
+    Attributes:
+        t_start_ms: when the counters started (context creation or the last
+            :meth:`Context.perf_reset`), ``time.perf_counter()`` in ms.
+        t_load_ms: from context creation to the end of the first decode that computed tokens
+            (llama.cpp measures from the model load; a Context receives a loaded model).
+        t_p_eval_ms: time spent in decodes of more than one token.
+        t_eval_ms: time spent in decodes of one token.
+        n_p_eval: tokens of those prompt decodes; at least 1, as llama.cpp, so that a rate
+            never divides by zero.
+        n_eval: number of one-token decodes; at least 1, as llama.cpp.
+        n_reused: ubatches whose compute graph was reused (``n_reused``). The reference
+            builds no graph and leaves it at 0; the MLX twin counts its compiled graphs.
+    """
+
+    t_start_ms: float
+    t_load_ms: float
+    t_p_eval_ms: float
+    t_eval_ms: float
+    n_p_eval: int
+    n_eval: int
+    n_reused: int
+
+    @property
+    def p_eval_tokens_per_second(self) -> float:
+        """Prompt processing speed: ``1e3 * n_p_eval / t_p_eval_ms`` (0 before any)."""
+        return 1e3 * self.n_p_eval / self.t_p_eval_ms if self.t_p_eval_ms > 0 else 0.0
+
+    @property
+    def eval_tokens_per_second(self) -> float:
+        """Generation speed: ``1e3 * n_eval / t_eval_ms`` (0 before any)."""
+        return 1e3 * self.n_eval / self.t_eval_ms if self.t_eval_ms > 0 else 0.0
+# --8<-- [end:PerfContextData]
 
 
 # --8<-- [start:is_recurrent]
@@ -234,6 +278,10 @@ class Context:
         self.rope_factors = get_weight(self.weights, "rope_freqs.weight", compute, required=False)
         self._logits = np.zeros((0, hparams.n_vocab), compute)  # (n_outputs, n_vocab)
         self._output_ids = np.zeros(0, np.int64)  # (n_tokens of the last batch,)
+        self._t_created_ms = time.perf_counter() * 1e3
+        self._t_load_ms = 0.0
+        self._has_evaluated_once = False
+        self.perf_reset()
 
     # ---- sizes (llama_n_ctx, llama_n_batch, ...) ----------------------------------------------
 
@@ -368,6 +416,7 @@ class Context:
         if self.recurrent and batch.embd is not None:
             raise ContextError("this Context runs Mamba on token ids only: mamba_forward "
                                "takes no input embeddings")
+        t_start = time.perf_counter()
         # 1. validate: llama_batch_allocr::init (and n_tokens_all <= n_batch)
         try:
             balloc = BatchAllocr(batch, n_vocab=self.n_vocab, n_seq_max=self._n_seq_max,
@@ -411,6 +460,7 @@ class Context:
         self._logits = np.concatenate(rows)[output_order(balloc.out_ids)]  # (n_outputs, n_vocab)
         self._output_ids[np.sort(np.asarray(balloc.out_ids, np.int64))] = np.arange(
             balloc.n_outputs)
+        self._perf_add(balloc.n_tokens, t_start)
         return 0
     # --8<-- [end:decode]
 
@@ -469,6 +519,57 @@ class Context:
         for s, p in sorted(pos_min.items()):
             self._memory.seq_rm(s, p, -1)
     # --8<-- [end:remove_ubatch]
+
+    # ---- performance (llama_perf_context) -----------------------------------------------------
+
+    # --8<-- [start:perf]
+    def _perf_add(self, n_tokens: int, t_start: float) -> None:
+        """Account a successful decode of ``n_tokens`` that started at ``t_start`` (seconds).
+
+        ``llama_context::synchronize``: one token is *eval*, more is *prompt eval*; the first
+        decode also fixes ``t_load_ms``.
+        """
+        t_end = time.perf_counter()
+        dt_ms = (t_end - t_start) * 1e3
+        if n_tokens == 1:
+            self._t_eval_ms += dt_ms
+            self._n_eval += 1
+        elif n_tokens > 1:
+            self._t_p_eval_ms += dt_ms
+            self._n_p_eval += n_tokens
+        if n_tokens > 0 and not self._has_evaluated_once:
+            self._t_load_ms = t_end * 1e3 - self._t_created_ms
+            self._has_evaluated_once = True
+
+    def perf(self) -> PerfContextData:
+        """The timings and counters since the last :meth:`perf_reset` (``llama_perf_context``).
+
+        Only decodes that returned 0 count (their time from validation to the last output).
+
+        Examples:
+            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> hp = tiny_hparams()
+            >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
+            >>> ctx.decode(Batch(token=[1, 2, 3])), ctx.decode(Batch(token=[4]))
+            (0, 0)
+            >>> p = ctx.perf()
+            >>> p.n_p_eval, p.n_eval, p.n_reused, p.t_eval_ms > 0
+            (3, 1, 0, True)
+        """
+        return PerfContextData(
+            t_start_ms=self._t_start_ms, t_load_ms=self._t_load_ms,
+            t_p_eval_ms=self._t_p_eval_ms, t_eval_ms=self._t_eval_ms,
+            n_p_eval=max(1, self._n_p_eval), n_eval=max(1, self._n_eval),
+            n_reused=max(0, self._n_reused),
+        )
+
+    def perf_reset(self) -> None:
+        """Restart the counters (``llama_perf_context_reset``); ``t_load_ms`` is kept."""
+        self._t_start_ms = time.perf_counter() * 1e3
+        self._t_p_eval_ms = self._t_eval_ms = 0.0
+        self._n_p_eval = self._n_eval = 0
+        self._n_reused = 0
+    # --8<-- [end:perf]
 
     # ---- outputs ------------------------------------------------------------------------------
 

@@ -18,6 +18,23 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+# One BLAS thread per test process: `pytest -n 2` on 2 cores otherwise over-subscribes the CPU
+# (a SmolLM2 decode goes from ~0.17 s to ~0.95 s). Set before NumPy loads OpenBLAS
+# (pytest and hypothesis do not import NumPy).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+# MLX's CPU backend JIT-compiles fused kernels with g++ into $TMPDIR/mlx/<version>/cpu and
+# checks only that the .so exists before dlopen-ing it: two xdist workers compiling the same
+# kernel race (one loads the other's half-written library and crashes). Give each worker its
+# own TMPDIR, read by the C++ side at every compile.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    _tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"llamaref-mlx-{_WORKER}"
+    _tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(_tmp)
+
+
 settings.register_profile(
     "ci",
     max_examples=25,

@@ -3,28 +3,26 @@
 End to end through the two Contexts: the same logits (NMSE <= 1e-6 in float32) for a
 prefill and for multi-sequence batches split into small ubatches in both KV modes; the
 accelerated path's own laws (batched == unbatched, token-by-token == prefill); the lazy
-K-shift after ``context_shift``; state blobs that cross from one twin to the other; and
-SmolLM2-135M Q4_1 run quantized in MLX giving the reference's greedy continuation.
+K-shift after ``context_shift``; state blobs that cross from one twin to the other; the
+device logits (``get_logits_ith_device``) with ``get_logits_ith``'s rows and errors; and
+SmolLM2-135M Q4_1 giving the reference's greedy continuation with both matmul formulations
+(dense transposed, the CPU default; quantized, the Metal default). Mamba through the
+accelerated Context: ``tests/test_twin_context_mamba.py``.
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from accelerated.context import Context as MLXContext
-from accelerated.models.llama import prepare_weights
+from accelerated.models.llama import TransposedWeight, prepare_weights
 from accelerated.quants import MLXQuantized
 from reference.batch import Batch
 from reference.context import Context as RefContext
 from reference.context import ContextError, context_shift
-from tests.tiny_models import (
-    nmse,
-    random_mamba_weights,
-    random_weights,
-    tiny_hparams,
-    tiny_mamba_hparams,
-)
+from tests.tiny_models import nmse, random_weights, tiny_hparams
 
 TOL = 1e-6  # NMSE, float32 end to end
 
@@ -156,10 +154,37 @@ def test_state_crosses_between_the_twins(tmp_path, kv_unified):
         assert again.memory.seq_pos_max(0) == 13
 
 
-def test_mamba_is_refused_with_a_clear_error():
-    hp = tiny_mamba_hparams("mamba2")
-    with pytest.raises(ContextError, match="use reference.context.Context for Mamba"):
-        MLXContext(hp, random_mamba_weights(hp))
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_device_logits_are_the_host_rows_with_the_same_index_rules(kv_unified):
+    hp, w = model("llama-gqa")
+    acc = MLXContext(hp, w, n_ctx=256, n_seq_max=3, n_ubatch=4, kv_unified=kv_unified)
+    with pytest.raises(ContextError, match="no logits"):
+        acc.get_logits_ith_device(0)
+    batch = multi_seq_batch()  # split out of batch order when not unified
+    batch = Batch(token=batch.token, seq_id=batch.seq_id,
+                  logits=[i % 3 != 1 for i in range(len(batch.token))])
+    assert acc.decode(batch) == 0
+    n = len(batch.token)
+    for i in [*range(n), *range(-acc.n_outputs, 0)]:
+        if i >= 0 and not batch.logits[i]:
+            with pytest.raises(ContextError, match="batch.logits"):
+                acc.get_logits_ith_device(i)
+            continue
+        row = acc.get_logits_ith_device(i)
+        assert isinstance(row, mx.array) and row.shape == (hp.n_vocab,)
+        np.testing.assert_array_equal(np.array(row), acc.get_logits_ith(i))
+    for bad in (n, -acc.n_outputs - 1):
+        with pytest.raises(ContextError, match="invalid logits id"):
+            acc.get_logits_ith_device(bad)
+    # a refused batch keeps the previous outputs, on the device too
+    before = np.array(acc.get_logits_ith_device(-1))
+    assert acc.decode(Batch(token=[99])) == -1
+    np.testing.assert_array_equal(np.array(acc.get_logits_ith_device(-1)), before)
+    # an aborted decode leaves none
+    acc.abort_callback = lambda: True
+    assert acc.decode(Batch(token=[1], seq_id=[[0]])) == 2
+    with pytest.raises(ContextError):
+        acc.get_logits_ith_device(-1)
 
 
 # ---- SmolLM2-135M Q4_1 -------------------------------------------------------------------
@@ -177,17 +202,23 @@ def greedy(ctx, prompt, n):
     return out
 
 
-def test_smollm2_q4_1_quantized_greedy_equals_the_reference():
+N_GREEDY_QUANTIZED = 8  # the quantized formulation, a shorter continuation
+
+
+def test_smollm2_q4_1_greedy_equals_the_reference_in_both_matmul_formulations():
     from reference.cli import default_model_path
     from reference.model import load_model
 
     hp, weights = load_model(default_model_path())
-    mlx_weights = prepare_weights(weights)
-    assert isinstance(mlx_weights["blk.0.attn_q.weight"], MLXQuantized)  # runs quantized
+    quantized = prepare_weights(weights, "quantized")
+    assert isinstance(quantized["blk.0.attn_q.weight"], MLXQuantized)  # runs quantized
+    assert isinstance(prepare_weights(quantized, "dense")["output.weight"], TransposedWeight)
     dense = {k: v.dequantize() if hasattr(v, "dequantize") else v for k, v in weights.items()}
     prompt = [1, 504, 3458, 282]
     n_ctx = 256
     ref_tokens = greedy(RefContext(hp, dense, n_ctx=n_ctx), prompt, N_GREEDY)
-    acc = MLXContext(hp, weights, n_ctx=n_ctx)
-    acc_tokens = greedy(acc, prompt, N_GREEDY)
-    assert acc_tokens == ref_tokens
+    acc = MLXContext(hp, weights, n_ctx=n_ctx, matmul="dense")
+    assert greedy(acc, prompt, N_GREEDY) == ref_tokens
+    assert acc.perf().n_reused == N_GREEDY - 1  # one graph for every one-token step
+    acc_q = MLXContext(hp, quantized, n_ctx=n_ctx, matmul="quantized")
+    assert greedy(acc_q, prompt, N_GREEDY_QUANTIZED) == ref_tokens[:N_GREEDY_QUANTIZED]

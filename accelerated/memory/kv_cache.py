@@ -9,6 +9,9 @@
 - :class:`KVCacheAttnInput` builds the KQ mask with the reference's
   :func:`reference.memory.kv_cache.set_input_kq_mask` (host bookkeeping, NumPy) and hands
   it to the graph as an ``mx.array``; ``get_k``/``get_v`` slice the MLX tensors;
+- :class:`GraphAttnInput` is the same input as a *value*: it holds its own list of K/V
+  tensors (graph placeholders when the forward is traced), so a compiled forward takes the
+  cache tensors in and gives the written ones back (:mod:`accelerated.context`);
 - the K-shift in :meth:`KVCache.update` is :func:`build_rope_shift` on MLX
   (``accelerated.ops.rope_ext``), applied to the shifted rows with one scatter per layer.
 
@@ -41,6 +44,7 @@ __all__ = [
     "KVCache",
     "KVCacheAttnInput",
     "KVCacheError",
+    "GraphAttnInput",
     "SlotInfo",
     "build_rope_shift",
     "ggml_pad",
@@ -58,6 +62,7 @@ _MX_DTYPES = {
 }
 
 
+# --8<-- [start:mx_dtype]
 def mx_dtype(dtype: DTypeLike) -> mx.Dtype:
     """The MLX dtype of the cache tensors for a NumPy ``dtype`` (float64 -> float32).
 
@@ -66,6 +71,7 @@ def mx_dtype(dtype: DTypeLike) -> mx.Dtype:
         mlx.core.float32
     """
     return _MX_DTYPES.get(np.dtype(dtype), mx.float32)
+# --8<-- [end:mx_dtype]
 
 
 # --8<-- [start:build_rope_shift]
@@ -163,6 +169,79 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         """The KQ mask ``(n_tokens, ns * n_kv)`` as an ``mx.array`` (the same for every layer)."""
         return self.kq_mask
 # --8<-- [end:KVCacheAttnInput]
+
+
+# --8<-- [start:GraphAttnInput]
+class GraphAttnInput:
+    """The attention input of one ubatch as a pure value, for a traced (compiled) forward.
+
+    Implements :class:`reference.models.llama.AttnInput` on its own lists ``k_l``/``v_l``
+    (one ``(n_stream, kv_size, n_embd_gqa)`` tensor per layer): ``cpy_k``/``cpy_v`` replace a
+    layer's entry by the scattered tensor, so after the forward ``k_l``/``v_l`` are the
+    written cache, to be returned by the graph and stored by the caller. The ubatch's
+    geometry (``n_kv``, ``strm``) is static; ``k_idxs`` and ``kq_mask`` are arrays (inputs of
+    the graph). Nothing is read on the host.
+
+    Args:
+        k_l: K tensors, one per layer.
+        v_l: V tensors, one per layer.
+        k_idxs: the global row (``stream * kv_size + cell``) of each token ``(n_tokens,)``.
+        kq_mask: the KQ mask ``(n_tokens, len(strm) * n_kv)``.
+        n_kv: cells of each stream in view.
+        strm: the streams of the ubatch's slot.
+        n_head_kv: KV heads.
+
+    Examples:
+        >>> k = [mx.zeros((1, 4, 2))]
+        >>> inp = GraphAttnInput(k, [mx.zeros((1, 4, 2))], mx.array([2]), mx.zeros((1, 4)),
+        ...                      4, (0,), 1)
+        >>> inp.cpy_k(0, mx.ones((1, 1, 2)))
+        >>> inp.k_l[0][0, :, 0].tolist(), k[0].sum().item(), inp.get_k(0).shape
+        ([0.0, 0.0, 1.0, 0.0], 0.0, (4, 1, 2))
+    """
+
+    def __init__(self, k_l: list, v_l: list, k_idxs: mx.array, kq_mask: mx.array, n_kv: int,
+                 strm: tuple[int, ...], n_head_kv: int):
+        self.k_l, self.v_l = list(k_l), list(v_l)
+        self.k_idxs = k_idxs  # (n_tokens,)
+        self.kq_mask = kq_mask  # (n_tokens, ns * n_kv)
+        self.n_kv = n_kv
+        self.strm = tuple(strm)
+        self.n_head_kv = n_head_kv
+
+    def _store(self, tensors: list, il: int, cur: mx.array) -> None:
+        t = tensors[il]
+        rows = t.reshape(-1, t.shape[-1])  # (n_stream * kv_size, n_embd_gqa)
+        rows[self.k_idxs] = cur.reshape(self.k_idxs.shape[0], -1).astype(t.dtype)  # set_rows
+        tensors[il] = rows.reshape(t.shape)  # (n_stream, kv_size, n_embd_gqa)
+
+    def cpy_k(self, il: int, k_cur: mx.array) -> None:
+        """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` at ``k_idxs`` of layer ``il``."""
+        self._store(self.k_l, il, k_cur)
+
+    def cpy_v(self, il: int, v_cur: mx.array) -> None:
+        """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` at ``k_idxs`` of layer ``il``."""
+        self._store(self.v_l, il, v_cur)
+
+    def _view(self, t: mx.array) -> mx.array:
+        if len(self.strm) == 1:
+            block = t[self.strm[0], : self.n_kv]  # (n_kv, n_embd_gqa)
+        else:
+            block = mx.concatenate([t[s, : self.n_kv] for s in self.strm])  # (ns * n_kv, E)
+        return block.reshape(block.shape[0], self.n_head_kv, -1)  # (ns * n_kv, n_head_kv, d)
+
+    def get_k(self, il: int) -> mx.array:
+        """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
+        return self._view(self.k_l[il])
+
+    def get_v(self, il: int) -> mx.array:
+        """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
+        return self._view(self.v_l[il])
+
+    def get_kq_mask(self, il: int) -> mx.array:
+        """The KQ mask ``(n_tokens, ns * n_kv)`` (the same for every layer)."""
+        return self.kq_mask
+# --8<-- [end:GraphAttnInput]
 
 
 # --8<-- [start:KVCache]

@@ -9,6 +9,19 @@ The same graph, function for function, on ``accelerated.ops``. What differs:
 - ``get_rows`` on a quantized ``token_embd`` gathers the *packed* rows of the needed tokens
   and dequantizes only those (``mx.dequantize``), the same values as the reference's full
   dequantization; a tied lm_head runs quantized on the packed table;
+- on the CPU device the matmul weights are dequantized once and stored *transposed*,
+  ``(n_in, n_out)`` (:class:`TransposedWeight`, ``matmul="dense"``): MLX's Linux CPU backend
+  calls a reference BLAS, and ``x @ W^T`` with ``W^T`` contiguous is its fastest product
+  (25-35% faster than ``mx.quantized_matmul`` or a transposed view, measured in
+  ``docs/mlx.md``); the values are the same (dequantization is exact), only the summation
+  order of the float32 products changes;
+- the graph is a pure function of MLX arrays (:func:`llm_build_llama`): positions, output
+  ids and token ids may be ``mx.array`` placeholders, so the Context can trace it once with
+  ``mx.compile`` and reuse it (host-side checks happen before, in :func:`llama_forward` or the
+  Context); inside it ``rope_ext`` and ``get_rows`` are their fused MLX kernels without the
+  host validation (:func:`rope_in_graph`, ``mx.take``);
+- on the CPU device the attention is :func:`attn_grouped` (bit for bit what MLX's CPU
+  fallback of the fused kernel computes, in fewer and larger matmuls);
 - the result is a lazy ``mx.array`` (the caller evaluates it, e.g. ``np.array(logits)``).
 
 Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
@@ -17,14 +30,16 @@ Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.memory.kv_cache import mx_dtype
-from accelerated.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, rope_ext, swiglu
-from accelerated.quants import MLXQuantized, load_weight, quantized_matmul
+from accelerated.ops import add, build_attn_mha, mul, mul_mat, rms_norm, swiglu
+from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rotate_pairs
+from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
 from reference.hparams import LlamaHParams
 from reference.models.llama import (  # host-side pieces, imported as they are
     LLAMA_LAYER_TENSORS,
@@ -35,11 +50,15 @@ from reference.models.llama import (  # host-side pieces, imported as they are
     model_dtype,
     rope_cparams,
 )
+from reference.ops.rope import rope_yarn_corr_dims
 
 __all__ = [
+    "LINEAR_TENSORS",
     "SUPPORTED_ARCHS",
     "AttnInput",
     "LlamaForwardError",
+    "TransposedWeight",
+    "attn_grouped",
     "build_attn",
     "build_ffn",
     "build_inp_embd",
@@ -52,48 +71,126 @@ __all__ = [
     "llama_forward",
     "llm_build_llama",
     "model_dtype",
+    "default_matmul",
     "prepare_weights",
     "rope_cparams",
+    "rope_in_graph",
 ]
 
-Weight = mx.array | MLXQuantized
+
+# --8<-- [start:TransposedWeight]
+@dataclass(frozen=True, eq=False)
+class TransposedWeight:
+    """A matmul weight ``W`` ``(n_out, n_in)`` stored as its transpose ``wt`` ``(n_in, n_out)``.
+
+    ``ggml_mul_mat(W, x) = x @ W^T = x @ wt``: with ``wt`` contiguous the CPU BLAS streams
+    the weights along its inner loop (see the module docstring).
+    """
+
+    wt: mx.array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical shape of ``W``: ``(n_out, n_in)``."""
+        return (self.wt.shape[1], self.wt.shape[0])
+# --8<-- [end:TransposedWeight]
+
+
+Weight = mx.array | MLXQuantized | TransposedWeight
+
+# The GGUF tensors used as matmul weights (``blk.{il}.<name>.weight`` and ``output.weight``):
+# the ones ``matmul="dense"`` stores transposed.
+LINEAR_TENSORS = frozenset({
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
+    "ssm_in", "ssm_x", "ssm_dt", "ssm_out",
+})
+
+
+# --8<-- [start:default_matmul]
+def default_matmul() -> str:
+    """``"dense"`` on the CPU device, ``"quantized"`` on a GPU (Metal).
+
+    On Linux MLX's CPU backend multiplies with a reference BLAS, where float32 ``x @ W^T``
+    with ``W^T`` stored contiguous beats ``mx.quantized_matmul`` by 25-35% at every size
+    measured (``docs/mlx.md``); on Metal the quantized kernels read 4-8x less memory.
+
+    Examples:
+        >>> default_matmul() in ("dense", "quantized")
+        True
+    """
+    return "dense" if mx.default_device() == mx.cpu else "quantized"
+# --8<-- [end:default_matmul]
 
 
 # --8<-- [start:prepare_weights]
-def prepare_weights(weights: dict) -> dict:
+def prepare_weights(weights: dict, matmul: str = "quantized") -> dict:
     """The weights as the MLX forward uses them, converted once.
 
     Args:
         weights: GGUF-named weights: NumPy arrays, :class:`reference.quants.QuantizedTensor`
             or already prepared values (kept as they are).
+        matmul: how the matmul weights (:data:`LINEAR_TENSORS`) are held: ``"quantized"``
+            (Q4_0/Q4_1/Q8_0 as :class:`MLXQuantized`, other types dense float32) or
+            ``"dense"`` (every one dequantized to float32 and stored as a
+            :class:`TransposedWeight`; :class:`accelerated.context.Context` picks
+            :func:`default_matmul`). With ``"dense"`` and
+            tied embeddings (no ``output.weight``), ``output.weight`` is added: the
+            transposed dense ``token_embd`` (which stays as it is for the row gather).
 
     Returns:
-        The same keys; values :class:`MLXQuantized` (Q4_0, Q4_1, Q8_0) or float32 ``mx.array``.
+        The same keys (plus a tied ``output.weight`` for ``"dense"``); values
+        :class:`MLXQuantized`, :class:`TransposedWeight` or float32 ``mx.array``.
+
+    Raises:
+        ValueError: an unknown ``matmul``.
 
     Examples:
         >>> w = prepare_weights({"a.weight": np.ones((2, 3), np.float64)})
         >>> w["a.weight"].dtype, w["a.weight"].shape
         (mlx.core.float32, (2, 3))
+        >>> prepare_weights({"blk.0.attn_q.weight": np.ones((2, 3))}, "dense")[
+        ...     "blk.0.attn_q.weight"].wt.shape
+        (3, 2)
     """
+    if matmul not in ("dense", "quantized"):
+        raise ValueError(f"matmul must be 'dense' or 'quantized', got {matmul!r}")
     out = {}
     for name, w in weights.items():
-        if isinstance(w, (mx.array, MLXQuantized)):
+        if isinstance(w, (mx.array, MLXQuantized, TransposedWeight)):
             out[name] = w
         elif isinstance(w, np.ndarray) and not np.issubdtype(w.dtype, np.floating):
             out[name] = mx.array(w)
         else:
             out[name] = load_weight(w, mx.float32)
+        if matmul == "dense" and _is_linear(name) and not isinstance(out[name], TransposedWeight):
+            out[name] = _transposed(out[name])
+    if matmul == "dense" and "output.weight" not in out and "token_embd.weight" in out:
+        out["output.weight"] = _transposed(out["token_embd.weight"])  # the tied lm_head
     return out
 # --8<-- [end:prepare_weights]
 
 
+def _is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_TENSORS
+
+
+def _transposed(w: mx.array | MLXQuantized) -> TransposedWeight:
+    """``w`` dense float32, stored transposed and contiguous (evaluated now, once)."""
+    wt = mx.contiguous(_dense(w).T)  # (n_in, n_out)
+    mx.eval(wt)
+    return TransposedWeight(wt)
+
+
+# --8<-- [start:get_weight]
 def get_weight(
     weights: dict, name: str, dtype: DTypeLike, required: bool = True
 ) -> Weight | None:
     """Twin of :func:`reference.models.llama.get_weight`. Not dequantized.
 
-    A prepared :class:`MLXQuantized` weight is returned as it is (it is used quantized); a
-    dense one as an ``mx.array`` of ``dtype`` (float64 gives float32, MLX's dtype).
+    A prepared :class:`MLXQuantized` or :class:`TransposedWeight` is returned as it is (it
+    is used by :func:`linear` as it is); a dense one as an ``mx.array`` of ``dtype`` (float64
+    gives float32, MLX's dtype).
 
     Raises:
         LlamaForwardError: if a required weight is missing.
@@ -109,23 +206,31 @@ def get_weight(
         if required:
             raise LlamaForwardError(f"missing weight {name!r}")
         return None
-    if isinstance(w, MLXQuantized):
+    if isinstance(w, (MLXQuantized, TransposedWeight)):
         return w
     return mx.array(w).astype(mx_dtype(dtype))
+# --8<-- [end:get_weight]
 
 
+# --8<-- [start:linear]
 def linear(w: Weight, cur: mx.array) -> mx.array:
-    """``ggml_mul_mat(w, cur)``: ``cur @ w.T``, quantized when ``w`` is.
+    """``ggml_mul_mat(w, cur)``: ``cur @ w.T``, quantized or pre-transposed when ``w`` is.
 
     Examples:
         >>> linear(mx.array([[1.0, 0.0], [0.0, 2.0]]), mx.array([[3.0, 4.0]])).tolist()
         [[3.0, 8.0]]
+        >>> linear(TransposedWeight(mx.array([[1.0, 0.0], [0.0, 2.0]])), mx.array([[3.0, 4.0]]))
+        array([[3, 8]], dtype=float32)
     """
     if isinstance(w, MLXQuantized):
         return quantized_matmul(cur, w)  # (n_tokens, n_out)
+    if isinstance(w, TransposedWeight):
+        return cur @ w.wt  # (n_tokens, n_out)
     return mul_mat(w, cur)  # (n_tokens, n_out)
+# --8<-- [end:linear]
 
 
+# --8<-- [start:layer_weights]
 def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
     """Twin of :func:`reference.models.llama.layer_weights`. Prepared weights, same fields.
 
@@ -139,6 +244,7 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
         field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
         for field, (name, required) in LLAMA_LAYER_TENSORS.items()
     }
+# --8<-- [end:layer_weights]
 
 
 def _bias(cur: mx.array, b: Weight | None) -> mx.array:
@@ -146,10 +252,11 @@ def _bias(cur: mx.array, b: Weight | None) -> mx.array:
 
 
 def _dense(w: Weight) -> mx.array:
+    """The float32 values of a prepared weight, in its logical shape."""
     if isinstance(w, MLXQuantized):
-        from accelerated.quants import dequantize_mlx
-
         return dequantize_mlx(w)
+    if isinstance(w, TransposedWeight):
+        return w.wt.T
     return w
 
 
@@ -190,6 +297,55 @@ def build_qkv(
 # --8<-- [end:build_qkv]
 
 
+# --8<-- [start:attn_grouped]
+def attn_grouped(
+    q: mx.array, k: mx.array, v: mx.array, kq_mask: mx.array, kq_scale: float
+) -> mx.array:
+    r""":func:`accelerated.ops.build_attn_mha` for the CPU: the query heads of a KV group as rows.
+
+    MLX's CPU backend has no fused attention kernel: ``mx.fast.scaled_dot_product_attention``
+    falls back to ``matmul``, ``softmax(precise=True)``, ``matmul``, batched over the
+    ``n_head / n_head_kv`` query heads that share a KV head. Here those query heads are
+    stacked as extra rows of one product per KV head, $(r \cdot n_{tokens}) 	imes d$ by
+    $d 	imes n_{kv}$: the same dot products in the same order (bit for bit the fallback's
+    result, ``tests/test_twin_reuse.py``), in ``n_head_kv`` BLAS calls instead of
+    ``n_head``, which for one token costs half the time. Rows with no visible key are zeros.
+
+    Args:
+        q: ``(n_tokens, n_head, d_k)``.
+        k: ``(n_kv, n_head_kv, d_k)``.
+        v: ``(n_kv, n_head_kv, d_v)``.
+        kq_mask: ``(n_tokens, n_kv)`` additive mask.
+        kq_scale: the $1/\sqrt{d_k}$ factor.
+
+    Returns:
+        ``(n_tokens, n_head * d_v)``.
+
+    Examples:
+        >>> from accelerated.ops import build_attn_mha
+        >>> r = [mx.random.normal(s, key=mx.random.key(i))
+        ...      for i, s in enumerate([(3, 4, 8), (5, 2, 8), (5, 2, 8)])]
+        >>> mask = mx.zeros((3, 5))
+        >>> mx.array_equal(attn_grouped(*r, mask, 0.3), build_attn_mha(*r, mask, 0.3)).item()
+        True
+    """
+    n_tokens, n_head, d_k = q.shape
+    n_kv, n_head_kv, d_v = v.shape
+    rep = n_head // n_head_kv
+    mask = kq_mask[:n_tokens].astype(q.dtype)  # (n_tokens, n_kv)
+    visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (n_tokens, 1)
+    q = q * mx.array(kq_scale, q.dtype)  # the fallback scales q first
+    q = q.reshape(n_tokens, n_head_kv, rep, d_k).transpose(1, 2, 0, 3)  # (hkv, rep, n_t, d_k)
+    kq = q.reshape(n_head_kv, rep * n_tokens, d_k) @ k.transpose(1, 2, 0)  # (hkv, r*n_t, n_kv)
+    kq = kq.reshape(n_head_kv, rep, n_tokens, n_kv) + mask  # (hkv, rep, n_tokens, n_kv)
+    kq = mx.softmax(kq, axis=-1, precise=True).reshape(n_head_kv, rep * n_tokens, n_kv)
+    kqv = kq @ v.transpose(1, 0, 2)  # (hkv, rep * n_tokens, d_v)
+    kqv = kqv.reshape(n_head_kv, rep, n_tokens, d_v)
+    kqv = mx.where(visible, kqv, mx.array(0, kqv.dtype))  # fully masked rows: zeros
+    return kqv.transpose(2, 0, 1, 3).reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head*d_v)
+# --8<-- [end:attn_grouped]
+
+
 # --8<-- [start:build_attn]
 def build_attn(
     inp: AttnInput,
@@ -203,6 +359,9 @@ def build_attn(
 ) -> mx.array:
     """Twin of :func:`reference.models.llama.build_attn`. ``inp`` holds MLX tensors.
 
+    The attention is MLX's fused kernel (:func:`accelerated.ops.build_attn_mha`) on a GPU and
+    :func:`attn_grouped` on the CPU device, where the fused kernel is a fallback.
+
     Returns:
         ``(n_tokens, n_embd)``.
     """
@@ -211,7 +370,8 @@ def build_attn(
     k = inp.get_k(il)  # (n_kv, n_head_kv, d_k)
     v = inp.get_v(il)  # (n_kv, n_head_kv, d_v)
     kq_mask = inp.get_kq_mask(il)  # (n_tokens, n_kv)
-    cur = build_attn_mha(q_cur, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
+    mha = attn_grouped if mx.default_device() == mx.cpu else build_attn_mha
+    cur = mha(q_cur, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
     return _bias(linear(wo, cur), wo_b)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn]
 
@@ -240,7 +400,10 @@ def build_inp_embd(
     """Twin of :func:`reference.models.llama.build_inp_embd`.
 
     A quantized ``token_embd`` is not dequantized whole: the packed rows of ``tokens`` are
-    gathered, then dequantized (the same values, row by row).
+    gathered, then dequantized (the same values, row by row). ``tokens`` may be an
+    ``mx.array`` (a placeholder of a traced graph): the ids are checked on the host before
+    (:func:`reference.models.llama.check_forward_inputs`), so the gather is a plain
+    ``mx.take``.
 
     Examples:
         >>> w = {"token_embd.weight": mx.eye(3)}
@@ -248,16 +411,80 @@ def build_inp_embd(
         [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     """
     if embd is not None:
-        return mx.array(np.asarray(embd)).astype(mx_dtype(dtype))  # (n_tokens, n_embd)
+        return mx.array(embd).astype(mx_dtype(dtype))  # (n_tokens, n_embd)
     tok_embd = get_weight(weights, "token_embd.weight", dtype)
+    idx = _index(tokens)  # (n_tokens,)
     if isinstance(tok_embd, MLXQuantized):
-        idx = mx.array(np.asarray(tokens, dtype=np.int32))  # (n_tokens,)
         m = tok_embd
         return mx.dequantize(
             m.w_q[idx], m.scales[idx], m.biases[idx], group_size=m.group_size, bits=m.bits
         )  # (n_tokens, n_embd)
-    return get_rows(tok_embd, tokens)  # (n_tokens, n_embd)
+    return mx.take(_dense(tok_embd), idx, axis=0)  # (n_tokens, n_embd)
 # --8<-- [end:build_inp_embd]
+
+
+def _index(ids) -> mx.array:
+    """Host ids (NumPy, list) or a graph placeholder, as an int32 ``mx.array``."""
+    if isinstance(ids, mx.array):
+        return ids.astype(mx.int32)
+    return mx.array(np.asarray(ids, dtype=np.int32))
+
+
+# --8<-- [start:rope_in_graph]
+def rope_in_graph(
+    x: mx.array,
+    pos: mx.array,
+    n_dims: int,
+    mode: int = ROPE_TYPE_NORM,
+    n_ctx_orig: int = 0,
+    freq_base: float = 10000.0,
+    freq_scale: float = 1.0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    freq_factors: mx.array | None = None,
+) -> mx.array:
+    r""":func:`accelerated.ops.rope_ext` without its host-side checks, for a traced graph.
+
+    The same computation (``mx.fast.rope`` with one offset per token, or the YaRN cos/sin
+    cache); ``pos`` may be a placeholder, which ``rope_ext`` would have to read on the host
+    to validate. ``x`` is ``(n_tokens, n_head, head_dim)``, float32; the caller has checked
+    the arguments (``rope_ext`` does, on the same hyperparameters, in the K-shift).
+
+    Examples:
+        >>> from accelerated.ops import rope_ext
+        >>> x = mx.random.normal((3, 2, 8), key=mx.random.key(0))
+        >>> pos = np.array([0, 5, 9])
+        >>> mx.array_equal(rope_in_graph(x, mx.array(pos), 8), rope_ext(x, pos, 8)).item()
+        True
+    """
+    pos = _index(pos)  # (n_tokens,)
+    if n_dims == 0:
+        return x
+    n_tokens, n_head, head_dim = x.shape
+    if ext_factor == 0.0:
+        freqs = None
+        if freq_factors is not None:
+            j = mx.arange(n_dims // 2, dtype=mx.float32)
+            ff = mx.array(freq_factors)[: n_dims // 2].astype(mx.float32)
+            freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
+        y = mx.fast.rope(
+            x.reshape(n_tokens, n_head, 1, head_dim), n_dims,
+            traditional=(mode == ROPE_TYPE_NORM), base=None if freqs is not None else freq_base,
+            scale=freq_scale, offset=pos, freqs=freqs,
+        )  # (n_tokens, n_head, 1, head_dim): batch = token, one offset per token
+        if attn_factor != 1.0:
+            y = mx.concatenate([y[..., :n_dims] * attn_factor, y[..., n_dims:]], axis=-1)
+        return y.reshape(n_tokens, n_head, head_dim)
+    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
+                                    np.float32)
+    cos_theta, sin_theta = rope_cache_init(
+        pos, n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor, attn_factor,
+        np.float32,
+    )  # (n_tokens, n_dims/2) each
+    return rotate_pairs(x, cos_theta, sin_theta, n_dims, mode)
+# --8<-- [end:rope_in_graph]
 
 
 # --8<-- [start:llm_build_llama]
@@ -272,6 +499,12 @@ def llm_build_llama(
 ) -> mx.array:
     """Twin of :func:`reference.models.llama.llm_build_llama`. On prepared weights.
 
+    A pure function of MLX arrays: ``tokens``/``embd``, ``pos`` and ``out_ids`` may be host
+    arrays or graph placeholders, and ``inp_attn`` may hold placeholders for the cache
+    tensors (:class:`accelerated.memory.kv_cache.GraphAttnInput`); nothing is read on the host,
+    so :class:`accelerated.context.Context` can trace it with ``mx.compile``. The inputs must
+    have been checked (:func:`reference.models.llama.check_forward_inputs`).
+
     Returns:
         logits ``(n_outputs, n_vocab)`` float32, lazy.
     """
@@ -283,18 +516,21 @@ def llm_build_llama(
     if rope_factors is not None:
         rope_factors = _dense(rope_factors)
     eps = hparams.f_norm_rms_eps
+    pos = _index(pos)  # (n_tokens,)
+    out_ids = _index(out_ids)  # (n_outputs,)
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
         layer = layer_weights(weights, il, dtype)
         inpSA = inpL
         cur = build_norm(inpL, layer["attn_norm"], eps)
         q, k, v = build_qkv(layer, cur, n_embd_head, hparams.n_head, hparams.n_head_kv)
-        q = rope_ext(q, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head, d)
-        k = rope_ext(k, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head_kv, d)
+        q = rope_in_graph(q, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head, d)
+        k = rope_in_graph(k, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head_kv, d)
         cur = build_attn(inp_attn, layer["wo"], layer["bo"], q, k, v, kq_scale, il)
         if il == hparams.n_layer - 1:
-            cur = get_rows(cur, out_ids)  # (n_outputs, n_embd)
-            inpSA = get_rows(inpSA, out_ids)  # (n_outputs, n_embd)
+            # only the output rows go on: llama.cpp's inp_out_ids (get_rows)
+            cur = mx.take(cur, out_ids, axis=0)  # (n_outputs, n_embd)
+            inpSA = mx.take(inpSA, out_ids, axis=0)  # (n_outputs, n_embd)
         ffn_inp = add(cur, inpSA)
         cur = build_norm(ffn_inp, layer["ffn_norm"], eps)
         cur = build_ffn(cur, layer)

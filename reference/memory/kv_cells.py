@@ -28,8 +28,6 @@ wrong way after ``seq_div`` (see :func:`pos_div_shift_llamacpp` and the K-shift 
 
 from __future__ import annotations
 
-import copy
-
 # --8<-- [start:LLAMA_MAX_SEQ]
 LLAMA_MAX_SEQ = 256  # llama.h: the largest number of sequences a context can hold
 # --8<-- [end:LLAMA_MAX_SEQ]
@@ -119,8 +117,19 @@ class KVCells:
         return len(self.pos)
 
     def copy(self) -> KVCells:
-        """A deep copy (the backup a failed slot search restores)."""
-        return copy.deepcopy(self)
+        """A deep copy (the backup a failed slot search restores).
+
+        Field by field rather than ``copy.deepcopy``: the backup is taken on every decode,
+        and a generic deep copy of 4096 cells costs ~0.3 s where this costs a few ms.
+        """
+        new = KVCells.__new__(KVCells)
+        new.pos = list(self.pos)
+        new.shift = list(self.shift)
+        new.seq = [set(s) for s in self.seq]
+        new.has_shift = self.has_shift
+        new.used = set(self.used)
+        new.seq_pos = {s: set(ps) for s, ps in self.seq_pos.items()}
+        return new
 
     # ---- queries ---------------------------------------------------------------------
 

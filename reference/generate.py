@@ -1,0 +1,474 @@
+r"""Generation: the loop of llama.cpp's ``llama-completion`` / ``llama-simple``, and chat turns.
+
+Text generation is three verbs on a :class:`~reference.context.Context`, repeated:
+
+1. **evaluate the prompt**: decode its tokens in batches of at most ``n_batch`` (only the last
+   token asks for logits), and push each of them into the sampler's history, as
+   ``llama-completion`` does ("push the prompt in the sampling context in order to apply
+   repetition penalties later");
+2. **sample** the next token from the last logits row (:class:`~reference.sampling.SamplerChain`)
+   and *accept* it (it joins the history that the penalties read);
+3. **decode** that one token at the next position, and go back to 2, until an end-of-generation
+   token (``llama_vocab_is_eog``), ``n_predict`` tokens, or a full context.
+
+**Context shift.** When the next decode would fill the context (``n_past + n_new >= n_ctx``),
+``llama-completion`` frees room instead of stopping: it keeps the first ``n_keep`` tokens
+(the BOS token at least), discards half of the rest,
+
+$$ n_{discard} = \left\lfloor \frac{n_{past} - n_{keep}}{2} \right\rfloor, $$
+
+and moves the tail back (:func:`reference.context.context_shift`: ``seq_rm`` then
+``seq_add``; the keys are re-roped at the next decode). Generation goes on with
+$n_{past} - n_{discard}$ tokens of context. llama.cpp's default at the pinned commit is *off*
+(``ctx_shift = false`` in ``common.h``); ``llamaref generate`` turns it on unless
+``--no-context-shift`` is given.
+
+**Chat keeps the cache.** A chat turn renders the whole conversation with the model's chat
+template, tokenizes it, and compares it with the tokens already in the cache: only the new
+suffix is decoded (``seq_rm`` drops whatever differs, e.g. a reply the template re-renders
+differently). Turn $n$ then costs the new user message, not the whole history.
+
+The backends: ``reference`` runs :class:`reference.context.Context` on float32 weights
+(quantized tensors are dequantized once at load, to the values the forward would compute
+each time); ``accelerated`` runs :class:`accelerated.context.Context` on MLX (Q4_0, Q4_1,
+Q8_0 stay quantized); ``auto`` picks ``accelerated`` when MLX's default device is a GPU
+(Metal on a Mac, CUDA) and ``reference`` otherwise (MLX's CPU backend with its bundled
+reference BLAS is slower than NumPy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reference.batch import Batch
+from reference.context import Context, ContextError, context_shift, is_recurrent
+
+BACKENDS = ("auto", "accelerated", "reference")
+
+#: ``llama-completion`` keeps 4 cells free: a prompt longer than ``n_ctx - 4`` is refused here.
+N_CTX_MARGIN = 4
+
+
+class GenerateError(ValueError):
+    """A generation that cannot go on: a prompt that does not fit, a failed decode."""
+
+
+# --8<-- [start:pick_backend]
+def pick_backend(name: str, hparams) -> str:
+    """The backend that ``--backend name`` means for this model and machine.
+
+    ``auto`` is ``accelerated`` when MLX is importable, its default device is a GPU, and the
+    model is not recurrent (the accelerated Context runs llama / qwen2 only); otherwise
+    ``reference``.
+
+    Raises:
+        GenerateError: an unknown name, or ``accelerated`` for a recurrent (Mamba) model.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams, tiny_mamba_hparams
+        >>> pick_backend("reference", tiny_hparams())
+        'reference'
+        >>> pick_backend("accelerated", tiny_mamba_hparams("mamba"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.generate.GenerateError: --backend accelerated runs llama/qwen2 models; ...
+    """
+    if name not in BACKENDS:
+        raise GenerateError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "accelerated" and is_recurrent(hparams):
+        raise GenerateError(f"--backend accelerated runs llama/qwen2 models; {hparams.arch!r} "
+                            "is recurrent: use --backend reference")
+    if name != "auto":
+        return name
+    if is_recurrent(hparams) or not mlx_has_gpu():
+        return "reference"
+    return "accelerated"
+# --8<-- [end:pick_backend]
+
+
+def mlx_has_gpu() -> bool:
+    """Whether MLX is installed and its default device is a GPU (Metal or CUDA)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return False
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+# --8<-- [start:prepare_weights]
+def prepare_weights(weights: dict, backend: str,
+                    progress: Callable[[int, int], None] | None = None) -> dict:
+    """The weights as ``backend``'s Context wants them, converted once, tensor by tensor.
+
+    ``reference``: every tensor a float32 array (quantized ones dequantized, the values the
+    forward computes with); ``accelerated``: :func:`accelerated.models.llama.prepare_weights`
+    (Q4_0 / Q4_1 / Q8_0 stay packed).
+
+    Args:
+        weights: GGUF-named weights from :func:`reference.model.load_model`.
+        backend: ``"reference"`` or ``"accelerated"``.
+        progress: called with ``(tensors done, tensors in all)`` after each tensor.
+
+    Examples:
+        >>> w = prepare_weights({"a": np.ones(2, np.float16)}, "reference")
+        >>> w["a"].dtype
+        dtype('float32')
+    """
+    if backend == "accelerated":
+        from accelerated.models.llama import prepare_weights as prepare_one
+    else:
+        def prepare_one(w):
+            return {name: _dense(t) for name, t in w.items()}
+    out = {}
+    for i, (name, t) in enumerate(weights.items()):
+        out.update(prepare_one({name: t}))
+        if progress is not None:
+            progress(i + 1, len(weights))
+    return out
+# --8<-- [end:prepare_weights]
+
+
+def _dense(t) -> np.ndarray:
+    if hasattr(t, "dequantize"):
+        return t.dequantize().astype(np.float32, copy=False)
+    t = np.asarray(t)
+    return t.astype(np.float32) if np.issubdtype(t.dtype, np.floating) else t
+
+
+def make_context(backend: str, hparams, weights: dict, **kwargs) -> Context:
+    """A Context of ``backend`` (``reference`` or ``accelerated``) on prepared weights."""
+    if backend == "accelerated":
+        from accelerated.context import Context as AcceleratedContext
+
+        return AcceleratedContext(hparams, weights, **kwargs)
+    return Context(hparams, weights, **kwargs)
+
+
+def make_sampler(
+    backend: str, params: Any, n_vocab: int, tokenizer: Any = None
+) -> tuple[Any, bool]:
+    """``SamplerChain.from_params`` of ``backend``'s sampling module.
+
+    Returns:
+        ``(sampler, on_device)``: ``on_device`` is True when the sampler is the MLX twin,
+        which takes the logits as an ``mx.array`` without a copy to the host.
+    """
+    if backend == "accelerated":
+        try:
+            from accelerated.sampling import SamplerChain
+        except ImportError:  # the NumPy chain: same draws, logits copied to the host
+            pass
+        else:
+            return SamplerChain.from_params(params, n_vocab, tokenizer=tokenizer), True
+    from reference.sampling import SamplerChain
+
+    return SamplerChain.from_params(params, n_vocab, tokenizer=tokenizer), False
+
+
+def eog_tokens(tokenizer) -> list[int]:
+    """Every end-of-generation token id (``llama_vocab_is_eog``), for ``--ignore-eos``."""
+    return [t for t in range(tokenizer.n_vocab) if tokenizer.is_eog(t)]
+
+
+# --8<-- [start:Perf]
+@dataclass
+class Perf:
+    """What ``llama_perf_context_print`` reports: times in ms and token counts.
+
+    A decode of more than one token counts as prompt evaluation, a one-token decode as
+    evaluation (``llama_context::decode``'s bookkeeping).
+    """
+
+    t_load_ms: float = 0.0
+    t_p_eval_ms: float = 0.0
+    n_p_eval: int = 0
+    t_eval_ms: float = 0.0
+    n_eval: int = 0
+    n_reused: int | None = None
+    t_start: float = 0.0
+
+    def add(self, n_tokens: int, seconds: float) -> None:
+        """Count one successful decode of ``n_tokens`` that took ``seconds``."""
+        if n_tokens > 1:
+            self.t_p_eval_ms += 1e3 * seconds
+            self.n_p_eval += n_tokens
+        else:
+            self.t_eval_ms += 1e3 * seconds
+            self.n_eval += n_tokens
+
+    def lines(self) -> list[str]:
+        """The report, line by line, in ``llama_perf_context_print``'s format.
+
+        Examples:
+            >>> p = Perf(t_load_ms=12.5, t_p_eval_ms=40.0, n_p_eval=8, t_eval_ms=30.0, n_eval=3)
+            >>> print(p.lines()[1])
+            llama_perf_context_print: prompt eval time =      40.00 ms /     8 tokens (    5.00 ms per token,   200.00 tokens per second)
+        """  # noqa: E501
+        name = "llama_perf_context_print"
+        total_ms = 1e3 * (time.perf_counter() - self.t_start) if self.t_start else 0.0
+        out = [
+            f"{name}:        load time = {self.t_load_ms:10.2f} ms",
+            f"{name}: prompt eval time = {self.t_p_eval_ms:10.2f} ms / {self.n_p_eval:5d} tokens "
+            f"({_per(self.t_p_eval_ms, self.n_p_eval)})",
+            f"{name}:        eval time = {self.t_eval_ms:10.2f} ms / {self.n_eval:5d} runs   "
+            f"({_per(self.t_eval_ms, self.n_eval)})",
+            f"{name}:       total time = {total_ms:10.2f} ms / {self.n_p_eval + self.n_eval:5d} "
+            "tokens",
+        ]
+        if self.n_reused is not None:
+            out.append(f"{name}:    graphs reused = {self.n_reused:10d}")
+        return out
+# --8<-- [end:Perf]
+
+
+def _per(ms: float, n: int) -> str:
+    if n == 0 or ms == 0:
+        return f"{'nan':>8s} ms per token, {'nan':>8s} tokens per second"
+    return f"{ms / n:8.2f} ms per token, {1e3 * n / ms:8.2f} tokens per second"
+
+
+# --8<-- [start:Generator]
+class Generator:
+    """One sequence (``seq_id`` 0) of a Context, a sampler, and the tokens in the cache.
+
+    Args:
+        ctx: a fresh :class:`~reference.context.Context` (or its accelerated twin).
+        sampler: a ``SamplerChain`` (``.sample(logits)``, ``.accept(token)``).
+        n_keep: tokens kept at the start when the context shifts (``--keep``).
+        shift: shift the context when it is full (True), or stop generating (False).
+        perf: where decode times are counted.
+        on_device: sample from ``ctx.get_logits_ith_device`` (an ``mx.array``; the MLX
+            sampler) instead of the NumPy row.
+
+    Attributes:
+        tokens: the tokens in the cache, in position order (``tokens[p]`` is at position
+            ``p``); ``len(tokens)`` is llama.cpp's ``n_past``.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> hp = tiny_hparams()
+        >>> class Greedy:
+        ...     def sample(self, logits): return int(np.argmax(logits))
+        ...     def accept(self, token): pass
+        >>> g = Generator(Context(hp, random_weights(hp), n_ctx=256), Greedy())
+        >>> g.eval_prompt([1, 2, 3])
+        >>> len(list(g.generate(5, is_eog=lambda t: False))), len(g.tokens)
+        (5, 7)
+    """
+
+    def __init__(self, ctx: Context, sampler: Any, n_keep: int = 0, shift: bool = True,
+                 perf: Perf | None = None, on_device: bool = False):
+        self.ctx = ctx
+        self.on_device = on_device and hasattr(ctx, "get_logits_ith_device")
+        self.sampler = sampler
+        self.n_keep = n_keep
+        self.shift = shift
+        self.perf = perf if perf is not None else Perf()
+        self.tokens: list[int] = []
+        self.stopped: str | None = None  # why generate() stopped early, if it did
+
+    @property
+    def n_past(self) -> int:
+        """How many positions of the sequence are in the cache."""
+        return len(self.tokens)
+
+    def _decode(self, tokens: list[int]) -> None:
+        t0 = time.perf_counter()
+        ret = self.ctx.decode(Batch(token=tokens))
+        if ret != 0:
+            reason = getattr(self.ctx, "last_error", None) or "no reason given"
+            raise GenerateError(f"decode of {len(tokens)} tokens at position {self.n_past} "
+                                f"returned {ret}: {reason}")
+        self.perf.add(len(tokens), time.perf_counter() - t0)
+        self.tokens.extend(tokens)
+    # --8<-- [end:Generator]
+
+    # --8<-- [start:eval_prompt]
+    def eval_prompt(self, tokens: list[int]) -> None:
+        """Decode ``tokens`` after what is cached, ``n_batch`` at a time; accept each one.
+
+        Raises:
+            GenerateError: the tokens do not fit in the context (``n_ctx - 4``), or a decode
+                failed.
+        """
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise GenerateError("nothing to decode: the prompt is empty")
+        room = self.ctx.n_ctx - N_CTX_MARGIN
+        if not self.ctx.recurrent and self.n_past + len(tokens) > room:
+            raise GenerateError(f"the prompt needs {self.n_past + len(tokens)} positions and the "
+                                f"context holds {room} (n_ctx {self.ctx.n_ctx} - "
+                                f"{N_CTX_MARGIN}): use a larger -c/--ctx-size")
+        for token in tokens:  # the prompt joins the penalties' history
+            self.sampler.accept(token)
+        for i in range(0, len(tokens), self.ctx.n_batch):
+            self._decode(tokens[i : i + self.ctx.n_batch])
+    # --8<-- [end:eval_prompt]
+
+    # --8<-- [start:sample]
+    def sample(self) -> int:
+        """Sample from the last logits row and accept the token into the sampler."""
+        if self.on_device:
+            logits = self.ctx.get_logits_ith_device(-1)  # stays on the device
+        else:
+            logits = self.ctx.get_logits_ith(-1)  # (n_vocab,)
+        token = int(self.sampler.sample(logits))
+        self.sampler.accept(token)
+        return token
+    # --8<-- [end:sample]
+
+    # --8<-- [start:shift_if_full]
+    def shift_if_full(self, n_new: int) -> bool:
+        """Make room for ``n_new`` tokens as ``llama-completion`` does; False if it cannot.
+
+        When ``n_past + n_new >= n_ctx``: keep ``n_keep`` tokens, discard half of the rest
+        (:func:`reference.context.context_shift`), and forget them in :attr:`tokens`.
+        """
+        n_ctx = self.ctx.n_ctx
+        if self.ctx.recurrent or self.n_past + n_new < n_ctx:
+            return True  # a recurrent state has no cells to fill
+        n_discard = (self.n_past - self.n_keep) // 2
+        if not self.shift or n_discard < 1:
+            return False
+        context_shift(self.ctx, 0, self.n_keep, n_discard)
+        del self.tokens[self.n_keep : self.n_keep + n_discard]
+        return True
+    # --8<-- [end:shift_if_full]
+
+    # --8<-- [start:generate]
+    def generate(self, n_predict: int, is_eog: Callable[[int], bool]) -> Iterator[int]:
+        """Sample and decode up to ``n_predict`` tokens (-1: no limit); yield each one.
+
+        Stops after an end-of-generation token (yielded, never decoded), after
+        ``n_predict`` tokens, or when the context is full and cannot shift
+        (:attr:`stopped` then says so). Call :meth:`eval_prompt` first.
+        """
+        self.stopped = None
+        n = 0
+        while n_predict < 0 or n < n_predict:
+            token = self.sample()
+            n += 1
+            yield token
+            if is_eog(token):
+                return
+            if n_predict >= 0 and n >= n_predict:
+                return
+            if not self.shift_if_full(1):
+                self.stopped = (f"context full (n_ctx = {self.ctx.n_ctx}) and context shift "
+                                "is disabled => stopping")
+                return
+            self._decode([token])
+    # --8<-- [end:generate]
+
+    # --8<-- [start:sync_prefix]
+    def sync_prefix(self, tokens: list[int]) -> list[int]:
+        """Keep the longest cached prefix of ``tokens``; return the suffix left to decode.
+
+        The cache keeps the common prefix (``seq_rm(0, n_common, -1)`` drops the rest); at
+        least one token is always left to decode, so that its logits are fresh.
+
+        Examples:
+            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> hp = tiny_hparams()
+            >>> class S:
+            ...     def accept(self, t): pass
+            >>> g = Generator(Context(hp, random_weights(hp), n_ctx=256), S())
+            >>> g.eval_prompt([1, 2, 3, 4])
+            >>> g.sync_prefix([1, 2, 9, 9, 9]), g.tokens
+            ([9, 9, 9], [1, 2])
+            >>> g.sync_prefix([1, 2]), g.tokens
+            ([2], [1])
+        """
+        tokens = [int(t) for t in tokens]
+        n_common = 0
+        for a, b in zip(self.tokens, tokens, strict=False):
+            if a != b:
+                break
+            n_common += 1
+        n_common = min(n_common, len(tokens) - 1)
+        if n_common < self.n_past:
+            if not self.ctx.memory.seq_rm(0, n_common, -1):
+                self.ctx.memory.clear()  # a recurrent memory refuses a partial removal
+                n_common = 0
+            del self.tokens[n_common:]
+        return tokens[n_common:]
+    # --8<-- [end:sync_prefix]
+
+
+# --8<-- [start:ChatSession]
+class ChatSession:
+    """A conversation on a :class:`Generator`: render, decode the new suffix, reply.
+
+    Args:
+        generator: the generator (its cache holds the conversation so far).
+        tokenizer: the model's tokenizer (``apply_chat_template``, ``tokenize``, ``is_eog``).
+        system: an optional system prompt (the first message).
+    """
+
+    def __init__(self, generator: Generator, tokenizer: Any, system: str | None = None):
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.messages: list[dict] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.prompt_per_turn: list[int] = []  # length of the rendered conversation, per turn
+        self.decoded_per_turn: list[int] = []  # how many of those each turn decoded
+
+    def render(self) -> list[int]:
+        """The conversation so far as tokens, ready for the assistant's reply."""
+        text = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        tokens = self.tokenizer.tokenize(text, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:  # the template had its own BOS
+            tokens = tokens[1:]
+        return tokens
+
+    def turn(self, user: str, n_predict: int, emit: Callable[[str], None]) -> str:
+        """Add ``user``'s message, decode only what the cache lacks, stream the reply.
+
+        Returns:
+            The reply (also added to the conversation).
+        """
+        from reference.tokenizer import StreamDecoder
+
+        self.messages.append({"role": "user", "content": user})
+        tokens = self.render()
+        suffix = self.generator.sync_prefix(tokens)
+        self.generator.eval_prompt(suffix)
+        self.prompt_per_turn.append(len(tokens))
+        self.decoded_per_turn.append(len(suffix))
+        stream = StreamDecoder(self.tokenizer)
+        pieces = []
+        for token in self.generator.generate(n_predict, self.tokenizer.is_eog):
+            if self.tokenizer.is_eog(token):
+                break
+            piece = stream.push(token)
+            pieces.append(piece)
+            emit(piece)
+        pieces.append(stream.flush())
+        emit(pieces[-1])
+        reply = "".join(pieces)
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply
+# --8<-- [end:ChatSession]
+
+
+__all__ = [
+    "BACKENDS",
+    "ChatSession",
+    "ContextError",
+    "GenerateError",
+    "Generator",
+    "Perf",
+    "eog_tokens",
+    "make_context",
+    "make_sampler",
+    "mlx_has_gpu",
+    "pick_backend",
+    "prepare_weights",
+]
