@@ -38,7 +38,7 @@ from numpy.typing import DTypeLike
 
 from accelerated.memory.kv_cache import mx_dtype
 from accelerated.ops import add, build_attn_mha, mul, mul_mat, rms_norm, swiglu
-from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rotate_pairs
+from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rope_fused, rotate_pairs
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
 from reference.hparams import LlamaHParams
 from reference.models.llama import (  # host-side pieces, imported as they are
@@ -464,18 +464,8 @@ def rope_in_graph(
         return x
     n_tokens, n_head, head_dim = x.shape
     if ext_factor == 0.0:
-        freqs = None
-        if freq_factors is not None:
-            j = mx.arange(n_dims // 2, dtype=mx.float32)
-            ff = mx.array(freq_factors)[: n_dims // 2].astype(mx.float32)
-            freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
-        y = mx.fast.rope(
-            x.reshape(n_tokens, n_head, 1, head_dim), n_dims,
-            traditional=(mode == ROPE_TYPE_NORM), base=None if freqs is not None else freq_base,
-            scale=freq_scale, offset=pos, freqs=freqs,
-        )  # (n_tokens, n_head, 1, head_dim): batch = token, one offset per token
-        if attn_factor != 1.0:
-            y = mx.concatenate([y[..., :n_dims] * attn_factor, y[..., n_dims:]], axis=-1)
+        y = rope_fused(x.reshape(n_tokens, n_head, 1, head_dim), pos, n_dims, mode, freq_base,
+                       freq_scale, attn_factor, freq_factors)  # (n_tokens, n_head, 1, head_dim)
         return y.reshape(n_tokens, n_head, head_dim)
     corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
                                     np.float32)

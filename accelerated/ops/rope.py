@@ -205,6 +205,45 @@ def rotate_pairs(
 # --8<-- [end:rotate_pairs]
 
 
+# --8<-- [start:rope_fused]
+def rope_fused(
+    xt: mx.array,
+    offset: mx.array,
+    n_dims: int,
+    mode: int,
+    freq_base: float,
+    freq_scale: float,
+    attn_factor: float,
+    freq_factors: mx.array | None,
+) -> mx.array:
+    """The ``ext_factor == 0`` path: one ``mx.fast.rope`` with one offset per token.
+
+    No checks and no host reads (``offset`` may be a traced placeholder), so a compiled
+    graph can call it; :func:`rope_ext` checks its arguments first.
+
+    Args:
+        xt: ``(n_tokens, B, 1, head_dim)``: batch = token, sequence length 1.
+        offset: ``(n_tokens,)`` int32 positions.
+
+    Returns:
+        ``xt`` rotated, then ``attn_factor`` on the rotated dims (same shape).
+    """
+    freqs = None
+    if freq_factors is not None:
+        j = mx.arange(n_dims // 2, dtype=mx.float32)
+        ff = mx.array(freq_factors)[: n_dims // 2].astype(mx.float32)
+        freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
+    y = mx.fast.rope(
+        xt, n_dims, traditional=(mode == ROPE_TYPE_NORM),
+        base=None if freqs is not None else freq_base, scale=freq_scale,
+        offset=offset, freqs=freqs,
+    )  # (n_tokens, B, 1, head_dim)
+    if attn_factor != 1.0:
+        y = mx.concatenate([y[..., :n_dims] * attn_factor, y[..., n_dims:]], axis=-1)
+    return y
+# --8<-- [end:rope_fused]
+
+
 # --8<-- [start:rope_ext]
 def rope_ext(
     x: mx.array,
@@ -250,18 +289,8 @@ def rope_ext(
         # (n_tokens, n_head, head_dim) per leading index -> batch = token, T = 1
         xt = mx.moveaxis(xc.reshape(-1, n_tokens, n_head, head_dim), 1, 0)  # (n_t, L, H, D)
         xt = xt.reshape(n_tokens, -1, 1, head_dim)  # (n_tokens, L*n_head, 1, head_dim)
-        freqs = None
-        if freq_factors is not None:
-            j = mx.arange(n_dims // 2, dtype=mx.float32)
-            ff = mx.array(freq_factors)[: n_dims // 2].astype(mx.float32)
-            freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
-        y = mx.fast.rope(
-            xt, n_dims, traditional=(mode == ROPE_TYPE_NORM),
-            base=None if freqs is not None else freq_base, scale=freq_scale,
-            offset=mx.array(pos_np.astype(np.int32)), freqs=freqs,
-        )  # (n_tokens, L*n_head, 1, head_dim)
-        if attn_factor != 1.0:
-            y = mx.concatenate([y[..., :n_dims] * attn_factor, y[..., n_dims:]], axis=-1)
+        y = rope_fused(xt, mx.array(pos_np.astype(np.int32)), n_dims, mode, freq_base,
+                       freq_scale, attn_factor, freq_factors)  # (n_tokens, L*n_head, 1, head_dim)
         y = mx.moveaxis(y.reshape(n_tokens, -1, n_head, head_dim), 0, 1)  # (L, n_t, H, D)
         return y.reshape(*lead, n_tokens, n_head, head_dim).astype(in_dtype)
     corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
