@@ -625,8 +625,8 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
 
 def _profile_targets() -> dict[str, Callable]:
     """The functions to time: every public op of :mod:`accelerated.ops`, the quantized matmul
-    and dequantization of :mod:`accelerated.quants`, and the model's ``linear`` (a matmul
-    with a weight: quantized, dense or pre-transposed)."""
+    and dequantization of :mod:`accelerated.quants`, the model's ``linear`` (a matmul with a
+    weight: quantized, dense or pre-transposed) and its in-graph attention and RoPE."""
     import accelerated.ops as ops
     import accelerated.quants as quants
 
@@ -639,6 +639,10 @@ def _profile_targets() -> dict[str, Callable]:
 
     if hasattr(llama, "linear"):  # every matmul with a weight, in whichever form it is held
         targets["linear (matmul)"] = llama.linear
+    # the graph's own attention and RoPE (no host-side checks, so a traced graph can call them)
+    for name in ("attn_grouped", "rope_in_graph"):
+        if hasattr(llama, name):
+            targets[name] = getattr(llama, name)
     return targets
 
 
