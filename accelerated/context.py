@@ -70,15 +70,18 @@ __all__ = [
     "Context",
     "ContextError",
     "GraphKey",
+    "KV_VIEW_PAD",
     "PerfContextData",
     "context_shift",
     "context_sizes",
     "is_recurrent",
+    "kv_view",
 ]
 
 # Compiled graphs kept per context (least recently used first out). Token-by-token
 # generation needs one; a prompt of several ubatches one more per distinct ubatch size.
 GRAPH_CACHE_SIZE = 8
+KV_VIEW_PAD = 64  # the step of the attention width the twin's graph reads, in cells
 
 
 # --8<-- [start:GraphKey]
@@ -96,7 +99,8 @@ class GraphKey:
         embd: the ubatch carries embeddings instead of token ids.
         n_tokens: tokens of the ubatch.
         n_outputs: tokens that get logits.
-        n_kv: cells of each stream in view (:meth:`reference.memory.KVCache.get_n_kv`).
+        n_kv: cells of each stream the graph reads (:func:`kv_view`: the used range padded
+            to ``KV_VIEW_PAD``, at most llama.cpp's ``get_n_kv``).
         strm: the streams of the slot.
     """
 
@@ -106,6 +110,33 @@ class GraphKey:
     n_kv: int
     strm: tuple[int, ...]
 # --8<-- [end:GraphKey]
+
+
+# --8<-- [start:kv_view]
+def kv_view(memory: KVCache, sinfo, n_kv: int) -> int:
+    """How many cells of each stream the twin's graph reads: a narrower view than ``n_kv``.
+
+    llama.cpp reads ``n_kv`` cells (:meth:`reference.memory.KVCache.get_n_kv`: the used range
+    padded to 256), and masks the unused ones. Every cell at or past a stream's
+    ``used_max_p1`` is empty, so masked for every token: reading only the used range padded
+    to ``KV_VIEW_PAD`` gives the same attention (the dropped columns add ``exp(-inf) = 0``)
+    for a quarter of the work early in a generation. The price is a new graph every
+    ``KV_VIEW_PAD`` cells instead of every 256.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.batch import Batch, BatchAllocr
+        >>> cache = KVCache(tiny_hparams(), kv_size=512)
+        >>> ub = BatchAllocr(Batch(token=[1, 2, 3]), n_vocab=32, n_seq_max=1,
+        ...                  memory=cache).split_simple(8)
+        >>> sinfo = cache.prepare([ub])[0]
+        >>> cache.apply_ubatch(sinfo, ub)
+        >>> cache.get_n_kv(sinfo), kv_view(cache, sinfo, cache.get_n_kv(sinfo))
+        (256, 64)
+    """
+    used = max(memory.v_cells[s].used_max_p1() for s in sinfo.strm)
+    return min(n_kv, max(KV_VIEW_PAD, -(-used // KV_VIEW_PAD) * KV_VIEW_PAD))
+# --8<-- [end:kv_view]
 
 
 def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.array,
@@ -267,11 +298,16 @@ class Context(ref.Context):
         inp = mem.attn_input(ubatch, sinfo)  # host bookkeeping: k_idxs, the KQ mask
         tokens, pos, out_ids, embd = check_forward_inputs(self.hparams, ubatch.token, ubatch.pos,
                                                           out_ids, ubatch.embd)
-        key = GraphKey(embd is not None, len(pos), len(out_ids), inp.n_kv, tuple(sinfo.strm))
+        n_view = kv_view(mem, sinfo, inp.n_kv)
+        mask = inp.kq_mask  # (n_tokens, ns * n_kv)
+        if n_view < inp.n_kv:  # the columns past each stream's used range: all masked
+            ns = len(sinfo.strm)
+            mask = mask.reshape(len(pos), ns, inp.n_kv)[:, :, :n_view].reshape(len(pos), -1)
+        key = GraphKey(embd is not None, len(pos), len(out_ids), n_view, tuple(sinfo.strm))
         x = mx.array(tokens.astype(np.int32)) if embd is None else mx.array(embd, mx.float32)
         kv = [*mem.k_l, *mem.v_l]
         outs = self.graph(key)(x, mx.array(pos.astype(np.int32)),
-                               mx.array(out_ids.astype(np.int32)), inp.kq_mask,
+                               mx.array(out_ids.astype(np.int32)), mask,
                                mx.array(inp.k_idxs.astype(np.int32)), *kv)
         n_layer = self.hparams.n_layer
         # the graph holds the old tensors now: with no other reference left, the writes into

@@ -219,6 +219,8 @@ def test_smollm2_q4_1_greedy_equals_the_reference_in_both_matmul_formulations():
     ref_tokens = greedy(RefContext(hp, dense, n_ctx=n_ctx), prompt, N_GREEDY)
     acc = MLXContext(hp, weights, n_ctx=n_ctx, matmul="dense")
     assert greedy(acc, prompt, N_GREEDY) == ref_tokens
-    assert acc.perf().n_reused == N_GREEDY - 1  # one graph for every one-token step
+    # one graph for the one-token steps, and one more once the cells outgrow the first
+    # KV_VIEW_PAD (64) of the attention view: 4 + 64 tokens cross it once
+    assert acc.perf().n_reused == N_GREEDY - 2
     acc_q = MLXContext(hp, quantized, n_ctx=n_ctx, matmul="quantized")
     assert greedy(acc_q, prompt, N_GREEDY_QUANTIZED) == ref_tokens[:N_GREEDY_QUANTIZED]

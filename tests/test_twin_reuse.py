@@ -6,8 +6,10 @@
   ubatches, embeddings and a K-shift in between (a property over random decode scripts too).
 - **Counting** (``perf().n_reused``, llama.cpp's rule: a ubatch reuses the graph when its
   shapes equal the previous ubatch's): token-by-token generation reuses every step after the
-  first; the step where ``n_kv`` grows past 256 cells does not; reuse off counts nothing, and
-  ``LLAMA_GRAPH_REUSE_DISABLE=1`` turns it off as in llama.cpp.
+  first; the step where the attention view grows past 256 cells does not; reuse off counts
+  nothing, and ``LLAMA_GRAPH_REUSE_DISABLE=1`` turns it off as in llama.cpp.
+- **The narrow view is exact**: reading the used cells padded to ``KV_VIEW_PAD`` instead of
+  llama.cpp's ``n_kv`` changes no bit of the logits or caches.
 - **Bounded**: the compiled graphs kept never exceed ``graph_cache_size`` (least recently
   used out), however many shapes go through.
 """
@@ -19,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accelerated.context import Context, ContextError, GraphKey
+import accelerated.context
+from accelerated.context import KV_VIEW_PAD, Context, ContextError, GraphKey
 from reference.batch import Batch
 from reference.context import context_shift
 from tests.tiny_models import random_weights, tiny_hparams
@@ -102,9 +105,29 @@ def test_a_grown_n_kv_is_not_a_reuse():
     for t in range(3):
         assert ctx.decode(Batch(token=[t])) == 0
         keys.append(ctx._prev_key)
-    # pos 255 fills cell 255 (n_kv 256); pos 256 needs n_kv = 512: a new graph; then reuse
-    assert [k.n_kv for k in keys] == [256, 512, 512]
+    # pos 255 fills cell 255 (a view of 256 cells); pos 256 needs a wider view, the next
+    # multiple of KV_VIEW_PAD (llama.cpp's n_kv would jump to 512): a new graph; then reuse
+    assert [k.n_kv for k in keys] == [256, 256 + KV_VIEW_PAD, 256 + KV_VIEW_PAD]
     assert ctx.perf().n_reused == 1
+
+
+def test_the_narrow_view_is_exact(monkeypatch):
+    """Reading only the used cells (padded to KV_VIEW_PAD) instead of llama.cpp's n_kv gives
+    bit-identical logits and caches: the dropped columns are masked for every token."""
+    narrow = Context(HP, W, n_ctx=512, n_seq_max=3)
+    monkeypatch.setattr(accelerated.context, "KV_VIEW_PAD", 4096)  # the view = n_kv
+    full = Context(HP, W, n_ctx=512, n_seq_max=3)
+    for i, (n_seq, n_each) in enumerate([(3, 5), (2, 1), (1, 1), (3, 2)]):
+        batch = interleaved(n_seq, n_each, seed=i)
+        monkeypatch.setattr(accelerated.context, "KV_VIEW_PAD", 64)
+        assert narrow.decode(batch) == 0
+        monkeypatch.setattr(accelerated.context, "KV_VIEW_PAD", 4096)
+        assert full.decode(batch) == 0
+        assert np.array_equal(narrow.get_logits(), full.get_logits())
+    assert narrow._prev_key.n_kv == 64 and full._prev_key.n_kv == 256
+    for a, b in zip(narrow.memory.k_l + narrow.memory.v_l, full.memory.k_l + full.memory.v_l,
+                    strict=True):
+        assert np.array_equal(np.array(a), np.array(b))
 
 
 def test_reuse_off_counts_nothing_and_the_environment_turns_it_off(monkeypatch):
