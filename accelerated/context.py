@@ -102,6 +102,12 @@ class GraphKey:
         n_kv: cells of each stream the graph reads (:func:`kv_view`: the used range padded
             to ``KV_VIEW_PAD``, at most llama.cpp's ``get_n_kv``).
         strm: the streams of the slot.
+
+    Examples:
+        >>> GraphKey(False, 1, 1, 64, (0,)) == GraphKey(False, 1, 1, 64, (0,))  # reused
+        True
+        >>> GraphKey(False, 1, 1, 64, (0,)) == GraphKey(False, 1, 1, 128, (0,))  # wider view
+        False
     """
 
     embd: bool

@@ -238,6 +238,14 @@ class SamplerChain(_ReferenceChain):
     Attributes:
         device_stages: the stages run on the device, or None when the chain runs on the host.
         fallbacks: how many steps were redone on the host because a margin was not met.
+
+    Examples:
+        >>> logits = np.array([0.5, 2.0, 1.0, -1.0], np.float32)  # (n_vocab,)
+        >>> chain = SamplerChain.from_params(SamplerParams(seed=42), 4)
+        >>> chain.device_stages
+        ['top_k', 'top_p', 'min_p', 'temperature', 'dist']
+        >>> [chain.sample(mx.array(logits)) for _ in range(6)]  # the reference's tokens
+        [2, 1, 2, 1, 1, 1]
     """
 
     def __init__(self, params: SamplerParams, n_vocab: int, stages: list[str], breakers: dict):

@@ -98,6 +98,17 @@ class PerfContextData:
         n_eval: number of one-token decodes; at least 1, as llama.cpp.
         n_reused: ubatches whose compute graph was reused (``n_reused``). The reference
             builds no graph and leaves it at 0; the MLX twin counts its compiled graphs.
+
+    Examples:
+        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.batch import Batch
+        >>> hp = tiny_hparams()
+        >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
+        >>> ctx.decode(Batch(token=[1, 2, 3])), ctx.decode(Batch(token=[4]))
+        (0, 0)
+        >>> p = ctx.perf()
+        >>> p.n_p_eval, p.n_eval, p.n_reused  # a 3-token prompt, one generated token
+        (3, 1, 0)
     """
 
     t_start_ms: float

@@ -147,7 +147,12 @@ class Mt19937:
 
 
 def get_rng_seed(seed: int) -> int:
-    """``get_rng_seed``: ``LLAMA_DEFAULT_SEED`` (0xFFFFFFFF) means a random 32-bit seed."""
+    """``get_rng_seed``: ``LLAMA_DEFAULT_SEED`` (0xFFFFFFFF) means a random 32-bit seed.
+
+    Examples:
+        >>> get_rng_seed(7), 0 <= get_rng_seed(0xFFFFFFFF) < 2**32
+        (7, True)
+    """
     return secrets.randbits(32) if seed == LLAMA_DEFAULT_SEED else seed & 0xFFFFFFFF
 
 
@@ -158,6 +163,13 @@ def discrete_distribution(p: np.ndarray, rng: Mt19937) -> int:
     double, $c_i = \sum_{j \le i} p_j / \sum_j p_j$ (left to right, $c_{n-1} := 1$), a
     ``generate_canonical<double, 53>`` draw $u$ is taken and the index is the first $i$ with
     $c_i \ge u$ (``lower_bound``).
+
+    Examples:
+        >>> rng = Mt19937(5)
+        >>> discrete_distribution(np.array([0.2, 0.8]), rng)
+        0
+        >>> discrete_distribution(np.array([1.0]), rng)  # one weight: no draw
+        0
     """
     if p.size < 2:
         return 0
@@ -896,6 +908,15 @@ class SamplerChain:
             mirostat, each seeded by its own ``get_rng_seed(seed)`` call, as in llama.cpp.
         mu: mirostat's $\mu$ (``2 tau`` after a reset); updated by ``sample``.
         cur: the candidates of the last ``sample`` (for the top-n probabilities).
+
+    Examples:
+        >>> logits = np.array([0.5, 2.0, 1.0, -1.0], np.float32)  # (n_vocab,)
+        >>> greedy_like = SamplerChain.from_params(SamplerParams(seed=42, temp=0.0), 4)
+        >>> greedy_like.sample(logits)  # temp <= 0 keeps only the largest logit
+        1
+        >>> chain = SamplerChain.from_params(SamplerParams(seed=42), 4)
+        >>> [chain.sample(logits) for _ in range(6)]  # the same draws as llama.cpp's seed 42
+        [2, 1, 2, 1, 1, 1]
     """
 
     def __init__(self, params: SamplerParams, n_vocab: int, stages: list[str], breakers: dict):

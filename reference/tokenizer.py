@@ -468,6 +468,14 @@ class Tokenizer:
             (:meth:`from_hf`: encoded by the ``tokenizers`` package).
         pre: the pre-tokenizer name (``tokenizer.ggml.pre``) for BPE.
         tokens: text of every token; ``attrs``: its ``ATTR_*`` bits.
+
+    Examples:
+        >>> from reference.cli import default_model_path
+        >>> tok = load_tokenizer(default_model_path())  # SmolLM2: byte-level BPE, smollm
+        >>> tok.model, tok.pre, tok.n_vocab, tok.tokenize("Hello world")
+        ('gpt2', 'smollm', 49152, [19556, 905])
+        >>> tok.detokenize([19556, 905])
+        'Hello world'
     """
 
     def __init__(self) -> None:

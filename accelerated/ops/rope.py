@@ -227,6 +227,14 @@ def rope_fused(
 
     Returns:
         ``xt`` rotated, then ``attn_factor`` on the rotated dims (same shape).
+
+    Examples:
+        >>> x = mx.random.normal((3, 2, 8), key=mx.random.key(0))  # (n_tokens, n_head, d)
+        >>> pos = np.array([0, 5, 9])
+        >>> y = rope_fused(x.reshape(3, 2, 1, 8), mx.array(pos), 8, ROPE_TYPE_NORM,
+        ...                10000.0, 1.0, 1.0, None)  # (n_tokens, n_head, 1, d)
+        >>> mx.array_equal(y.reshape(3, 2, 8), rope_ext(x, pos, 8)).item()
+        True
     """
     freqs = None
     if freq_factors is not None:
