@@ -130,7 +130,7 @@ def kv_view(memory: KVCache, sinfo, n_kv: int) -> int:
     ``KV_VIEW_PAD`` cells instead of every 256.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> from reference.batch import Batch, BatchAllocr
         >>> cache = KVCache(tiny_hparams(), kv_size=512)
         >>> ub = BatchAllocr(Batch(token=[1, 2, 3]), n_vocab=32, n_seq_max=1,
@@ -183,7 +183,7 @@ class Context(ref.Context):
         ContextError: a bad size, or ``graph_cache_size < 1``.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), n_ctx=64, n_seq_max=2)
         >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))
@@ -336,7 +336,7 @@ class Context(ref.Context):
             ContextError: as :meth:`get_logits_ith`.
 
         Examples:
-            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> from reference.testing import tiny_hparams, random_weights
             >>> hp = tiny_hparams()
             >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
             >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))

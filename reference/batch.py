@@ -51,13 +51,11 @@ from typing import Protocol
 
 import numpy as np
 
-# --8<-- [start:constants]
-LLAMA_MAX_SEQ = 256  # src/llama-cparams.h: the most sequences a context can hold
-# --8<-- [end:constants]
+from reference.common import LLAMA_MAX_SEQ, LlamarefError
 
 
 # --8<-- [start:BatchError]
-class BatchError(ValueError):
+class BatchError(LlamarefError, ValueError):
     """The batch is invalid: ``llama_decode`` would return ``-1`` and change nothing."""
 # --8<-- [end:BatchError]
 

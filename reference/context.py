@@ -62,6 +62,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from reference.batch import Batch, BatchAllocr, BatchError, Ubatch, output_order
+from reference.common import LlamarefError
 from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
 from reference.memory import LLAMA_MAX_SEQ, KVCache, n_ctx_seq
 from reference.memory.recurrent import RecurrentMemory
@@ -70,7 +71,7 @@ from reference.models.mamba import mamba_forward
 
 
 # --8<-- [start:ContextError]
-class ContextError(ValueError):
+class ContextError(LlamarefError, ValueError):
     """A bad context parameter, or a request for outputs the context does not hold.
 
     Raised before anything changes.
@@ -100,7 +101,7 @@ class PerfContextData:
             builds no graph and leaves it at 0; the MLX twin counts its compiled graphs.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.batch import Batch
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
@@ -136,7 +137,7 @@ def is_recurrent(hparams: LlamaHParams | MambaHParams) -> bool:
     """Whether the model keeps recurrent states instead of a KV cache (``llm_arch_is_recurrent``).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, tiny_mamba_hparams
+        >>> from reference.testing import tiny_hparams, tiny_mamba_hparams
         >>> is_recurrent(tiny_hparams()), is_recurrent(tiny_mamba_hparams("mamba2"))
         (False, True)
     """
@@ -230,7 +231,7 @@ class Context:
         ContextError: a bad size (:func:`context_sizes`).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), n_ctx=64, n_seq_max=2)
         >>> ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, ctx.n_seq_max
@@ -239,7 +240,7 @@ class Context:
         0
         >>> ctx.get_logits().shape, ctx.memory.seq_pos_max(0)
         ((2, 32), 2)
-        >>> from tests.tiny_models import tiny_mamba_hparams, random_mamba_weights
+        >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
         >>> mp = tiny_mamba_hparams("mamba2")
         >>> rctx = Context(mp, random_mamba_weights(mp), n_ctx=64, n_seq_max=3)
         >>> type(rctx.memory).__name__, rctx.memory.get_size()
@@ -414,7 +415,7 @@ class Context:
                 nothing changed.
 
         Examples:
-            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> from reference.testing import tiny_hparams, random_weights
             >>> hp = tiny_hparams()
             >>> ctx = Context(hp, random_weights(hp), n_ctx=256, n_seq_max=2)
             >>> ctx.decode(Batch(token=[1, 2, 3, 4], seq_id=[[0], [1], [0], [1]]))
@@ -558,7 +559,7 @@ class Context:
         Only decodes that returned 0 count (their time from validation to the last output).
 
         Examples:
-            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> from reference.testing import tiny_hparams, random_weights
             >>> hp = tiny_hparams()
             >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
             >>> ctx.decode(Batch(token=[1, 2, 3])), ctx.decode(Batch(token=[4]))
@@ -615,7 +616,7 @@ class Context:
                 (llama.cpp logs the same reasons and returns NULL).
 
         Examples:
-            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> from reference.testing import tiny_hparams, random_weights
             >>> hp = tiny_hparams()
             >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
             >>> ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True]))
@@ -752,7 +753,7 @@ def context_shift(ctx_or_memory: Context | KVCache, seq_id: int, n_keep: int,
         KVCacheError: ``seq_id`` out of the memory's range (before any change).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
         >>> ctx.decode(Batch(token=list(range(10))))

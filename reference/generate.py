@@ -28,12 +28,8 @@ template, tokenizes it, and compares it with the tokens already in the cache: on
 suffix is decoded (``seq_rm`` drops whatever differs, e.g. a reply the template re-renders
 differently). Turn $n$ then costs the new user message, not the whole history.
 
-The backends: ``reference`` runs :class:`reference.context.Context` on float32 weights
-(quantized tensors are dequantized once at load, to the values the forward would compute
-each time); ``accelerated`` runs :class:`accelerated.context.Context` on MLX (Q4_0, Q4_1,
-Q8_0 stay quantized); ``auto`` picks ``accelerated`` when MLX's default device is a GPU
-(Metal on a Mac, CUDA) and ``reference`` otherwise (MLX's CPU backend with its bundled
-reference BLAS is slower than NumPy).
+The loop is written once against the Context protocol: either twin's Context runs it. Which
+twin runs it is the application's choice (:mod:`llamaref.backends`).
 """
 
 from __future__ import annotations
@@ -43,131 +39,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from reference.batch import Batch
-from reference.context import Context, ContextError, context_shift, is_recurrent
-
-BACKENDS = ("auto", "accelerated", "reference")
+from reference.common import LlamarefError
+from reference.context import Context, ContextError, context_shift
 
 #: ``llama-completion`` keeps 4 cells free: a prompt longer than ``n_ctx - 4`` is refused here.
 N_CTX_MARGIN = 4
 
 
-class GenerateError(ValueError):
+class GenerateError(LlamarefError, ValueError):
     """A generation that cannot go on: a prompt that does not fit, a failed decode."""
-
-
-# --8<-- [start:pick_backend]
-def pick_backend(name: str, hparams) -> str:
-    """The backend that ``--backend name`` means for this model and machine.
-
-    ``auto`` is ``accelerated`` when MLX is importable, its default device is a GPU, and the
-    model is not recurrent (the accelerated Context runs llama / qwen2 only); otherwise
-    ``reference``.
-
-    Raises:
-        GenerateError: an unknown name, or ``accelerated`` for a recurrent (Mamba) model.
-
-    Examples:
-        >>> from tests.tiny_models import tiny_hparams, tiny_mamba_hparams
-        >>> pick_backend("reference", tiny_hparams())
-        'reference'
-        >>> pick_backend("accelerated", tiny_mamba_hparams("mamba"))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        reference.generate.GenerateError: --backend accelerated runs llama/qwen2 models; ...
-    """
-    if name not in BACKENDS:
-        raise GenerateError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "accelerated" and is_recurrent(hparams):
-        raise GenerateError(f"--backend accelerated runs llama/qwen2 models; {hparams.arch!r} "
-                            "is recurrent: use --backend reference")
-    if name != "auto":
-        return name
-    if is_recurrent(hparams) or not mlx_has_gpu():
-        return "reference"
-    return "accelerated"
-# --8<-- [end:pick_backend]
-
-
-def mlx_has_gpu() -> bool:
-    """Whether MLX is installed and its default device is a GPU (Metal or CUDA)."""
-    try:
-        import mlx.core as mx
-    except ImportError:
-        return False
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
-# --8<-- [start:prepare_weights]
-def prepare_weights(weights: dict, backend: str,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
-    """The weights as ``backend``'s Context wants them, converted once, tensor by tensor.
-
-    ``reference``: every tensor a float32 array (quantized ones dequantized, the values the
-    forward computes with); ``accelerated``: :func:`accelerated.models.llama.prepare_weights`
-    (Q4_0 / Q4_1 / Q8_0 stay packed).
-
-    Args:
-        weights: GGUF-named weights from :func:`reference.model.load_model`.
-        backend: ``"reference"`` or ``"accelerated"``.
-        progress: called with ``(tensors done, tensors in all)`` after each tensor.
-
-    Examples:
-        >>> w = prepare_weights({"a": np.ones(2, np.float16)}, "reference")
-        >>> w["a"].dtype
-        dtype('float32')
-    """
-    if backend == "accelerated":
-        from accelerated.models.llama import prepare_weights as prepare_one
-    else:
-        def prepare_one(w):
-            return {name: _dense(t) for name, t in w.items()}
-    out = {}
-    for i, (name, t) in enumerate(weights.items()):
-        out.update(prepare_one({name: t}))
-        if progress is not None:
-            progress(i + 1, len(weights))
-    return out
-# --8<-- [end:prepare_weights]
-
-
-def _dense(t) -> np.ndarray:
-    if hasattr(t, "dequantize"):
-        return t.dequantize().astype(np.float32, copy=False)
-    t = np.asarray(t)
-    return t.astype(np.float32) if np.issubdtype(t.dtype, np.floating) else t
-
-
-def make_context(backend: str, hparams, weights: dict, **kwargs) -> Context:
-    """A Context of ``backend`` (``reference`` or ``accelerated``) on prepared weights."""
-    if backend == "accelerated":
-        from accelerated.context import Context as AcceleratedContext
-
-        return AcceleratedContext(hparams, weights, **kwargs)
-    return Context(hparams, weights, **kwargs)
-
-
-def make_sampler(
-    backend: str, params: Any, n_vocab: int, tokenizer: Any = None
-) -> tuple[Any, bool]:
-    """``SamplerChain.from_params`` of ``backend``'s sampling module.
-
-    Returns:
-        ``(sampler, on_device)``: ``on_device`` is True when the sampler is the MLX twin,
-        which takes the logits as an ``mx.array`` without a copy to the host.
-    """
-    if backend == "accelerated":
-        try:
-            from accelerated.sampling import SamplerChain
-        except ImportError:  # the NumPy chain: same draws, logits copied to the host
-            pass
-        else:
-            return SamplerChain.from_params(params, n_vocab, tokenizer=tokenizer), True
-    from reference.sampling import SamplerChain
-
-    return SamplerChain.from_params(params, n_vocab, tokenizer=tokenizer), False
 
 
 def eog_tokens(tokenizer) -> list[int]:
@@ -250,7 +131,7 @@ class Generator:
             ``p``); ``len(tokens)`` is llama.cpp's ``n_past``.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> class Greedy:
         ...     def sample(self, logits): return int(np.argmax(logits))
@@ -373,7 +254,7 @@ class Generator:
         least one token is always left to decode, so that its logits are fresh.
 
         Examples:
-            >>> from tests.tiny_models import tiny_hparams, random_weights
+            >>> from reference.testing import tiny_hparams, random_weights
             >>> hp = tiny_hparams()
             >>> class S:
             ...     def accept(self, t): pass
@@ -459,16 +340,10 @@ class ChatSession:
 
 
 __all__ = [
-    "BACKENDS",
     "ChatSession",
     "ContextError",
     "GenerateError",
     "Generator",
     "Perf",
     "eog_tokens",
-    "make_context",
-    "make_sampler",
-    "mlx_has_gpu",
-    "pick_backend",
-    "prepare_weights",
 ]

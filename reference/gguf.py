@@ -67,6 +67,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
+from reference.common import LlamarefError
+
 if TYPE_CHECKING:
     from reference.hparams import LlamaHParams
     from reference.quants import QuantizedTensor
@@ -117,7 +119,7 @@ GGUF_MIN_ITEM_SIZE = {
 
 
 # --8<-- [start:GGUFError]
-class GGUFError(ValueError):
+class GGUFError(LlamarefError, ValueError):
     """A GGUF file (or a request to write one) that is malformed or not supported.
 
     The message says what is wrong and where: the byte offset, the key or the tensor name.

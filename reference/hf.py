@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import DTypeLike
 
+from reference.common import LlamarefError
 from reference.hparams import (
     ROPE_SCALING_TYPE_LINEAR,
     ROPE_SCALING_TYPE_YARN,
@@ -52,7 +53,7 @@ from reference.hparams import (
 )
 
 
-class HFLoadError(ValueError):
+class HFLoadError(LlamarefError, ValueError):
     """A HF checkpoint folder cannot be loaded (missing file, unsupported config, bad tensor)."""
 
 

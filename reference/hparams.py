@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from reference.common import LlamarefError
 from reference.gguf import GGUFError
 from reference.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM  # noqa: F401  (re-exported)
 
@@ -83,7 +84,39 @@ ROPE_SCALING_TYPE_NAMES = {  # LLAMA_ROPE_SCALING_TYPES in src/llama-model.cpp (
 }
 
 
-class HParamsError(ValueError):
+# --8<-- [start:is_masked_swa]
+def is_masked_swa(n_swa: int, swa_type: int, p0: int, p1: int) -> bool:
+    """Whether a cell at position ``p0`` is outside the sliding window of a token at ``p1``.
+
+    Mirrors ``llama_hparams::is_masked_swa``. ``SWA_TYPE_STANDARD`` (Mistral) masks when
+    ``p1 - p0 >= n_swa``, so a token sees itself and the ``n_swa - 1`` positions before it.
+
+    Args:
+        n_swa: window size (``hparams.n_swa``).
+        swa_type: one of ``SWA_TYPE_*`` from :mod:`reference.hparams`.
+        p0: position of the key (the cell).
+        p1: position of the query (the token).
+
+    Returns:
+        True when the window hides the cell from the token.
+
+    Examples:
+        >>> is_masked_swa(4, SWA_TYPE_STANDARD, 6, 9), is_masked_swa(4, SWA_TYPE_STANDARD, 5, 9)
+        (False, True)
+        >>> is_masked_swa(4, SWA_TYPE_NONE, 0, 100)
+        False
+    """
+    if swa_type == SWA_TYPE_STANDARD:
+        return p1 - p0 >= n_swa
+    if swa_type == SWA_TYPE_CHUNKED:
+        return p0 < (p1 // n_swa) * n_swa
+    if swa_type == SWA_TYPE_SYMMETRIC:
+        return abs(p1 - p0) > n_swa // 2
+    return False
+# --8<-- [end:is_masked_swa]
+
+
+class HParamsError(LlamarefError, ValueError):
     """Hyperparameters that cannot describe a model (a head count that does not divide, ...)."""
 
 
@@ -198,6 +231,47 @@ class LlamaHParams:
     def n_embd_v_gqa(self) -> int:
         """Width of all value heads of one token: ``n_embd_head_v * n_head_kv``."""
         return self.n_embd_head_v * self.n_head_kv
+
+
+# --8<-- [start:rope_cparams]
+def rope_cparams(hparams: LlamaHParams) -> dict:
+    r"""The keyword arguments of ``rope_ext`` for this model, as ``llama_context`` derives them.
+
+    Mirrors the constructor of ``llama_context`` (``cparams``): no scaling type means
+    ``freq_scale = 1``; a negative ``yarn_ext_factor`` means 1 for YaRN and 0 otherwise;
+    with YaRN the attention factor is reset so that ``rope_ext``'s own
+    $1 + 0.1 \ln(1/s)$ magnitude correction is the only one applied; ``n_ctx_orig`` is
+    ``n_ctx_orig_yarn``, or ``n_ctx_train`` when that is 0.
+
+    Examples:
+        >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=64, n_embd=8, n_layer=1,
+        ...     n_head=2, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=16,
+        ...     f_norm_rms_eps=1e-5, rope_freq_scale_train=0.5)
+        >>> p = rope_cparams(hp)
+        >>> p["freq_scale"], p["ext_factor"], p["n_ctx_orig"], p["n_dims"]
+        (1.0, 0.0, 64, 4)
+    """
+    scaling = hparams.rope_scaling_type_train
+    freq_scale = 1.0 if scaling == ROPE_SCALING_TYPE_NONE else hparams.rope_freq_scale_train
+    ext_factor = hparams.yarn_ext_factor
+    if ext_factor < 0.0:  # negative means "not set"
+        ext_factor = 1.0 if scaling == ROPE_SCALING_TYPE_YARN else 0.0
+    attn_factor = hparams.yarn_attn_factor
+    if ext_factor != 0.0:
+        # get_mscale(factor, 1) / (1 + 0.1 ln factor) == 1: rope_ext applies the correction
+        attn_factor = 1.0
+    return dict(
+        n_dims=hparams.n_rot,
+        mode=hparams.rope_type,
+        n_ctx_orig=hparams.n_ctx_orig_yarn or hparams.n_ctx_train,
+        freq_base=hparams.rope_freq_base_train,
+        freq_scale=freq_scale,
+        ext_factor=ext_factor,
+        attn_factor=attn_factor,
+        beta_fast=hparams.yarn_beta_fast,
+        beta_slow=hparams.yarn_beta_slow,
+    )
+# --8<-- [end:rope_cparams]
 
 
 _REQUIRED = object()

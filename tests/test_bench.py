@@ -18,8 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.batch import Batch
-from reference.bench import (
+from llamaref.bench import (
     BenchRow,
     ContextRunner,
     MLXLMRunner,
@@ -29,7 +28,8 @@ from reference.bench import (
     profile_ops,
     random_tokens,
 )
-from reference.cli import main
+from llamaref.cli import main
+from reference.batch import Batch
 from tests.tiny_models import nmse, random_weights, tiny_hparams, write_tiny_gguf
 
 seconds = st.lists(st.floats(1e-4, 1e3), min_size=1, max_size=9).map(tuple)
@@ -199,7 +199,7 @@ def test_the_peer_on_a_tiny_model_is_our_model(tied):
 @pytest.fixture(scope="module")
 def smollm2():
     """SmolLM2's weights, and the reference's logits of a short prompt (dequantized once)."""
-    from reference.bench import dense_weights
+    from llamaref.bench import dense_weights
     from reference.context import Context as RefContext
     from reference.model import load_model
     from tests.test_smollm2 import smollm2_path
@@ -222,7 +222,7 @@ def test_the_peer_on_smollm2_is_our_model_same_weights_same_precision(smollm2, m
     of the reference (float32 on the dequantized weights): NMSE far below the 5e-4 of an
     attention op, same argmax; and both runners' ``tg`` generate the same greedy tokens."""
     from accelerated.context import Context as AccContext
-    from reference.bench import twin_kwargs
+    from llamaref.bench import twin_kwargs
 
     hp, w, ref_logits = smollm2
     model = mlx_lm_model(hp, w, matmul)

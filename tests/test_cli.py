@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from reference.cli import main
+from llamaref.cli import main
 from tests.tiny_models import random_weights, tiny_hparams, write_tiny_gguf
 
 
@@ -44,7 +44,7 @@ def test_the_console_script_runs_on_the_default_model():
 
     smollm2_path()  # skips when the default model is not installed
     run = subprocess.run(
-        [sys.executable, "-m", "reference.cli", "info"], capture_output=True, text=True
+        [sys.executable, "-m", "llamaref.cli", "info"], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in run.stdout
@@ -187,7 +187,7 @@ def test_every_command_has_help(capsys, command):
 
 
 def test_escapes_are_llama_cpps():
-    from reference.cli import process_escapes
+    from llamaref.cli import process_escapes
 
     assert process_escapes(r"a\nb\tc\\d\x41\q\x4") == "a\nb\tc\\dA\\q\\x4"
     assert process_escapes(r"\xc3\xa9") == "é"

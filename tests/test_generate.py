@@ -19,10 +19,11 @@ import sys
 import numpy as np
 import pytest
 
+from llamaref.backends import pick_backend, prepare_weights
+from llamaref.cli import main
 from reference.batch import Batch
-from reference.cli import main
 from reference.context import Context
-from reference.generate import ChatSession, Generator, Perf, pick_backend, prepare_weights
+from reference.generate import ChatSession, Generator, Perf
 from tests.test_smollm2 import smollm2_path
 from tests.tiny_models import random_weights, tiny_hparams
 
@@ -248,7 +249,7 @@ def test_a_prompt_longer_than_the_context_is_one_line_error(tiny_smol, capsys):
 # ---- chat ------------------------------------------------------------------------------------
 
 def test_a_chat_turn_decodes_only_the_new_suffix(tiny_smol):
-    from reference.generate import make_sampler
+    from llamaref.backends import make_sampler
     from reference.model import load_model
     from reference.sampling import SamplerParams
     from reference.tokenizer import load_tokenizer

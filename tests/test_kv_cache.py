@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference.batch import Ubatch
-from reference.hparams import SWA_TYPE_CHUNKED, SWA_TYPE_STANDARD, SWA_TYPE_SYMMETRIC
+from reference.hparams import (
+    SWA_TYPE_CHUNKED,
+    SWA_TYPE_STANDARD,
+    SWA_TYPE_SYMMETRIC,
+    is_masked_swa,
+    rope_cparams,
+)
 from reference.memory import (
     KVCache,
     KVCacheError,
@@ -20,8 +26,7 @@ from reference.memory import (
     n_ctx_seq,
     pos_div_shift_llamacpp,
 )
-from reference.models.llama import llama_forward, rope_cparams
-from reference.models.simple_cache import is_masked_swa
+from reference.models.llama import llama_forward
 from reference.ops import rope_ext
 from tests.tiny_models import random_weights, tiny_hparams
 

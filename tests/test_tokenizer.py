@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from reference.cli import default_model_path
+from reference.model import default_model_path
 from reference.tokenizer import (
     StreamDecoder,
     Tokenizer,

@@ -206,8 +206,7 @@ N_GREEDY_QUANTIZED = 8  # the quantized formulation, a shorter continuation
 
 
 def test_smollm2_q4_1_greedy_equals_the_reference_in_both_matmul_formulations():
-    from reference.cli import default_model_path
-    from reference.model import load_model
+    from reference.model import default_model_path, load_model
 
     hp, weights = load_model(default_model_path())
     quantized = prepare_weights(weights, "quantized")

@@ -131,12 +131,12 @@ def test_packing_order_matches_mx_quantize():
 
 @pytest.fixture(scope="module")
 def smollm2_tensors() -> dict[str, QuantizedTensor]:
-    from reference.cli import CLIError, default_model_path
     from reference.gguf import read_gguf
+    from reference.model import ModelLoadError, default_model_path
 
     try:
         path = default_model_path()
-    except CLIError as e:
+    except ModelLoadError as e:
         pytest.skip(str(e))
     tensors = read_gguf(path).tensors
     return {n: t for n, t in tensors.items() if isinstance(t, QuantizedTensor)}

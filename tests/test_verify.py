@@ -1,4 +1,4 @@
-"""``llamaref verify`` (:mod:`reference.verify`): it passes on sound models, and it fails
+"""``llamaref verify`` (:mod:`llamaref.verify`): it passes on sound models, and it fails
 when a twin is wrong.
 
 - SmolLM2 (Q4_1): every check passes, llama.cpp included, in well under a minute;
@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from reference.cli import main
-from reference.verify import nmse, run_verify
+from llamaref.cli import main
+from llamaref.verify import nmse, run_verify
 from tests.test_smollm2 import smollm2_path
 from tests.tiny_models import (
     random_mamba_weights,

@@ -90,8 +90,8 @@ def build_rope_shift(
         The turned keys, same shape.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
-        >>> from reference.models.llama import rope_cparams
+        >>> from reference.testing import tiny_hparams
+        >>> from reference.hparams import rope_cparams
         >>> hp = tiny_hparams(n_embd=8, n_head=2, n_head_kv=1)
         >>> k = np.random.default_rng(0).normal(size=(1, 1, 4)).astype(np.float32)
         >>> kp = rope_ext(k, np.array([3]), **rope_cparams(hp))
@@ -116,7 +116,7 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
     cache's list; ``get_k``/``get_v`` are MLX slices (lazy).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> from reference.batch import Batch, BatchAllocr
         >>> hp = tiny_hparams()
         >>> cache = KVCache(hp, kv_size=16)
@@ -252,7 +252,7 @@ class KVCache(ref.KVCache):
     the same shapes (dtype by :func:`mx_dtype`). Every bookkeeping method is inherited.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> cache = KVCache(tiny_hparams(), kv_size=16, n_seq_max=2, kv_unified=False)
         >>> cache.k_l[0].shape, cache.k_l[0].dtype, cache.get_n_stream()
         ((2, 16, 8), mlx.core.float32, 2)

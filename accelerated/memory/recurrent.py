@@ -216,7 +216,7 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
     """Twin of :func:`reference.memory.recurrent.state_write`. The reference on host rows.
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams
+        >>> from reference.testing import tiny_mamba_hparams
         >>> hp = tiny_mamba_hparams("mamba")
         >>> state_write(RecurrentMemory(hp, mem_size=1), hp)[:4]
         b'LRRS'

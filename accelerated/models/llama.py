@@ -556,7 +556,7 @@ def llama_forward(
         LlamaForwardError: as the reference (arch, tokens/embd, ranges, shapes).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> from accelerated.memory import KVCache
         >>> hp = tiny_hparams(n_layer=1)
         >>> w = prepare_weights(random_weights(hp, seed=0))
@@ -586,7 +586,7 @@ def greedy(
     argmax is taken on the host after each step.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.models.llama import greedy as ref_greedy
         >>> hp = tiny_hparams(n_layer=1)
         >>> w = random_weights(hp, seed=0)

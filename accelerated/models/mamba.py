@@ -55,7 +55,7 @@ def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: ob
     twin computes in float32.
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams, random_mamba_weights
+        >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
         >>> hp = tiny_mamba_hparams("mamba2", n_group=2)
         >>> layer = mamba_layer_weights(random_mamba_weights(hp), 0, hp, np.float32)
         >>> layer["ssm_a"].shape, layer["ssm_norm"].shape, layer["ssm_x"]
@@ -275,7 +275,7 @@ def mamba_forward(
     :func:`prepare_weights` to convert the weights once.
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams, random_mamba_weights
+        >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
         >>> hp = tiny_mamba_hparams("mamba")
         >>> w = prepare_weights(random_mamba_weights(hp, seed=0))
         >>> state = SimpleRecurrentState(hp, n_seqs=2)
@@ -324,7 +324,7 @@ class SimpleRecurrentState:
     ubatch, so the graph never grows beyond one ubatch. ``dtype`` is an MLX dtype.
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams
+        >>> from reference.testing import tiny_mamba_hparams
         >>> hp = tiny_mamba_hparams("mamba2")
         >>> state = SimpleRecurrentState(hp, n_seqs=2)
         >>> state.get_r(0).shape == (2, hp.n_embd_r()), state.get_s(1).shape == (2, hp.n_embd_s())

@@ -40,17 +40,14 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.hparams import SWA_TYPE_NONE, LlamaHParams
-from reference.memory.kv_cells import LLAMA_MAX_SEQ, KVCells
-from reference.models.llama import rope_cparams
-from reference.models.simple_cache import is_masked_swa
+from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
+from reference.hparams import SWA_TYPE_NONE, LlamaHParams, is_masked_swa, rope_cparams
+from reference.memory.kv_cells import KVCells
 from reference.ops import rope_ext, set_rows
-
-POS_INF = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
 
 
 # --8<-- [start:KVCacheError]
-class KVCacheError(ValueError):
+class KVCacheError(LlamarefError, ValueError):
     """An invalid call to the KV cache (a sequence id out of range, ``d < 1``, ...).
 
     Raised before anything changes; llama.cpp aborts (``GGML_ASSERT``) in these cases.
@@ -162,7 +159,7 @@ def k_shift_rope_params(hparams: LlamaHParams) -> dict:
     forward's ``attn_factor`` and so scales the keys by $m$ at every K-shift (a divergence).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> k_shift_rope_params(tiny_hparams())["attn_factor"]
         1.0
     """
@@ -194,7 +191,7 @@ def build_rope_shift(
         The turned keys, same shape and dtype.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_embd=8, n_head=2, n_head_kv=1)
         >>> k = np.random.default_rng(0).normal(size=(1, 1, 4))
         >>> kp = rope_ext(k, np.array([3]), **rope_cparams(hp))
@@ -356,7 +353,7 @@ class KVCache:
             ``[1, LLAMA_MAX_SEQ]``.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> cache = KVCache(tiny_hparams(), kv_size=8, n_seq_max=2)
         >>> cache.k_l[0].shape, cache.get_n_stream(), cache.seq_pos_max(0)
         ((1, 8, 8), 1, -1)

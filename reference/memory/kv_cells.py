@@ -28,10 +28,6 @@ wrong way after ``seq_div`` (see :func:`pos_div_shift_llamacpp` and the K-shift 
 
 from __future__ import annotations
 
-# --8<-- [start:LLAMA_MAX_SEQ]
-LLAMA_MAX_SEQ = 256  # llama.h: the largest number of sequences a context can hold
-# --8<-- [end:LLAMA_MAX_SEQ]
-
 
 # --8<-- [start:pos_div_shift]
 def pos_div_shift(p_old: int, d: int) -> int:

@@ -80,7 +80,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from reference.batch import Ubatch
-from reference.memory.kv_cells import LLAMA_MAX_SEQ
+from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
 from reference.memory.state import (
     DTYPE_OF_GGML_TYPE,
     FILE_MAGIC,
@@ -97,8 +97,6 @@ from reference.memory.state import (
     write_layer_rows,
 )
 
-POS_INF = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
-
 # --8<-- [start:constants]
 RS_STATE_MAGIC = b"LRRS"  # a recurrent memory blob
 RS_STATE_VERSION = 1
@@ -106,7 +104,7 @@ RS_STATE_VERSION = 1
 
 
 # --8<-- [start:RecurrentMemoryError]
-class RecurrentMemoryError(ValueError):
+class RecurrentMemoryError(LlamarefError, ValueError):
     """An invalid call to the recurrent memory (a sequence id out of range, ``d < 1``, ...).
 
     Raised before anything changes.

@@ -69,10 +69,10 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from reference.batch import Ubatch
-from reference.hparams import LlamaHParams
+from reference.common import DTYPE_OF_GGML_TYPE, GGML_TYPE_OF_DTYPE, LlamarefError
+from reference.hparams import LlamaHParams, is_masked_swa
 from reference.memory.kv_cache import KVCache
 from reference.memory.kv_cells import KVCells
-from reference.models.simple_cache import is_masked_swa
 
 # --8<-- [start:constants]
 STATE_MAGIC = b"LRKV"  # a memory blob (llama.cpp has no magic for it)
@@ -82,22 +82,11 @@ CONTEXT_VERSION = 1
 FILE_MAGIC = b"LRSF"  # a state file: tokens + a memory blob (llama.cpp: 'ggsn' / 'ggsq')
 FILE_VERSION = 1
 CHECKSUM_SIZE = 32  # SHA-256
-
-# ggml type ids (ggml.h) of the cache dtypes this reference supports
-GGML_TYPE_F32 = 0
-GGML_TYPE_F16 = 1
-GGML_TYPE_F64 = 28
-GGML_TYPE_OF_DTYPE = {
-    np.dtype(np.float32): GGML_TYPE_F32,
-    np.dtype(np.float16): GGML_TYPE_F16,
-    np.dtype(np.float64): GGML_TYPE_F64,
-}
-DTYPE_OF_GGML_TYPE = {t: d for d, t in GGML_TYPE_OF_DTYPE.items()}
 # --8<-- [end:constants]
 
 
 # --8<-- [start:StateError]
-class StateError(ValueError):
+class StateError(LlamarefError, ValueError):
     """A state blob or file that cannot be restored into this memory.
 
     The message says what is wrong: bad magic, unknown version, truncated, checksum
@@ -184,7 +173,7 @@ def hparams_fingerprint(hparams: LlamaHParams) -> bytes:
 
     Examples:
         >>> import dataclasses
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams()
         >>> len(hparams_fingerprint(hp)), hparams_fingerprint(hp) == hparams_fingerprint(hp)
         (32, True)
@@ -295,7 +284,7 @@ def state_cells(memory: KVCache, stream: int, seq_id: int) -> list[int]:
         Cell indices, ascending.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> cache = KVCache(tiny_hparams(n_swa=2), kv_size=8)
         >>> for i in range(4):
         ...     cache.v_cells[0].pos_set(i, i); cache.v_cells[0].seq_add(i, 0)
@@ -416,7 +405,7 @@ def state_write(memory: KVCache, hparams: LlamaHParams, seq_id: int = -1) -> byt
             dtype with no ggml type.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> cache = KVCache(hp, kv_size=8)
         >>> blob = state_write(cache, hp)
@@ -499,7 +488,7 @@ def state_parse(data: bytes) -> KVState:
             header, bytes left over.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> state_parse(state_write(KVCache(hp, kv_size=8), hp)).streams[0].cell_count
         0
@@ -713,7 +702,7 @@ def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id:
             the sequence). The memory is then exactly as before the call.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> a, b = KVCache(hp, kv_size=8, n_seq_max=2), KVCache(hp, kv_size=8, n_seq_max=2)
         >>> a.v_cells[0].pos_set(3, 7); a.v_cells[0].seq_add(3, 1); a.k_l[0][0, 3] = 1.0
@@ -825,7 +814,7 @@ def state_load_file(
 
     Examples:
         >>> import tempfile, pathlib
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> cache = KVCache(hp, kv_size=8)
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "s.bin"
@@ -926,7 +915,7 @@ def context_state_read(
         StateError: any refusal (memory unchanged).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> cache = KVCache(hp, kv_size=8)
         >>> blob = context_state_write(cache, hp, np.ones((1, hp.n_vocab), np.float32), [0])

@@ -46,13 +46,14 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.hparams import ROPE_SCALING_TYPE_NONE, ROPE_SCALING_TYPE_YARN, LlamaHParams
+from reference.common import LlamarefError
+from reference.hparams import LlamaHParams, rope_cparams
 from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, rope_ext, swiglu
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
 
-class LlamaForwardError(ValueError):
+class LlamaForwardError(LlamarefError, ValueError):
     """The inputs of a forward pass are invalid (unknown arch, token out of range, ...)."""
 
 
@@ -176,45 +177,6 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
 # --8<-- [end:layer_weights]
 
 
-# --8<-- [start:rope_cparams]
-def rope_cparams(hparams: LlamaHParams) -> dict:
-    r"""The keyword arguments of ``rope_ext`` for this model, as ``llama_context`` derives them.
-
-    Mirrors the constructor of ``llama_context`` (``cparams``): no scaling type means
-    ``freq_scale = 1``; a negative ``yarn_ext_factor`` means 1 for YaRN and 0 otherwise;
-    with YaRN the attention factor is reset so that ``rope_ext``'s own
-    $1 + 0.1 \ln(1/s)$ magnitude correction is the only one applied; ``n_ctx_orig`` is
-    ``n_ctx_orig_yarn``, or ``n_ctx_train`` when that is 0.
-
-    Examples:
-        >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=64, n_embd=8, n_layer=1,
-        ...     n_head=2, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=16,
-        ...     f_norm_rms_eps=1e-5, rope_freq_scale_train=0.5)
-        >>> p = rope_cparams(hp)
-        >>> p["freq_scale"], p["ext_factor"], p["n_ctx_orig"], p["n_dims"]
-        (1.0, 0.0, 64, 4)
-    """
-    scaling = hparams.rope_scaling_type_train
-    freq_scale = 1.0 if scaling == ROPE_SCALING_TYPE_NONE else hparams.rope_freq_scale_train
-    ext_factor = hparams.yarn_ext_factor
-    if ext_factor < 0.0:  # negative means "not set"
-        ext_factor = 1.0 if scaling == ROPE_SCALING_TYPE_YARN else 0.0
-    attn_factor = hparams.yarn_attn_factor
-    if ext_factor != 0.0:
-        # get_mscale(factor, 1) / (1 + 0.1 ln factor) == 1: rope_ext applies the correction
-        attn_factor = 1.0
-    return dict(
-        n_dims=hparams.n_rot,
-        mode=hparams.rope_type,
-        n_ctx_orig=hparams.n_ctx_orig_yarn or hparams.n_ctx_train,
-        freq_base=hparams.rope_freq_base_train,
-        freq_scale=freq_scale,
-        ext_factor=ext_factor,
-        attn_factor=attn_factor,
-        beta_fast=hparams.yarn_beta_fast,
-        beta_slow=hparams.yarn_beta_slow,
-    )
-# --8<-- [end:rope_cparams]
 
 
 # --8<-- [start:build_norm]
@@ -472,7 +434,7 @@ def check_forward_inputs(
             another length, or ``out_ids`` out of range.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> check_forward_inputs(tiny_hparams(), [3, 4], [0, 1], None, None)[2]
         array([0, 1])
     """
@@ -538,7 +500,7 @@ def llama_forward(
             another length, or ``out_ids`` out of range.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.models.simple_cache import SimpleKVCache
         >>> hp = tiny_hparams(n_layer=1)
         >>> w = random_weights(hp, seed=0)
@@ -580,7 +542,7 @@ def greedy(
         The generated token ids (without the prompt).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams(n_layer=1)
         >>> len(greedy(random_weights(hp, seed=0), hp, [1], n_predict=5))
         5

@@ -57,12 +57,13 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import DTypeLike
 
+from reference.common import LlamarefError
 from reference.hparams import MAMBA_ARCHS, MambaHParams
 from reference.models.llama import build_norm, get_weight, model_dtype
 from reference.ops import add, get_rows, mul, mul_mat, rms_norm, silu, ssm_conv, ssm_scan, swiglu
 
 
-class MambaForwardError(ValueError):
+class MambaForwardError(LlamarefError, ValueError):
     """The inputs of a Mamba forward pass are invalid (token out of range, uneven sets, ...)."""
 
 
@@ -142,7 +143,7 @@ def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: DT
         reference.models.llama.LlamaForwardError: a required weight is missing.
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams, random_mamba_weights
+        >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
         >>> hp = tiny_mamba_hparams("mamba2", n_group=2)
         >>> layer = mamba_layer_weights(random_mamba_weights(hp), 0, hp, np.float32)
         >>> layer["ssm_a"].shape, layer["ssm_norm"].shape, layer["ssm_x"]
@@ -460,7 +461,7 @@ def mamba_forward(
             ``n_seqs`` (unequal sets), a token id out of range, ``out_ids`` out of range.
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams, random_mamba_weights
+        >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
         >>> hp = tiny_mamba_hparams("mamba")
         >>> w = random_mamba_weights(hp, seed=0)
         >>> state = SimpleRecurrentState(hp, n_seqs=2)
@@ -516,7 +517,7 @@ class SimpleRecurrentState:
         dtype: dtype of the stored states (float32 as llama.cpp's ``r_l``/``s_l``).
 
     Examples:
-        >>> from tests.tiny_models import tiny_mamba_hparams
+        >>> from reference.testing import tiny_mamba_hparams
         >>> hp = tiny_mamba_hparams("mamba2")
         >>> state = SimpleRecurrentState(hp, n_seqs=2)
         >>> state.get_r(0).shape == (2, hp.n_embd_r()), state.get_s(1).shape == (2, hp.n_embd_s())

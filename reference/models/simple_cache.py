@@ -33,50 +33,15 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.hparams import (
-    SWA_TYPE_CHUNKED,
-    SWA_TYPE_NONE,
-    SWA_TYPE_STANDARD,
-    SWA_TYPE_SYMMETRIC,
-    LlamaHParams,
-)
+from reference.common import LlamarefError
+from reference.hparams import SWA_TYPE_NONE, LlamaHParams, is_masked_swa
 from reference.ops import set_rows
 
 
-class KVCacheError(ValueError):
+class KVCacheError(LlamarefError, ValueError):
     """A ubatch does not fit the simple cache (wrong positions, or out of cells)."""
 
 
-# --8<-- [start:is_masked_swa]
-def is_masked_swa(n_swa: int, swa_type: int, p0: int, p1: int) -> bool:
-    """Whether a cell at position ``p0`` is outside the sliding window of a token at ``p1``.
-
-    Mirrors ``llama_hparams::is_masked_swa``. ``SWA_TYPE_STANDARD`` (Mistral) masks when
-    ``p1 - p0 >= n_swa``, so a token sees itself and the ``n_swa - 1`` positions before it.
-
-    Args:
-        n_swa: window size (``hparams.n_swa``).
-        swa_type: one of ``SWA_TYPE_*`` from :mod:`reference.hparams`.
-        p0: position of the key (the cell).
-        p1: position of the query (the token).
-
-    Returns:
-        True when the window hides the cell from the token.
-
-    Examples:
-        >>> is_masked_swa(4, SWA_TYPE_STANDARD, 6, 9), is_masked_swa(4, SWA_TYPE_STANDARD, 5, 9)
-        (False, True)
-        >>> is_masked_swa(4, SWA_TYPE_NONE, 0, 100)
-        False
-    """
-    if swa_type == SWA_TYPE_STANDARD:
-        return p1 - p0 >= n_swa
-    if swa_type == SWA_TYPE_CHUNKED:
-        return p0 < (p1 // n_swa) * n_swa
-    if swa_type == SWA_TYPE_SYMMETRIC:
-        return abs(p1 - p0) > n_swa // 2
-    return False
-# --8<-- [end:is_masked_swa]
 
 
 # --8<-- [start:build_kq_mask]

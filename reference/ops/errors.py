@@ -10,9 +10,11 @@ exception a Python reader expects (``ValueError`` for shapes, ``IndexError`` for
 
 from __future__ import annotations
 
+from reference.common import LlamarefError
+
 
 # --8<-- [start:errors]
-class OpError(Exception):
+class OpError(LlamarefError):
     """Base class of every error raised by ``reference.ops``."""
 
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.common import LlamarefError
+
 # --8<-- [start:rope_types]
 ROPE_TYPE_NORM = 0  # interleaved pairs (x0, x1), (x2, x3), ...: llama's GGUF layout
 ROPE_TYPE_NEOX = 2  # halves (x_i, x_{i + n_dims/2}): HF's rotate_half
@@ -48,7 +50,7 @@ ROPE_TYPE_NEOX = 2  # halves (x_i, x_{i + n_dims/2}): HF's rotate_half
 
 
 # --8<-- [start:RopeError]
-class RopeError(ValueError):
+class RopeError(LlamarefError, ValueError):
     """Invalid arguments to :func:`rope_ext` (odd ``n_dims``, wrong ``pos`` length, bad mode)."""
 
 

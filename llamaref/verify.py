@@ -41,10 +41,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
+import accelerated.ops as A
+import reference.ops as R
+from accelerated.context import Context as AContext
+from accelerated.models import llama as AL
+from llamaref.backends import make_context, pick_backend, prepare_weights
 from reference.batch import Batch
 from reference.context import Context, is_recurrent
+from reference.model import load_model
+from reference.models import llama as RL
+from reference.tokenizer import TokenizerError, load_tokenizer
 
 #: the prompt of every check (tokenized with the model's tokenizer, cut to ``n_tokens``)
 PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the "
@@ -154,13 +163,6 @@ def op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
     """Group 1: every operator the model runs, MLX against NumPy, on the model's tensors."""
     if is_recurrent(hparams):
         return _mamba_op_checks(hparams, weights, tokens)
-    import mlx.core as mx
-
-    import accelerated.ops as A
-    import reference.ops as R
-    from accelerated.models import llama as AL
-    from reference.models import llama as RL
-
     checks = []
     emb = RL.build_inp_embd({"token_embd.weight": _dense(weights["token_embd.weight"])},
                             tokens, None, np.float32)  # (n_tokens, n_embd)
@@ -220,11 +222,6 @@ def _causal_mask(n: int) -> np.ndarray:
 
 
 def _attention_checks(hparams, q_r, k_r, v) -> list[Check]:
-    import mlx.core as mx
-
-    import accelerated.ops as A
-    import reference.ops as R
-
     n_tokens, n_head, d = q_r.shape
     n_gqa = n_head // hparams.n_head_kv
     mask, scale = _causal_mask(n_tokens), _kq_scale(hparams)
@@ -243,12 +240,6 @@ def _attention_checks(hparams, q_r, k_r, v) -> list[Check]:
 
 def _mamba_op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
     """Group 1 for Mamba: get_rows, rms_norm, the in/out projections, ssm_conv, ssm_scan."""
-    import mlx.core as mx
-
-    import accelerated.ops as A
-    import reference.ops as R
-    from accelerated.models.llama import linear, prepare_weights
-
     rng = np.random.default_rng(0)
     n = len(tokens)
     emb = R.get_rows(_dense(weights["token_embd.weight"]), tokens)  # (n, n_embd)
@@ -260,7 +251,7 @@ def _mamba_op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
     checks.append(_nmse_check("ops", f"RMS_NORM(n_embd={hparams.n_embd},eps={eps:g})", cur,
                               np.array(A.rms_norm(mx.array(emb), eps)), MAX_NMSE["default"]))
     w = weights["blk.0.ssm_in.weight"]
-    out = linear(prepare_weights({"w": w})["w"], mx.array(cur))
+    out = AL.linear(AL.prepare_weights({"w": w})["w"], mx.array(cur))
     checks.append(_nmse_check("ops", f"MUL_MAT(blk.0.ssm_in, {_kind(w)}, {tuple(w.shape)})",
                               R.mul_mat(_dense(w), cur), np.array(out), MAX_NMSE["mul_mat"]))
     c = _dense(weights["blk.0.ssm_conv1d.weight"])  # (conv_dim, d_conv)
@@ -311,8 +302,6 @@ def context_checks(hparams, weights_ref: dict, weights_acc: dict | None, tokens)
         reason = ("skipped (recurrent: the accelerated Context runs llama/qwen2)"
                   if is_recurrent(hparams) else "skipped (MLX not installed)")
         return [Check("context", "accelerated vs reference logits", "-", "-", reason)]
-    from accelerated.context import Context as AContext
-
     ref = all_logits(Context(hparams, weights_ref, n_ctx=256), tokens)  # (n, n_vocab)
     out = all_logits(AContext(hparams, weights_acc, n_ctx=256), tokens)  # (n, n_vocab)
     checks = [_nmse_check("context", f"accelerated vs reference logits (n={len(tokens)})", ref,
@@ -484,7 +473,7 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
     Args:
         path: a GGUF file or a HF folder.
         backend: the backend whose Context the properties run on (``auto``, ``reference``,
-            ``accelerated``; see :func:`reference.generate.pick_backend`).
+            ``accelerated``; see :func:`llamaref.backends.pick_backend`).
         n_tokens: the prompt length (4 to 256).
         emit: where the lines of the report go.
 
@@ -494,9 +483,6 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
     Raises:
         ValueError: a bad ``n_tokens``; the errors of the loaders and the tokenizer.
     """
-    from reference.generate import make_context, pick_backend, prepare_weights
-    from reference.model import load_model
-
     if not 4 <= n_tokens <= 256:
         raise ValueError(f"n_tokens = {n_tokens} must be in [4, 256]")
     t0 = time.perf_counter()
@@ -538,8 +524,6 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
 def prompt_tokens(path: Path, n_vocab: int, n: int) -> tuple[list[int], str]:
     """``n`` tokens of :data:`PROMPT` by the model's tokenizer; ids ``1, 2, ...`` (mod
     ``n_vocab``) for a model without one (a checkpoint folder with no tokenizer files)."""
-    from reference.tokenizer import TokenizerError, load_tokenizer
-
     try:
         tokenizer = load_tokenizer(path)
     except (TokenizerError, OSError) as e:

