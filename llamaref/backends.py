@@ -18,12 +18,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from reference.errors import LlamarefError
 
 from accelerated import sampling as accelerated_sampling
 from accelerated.context import Context as AcceleratedContext
 from accelerated.models.llama import prepare_weights as accelerated_prepare_weights
 from reference import sampling as reference_sampling
+from reference.common import LlamarefError
 from reference.context import Context, is_recurrent
 
 BACKENDS = ("auto", "accelerated", "reference")

@@ -62,9 +62,9 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from reference.batch import Batch, BatchAllocr, BatchError, Ubatch, output_order
-from reference.common import LlamarefError
+from reference.common import LLAMA_MAX_SEQ, LlamarefError
 from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
-from reference.memory import LLAMA_MAX_SEQ, KVCache, n_ctx_seq
+from reference.memory import KVCache, n_ctx_seq
 from reference.memory.recurrent import RecurrentMemory
 from reference.models.llama import get_weight, llama_forward, model_dtype
 from reference.models.mamba import mamba_forward

@@ -131,6 +131,7 @@ class Generator:
             ``p``); ``len(tokens)`` is llama.cpp's ``n_past``.
 
     Examples:
+        >>> import numpy as np
         >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> class Greedy:

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from llamaref import cli
 from llamaref.cli import main
 from tests.tiny_models import random_weights, tiny_hparams, write_tiny_gguf
 
@@ -165,7 +166,7 @@ def test_sampling_and_tokenizer_errors_are_one_line(tiny_smol, capsys, monkeypat
     if module.endswith("sampling"):
         monkeypatch.setattr(mod.SamplerChain, "from_params", refuse)
     else:
-        monkeypatch.setattr(mod, "load_tokenizer", refuse)
+        monkeypatch.setattr(cli, "load_tokenizer", refuse)  # the name the command calls
     assert main(["generate", "hi", "-m", str(tiny_smol), "-n", "2",
                  "--backend", "reference"]) == 1
     err = capsys.readouterr().err

@@ -17,10 +17,9 @@ from reference.memory.kv_cache import (
     n_ctx_seq,
     set_input_kq_mask,
 )
-from reference.memory.kv_cells import LLAMA_MAX_SEQ, KVCells, pos_div_shift, pos_div_shift_llamacpp
+from reference.memory.kv_cells import KVCells, pos_div_shift, pos_div_shift_llamacpp
 
 __all__ = [
-    "LLAMA_MAX_SEQ",
     "KVCache",
     "KVCacheAttnInput",
     "KVCacheError",

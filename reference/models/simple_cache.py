@@ -68,6 +68,7 @@ def build_kq_mask(
         >>> build_kq_mask(np.arange(3), np.array([1, 2]))
         array([[  0.,   0., -inf],
                [  0.,   0.,   0.]], dtype=float32)
+        >>> from reference.hparams import SWA_TYPE_STANDARD
         >>> build_kq_mask(np.arange(3), np.array([2]), n_swa=2, swa_type=SWA_TYPE_STANDARD)
         array([[-inf,   0.,   0.]], dtype=float32)
     """
