@@ -50,9 +50,11 @@ from accelerated.context import Context as AContext
 from accelerated.models import llama as AL
 from llamaref.backends import make_context, pick_backend, prepare_weights
 from reference.batch import Batch
+from reference.common import MAX_NMSE_OP, MAX_NMSE_TWIN
 from reference.context import Context, is_recurrent
 from reference.model import load_model
 from reference.models import llama as RL
+from reference.testing import nmse
 from reference.tokenizer import TokenizerError, load_tokenizer
 
 #: the prompt of every check (tokenized with the model's tokenizer, cut to ``n_tokens``)
@@ -61,9 +63,9 @@ PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk
 #: the llama.cpp oracle compares this many positions (top-1 agreement needs a few dozen)
 N_ORACLE_TOKENS = 64
 
-MAX_NMSE = {"default": 1e-7, "soft_max_ext": 1e-6, "mul_mat": 5e-4, "attention": 5e-4}
-MAX_NMSE_CONTEXT = 1e-6
-MAX_NMSE_PROPERTY = 1e-6
+MAX_NMSE = MAX_NMSE_OP  # per operator (test-backend-ops)
+MAX_NMSE_CONTEXT = MAX_NMSE_TWIN  # the twin Context against the reference
+MAX_NMSE_PROPERTY = MAX_NMSE_TWIN  # one float32 decode against another order of it
 TIE_MARGIN = 1e-3
 MIN_TOP1 = 0.95
 MAX_KL = 5e-3
@@ -114,29 +116,6 @@ class Report:
 # --8<-- [end:Check]
 
 
-# --8<-- [start:nmse]
-def nmse(ref, out) -> float:
-    """test-backend-ops' error: NaN or mismatched infinities give ``inf``, else the NMSE.
-
-    Examples:
-        >>> nmse(np.array([1.0, 2.0]), np.array([1.0, 2.0]))
-        0.0
-        >>> round(nmse(np.array([3.0, 4.0]), np.array([3.0, 4.5])), 6)
-        0.01
-        >>> nmse(np.array([1.0, -np.inf]), np.array([1.0, np.inf]))
-        inf
-    """
-    a = np.asarray(ref, dtype=np.float64)
-    b = np.asarray(out, dtype=np.float64)
-    if a.shape != b.shape or np.isnan(a).any() or np.isnan(b).any():
-        return math.inf
-    inf_a, inf_b = np.isinf(a), np.isinf(b)
-    if (inf_a != inf_b).any() or (np.sign(a[inf_a]) != np.sign(b[inf_b])).any():
-        return math.inf
-    a, b = a[~inf_a], b[~inf_b]
-    err, den = float(np.sum((a - b) ** 2)), float(np.sum(a * a))
-    return err / den if den > 0 else (0.0 if err == 0 else math.inf)
-# --8<-- [end:nmse]
 
 
 def _nmse_check(group: str, name: str, ref, out, max_nmse: float) -> Check:

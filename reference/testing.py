@@ -25,6 +25,7 @@ which would make an absolute tolerance meaningless.)
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -278,11 +279,29 @@ def mamba_reference_logits(weights: dict, hp, tokens, chunks=None, dtype=None) -
     return np.concatenate(rows)  # (n_tokens, n_vocab)
 
 
-def nmse(ref: np.ndarray, out: np.ndarray) -> float:
-    """Normalized mean squared error ``sum((ref - out)^2) / sum(ref^2)`` (test-backend-ops)."""
-    ref = np.asarray(ref, dtype=np.float64)
-    out = np.asarray(out, dtype=np.float64)
-    return float(((ref - out) ** 2).sum() / (ref**2).sum())
+# --8<-- [start:nmse]
+def nmse(ref, out) -> float:
+    """test-backend-ops' error: NaN or mismatched infinities give ``inf``, else the NMSE.
+
+    Examples:
+        >>> nmse(np.array([1.0, 2.0]), np.array([1.0, 2.0]))
+        0.0
+        >>> round(nmse(np.array([3.0, 4.0]), np.array([3.0, 4.5])), 6)
+        0.01
+        >>> nmse(np.array([1.0, -np.inf]), np.array([1.0, np.inf]))
+        inf
+    """
+    a = np.asarray(ref, dtype=np.float64)
+    b = np.asarray(out, dtype=np.float64)
+    if a.shape != b.shape or np.isnan(a).any() or np.isnan(b).any():
+        return math.inf
+    inf_a, inf_b = np.isinf(a), np.isinf(b)
+    if (inf_a != inf_b).any() or (np.sign(a[inf_a]) != np.sign(b[inf_b])).any():
+        return math.inf
+    a, b = a[~inf_a], b[~inf_b]
+    err, den = float(np.sum((a - b) ** 2)), float(np.sum(a * a))
+    return err / den if den > 0 else (0.0 if err == 0 else math.inf)
+# --8<-- [end:nmse]
 
 
 # --8<-- [start:nmse_check]
@@ -311,16 +330,21 @@ def nmse_check(ref, out, max_nmse: float) -> float:
     """
     a = np.asarray(ref, dtype=np.float64)
     b = np.asarray(out, dtype=np.float64)
-    assert a.shape == b.shape, f"shape {b.shape} != reference {a.shape}"
-    assert not np.isnan(a).any(), "NaN in the reference"
-    assert not np.isnan(b).any(), "NaN in the twin"
     inf_a, inf_b = np.isinf(a), np.isinf(b)
-    assert (inf_a == inf_b).all(), "infinities at different positions"
-    assert (np.sign(a[inf_a]) == np.sign(b[inf_b])).all(), "infinities of different signs"
-    a, b = a[~inf_a], b[~inf_b]
-    err = float(np.sum((a - b) ** 2))
-    den = float(np.sum(a * a))
-    value = err / den if den > 0 else (0.0 if err == 0 else np.inf)
-    assert value <= max_nmse, f"NMSE {value:.3e} > {max_nmse:.0e}"
+    problems = [
+        (a.shape != b.shape, f"shape {b.shape} != reference {a.shape}"),
+        (np.isnan(a).any(), "NaN in the reference"),
+        (np.isnan(b).any(), "NaN in the twin"),
+    ]
+    for failed, message in problems:  # checked in order: a shape mismatch stops the rest
+        if failed:
+            raise AssertionError(message)
+    if (inf_a != inf_b).any():
+        raise AssertionError("infinities at different positions")
+    if (np.sign(a[inf_a]) != np.sign(b[inf_b])).any():
+        raise AssertionError("infinities of different signs")
+    value = nmse(a, b)
+    if not value <= max_nmse:  # an explicit raise, not assert: it must hold under python -O
+        raise AssertionError(f"NMSE {value:.3e} > {max_nmse:.0e}")
     return value
 # --8<-- [end:nmse_check]

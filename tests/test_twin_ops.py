@@ -28,6 +28,7 @@ from reference.ops import attention as R_attn
 from reference.ops import rope as R_rope
 from reference.ops import ssm as R_ssm
 from reference.ops.errors import OpIndexError, OpShapeError
+from reference.testing import nmse_check  # the one comparison routine (test-backend-ops')
 
 F32 = np.float32
 
@@ -346,26 +347,7 @@ for name, args in [
         f"{head_dim}],n_group={n_group},ids={ids})", R.ssm_scan, A.ssm_scan, _scan_init(*args)))
 
 
-# --- the one comparison routine ----------------------------------------------------------------
-def nmse_check(ref, out, max_nmse: float) -> float:
-    """test-backend-ops' verdict: NaN fails, infinities match, then NMSE <= ``max_nmse``.
 
-    Returns the measured NMSE (0.0 when the reference is all zeros and the twin matches).
-    """
-    a = np.asarray(ref, dtype=np.float64)
-    b = np.asarray(out, dtype=np.float64)
-    assert a.shape == b.shape, f"shape {b.shape} != reference {a.shape}"
-    assert not np.isnan(a).any(), "NaN in the reference"
-    assert not np.isnan(b).any(), "NaN in the twin"
-    inf_a, inf_b = np.isinf(a), np.isinf(b)
-    assert (inf_a == inf_b).all(), "infinities at different positions"
-    assert (np.sign(a[inf_a]) == np.sign(b[inf_b])).all(), "infinities of different signs"
-    a, b = a[~inf_a], b[~inf_b]
-    err = float(np.sum((a - b) ** 2))
-    den = float(np.sum(a * a))
-    nmse = err / den if den > 0 else (0.0 if err == 0 else np.inf)
-    assert nmse <= max_nmse, f"NMSE {nmse:.3e} > {max_nmse:.0e}"
-    return nmse
 
 
 def _outputs(result):
