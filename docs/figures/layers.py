@@ -23,7 +23,8 @@ LAYERS = [
      ["cli.py", "backends.py", "bench/", "verify.py", "common.py"]),
     ("accelerated/", "the MLX twin", "the array work again in MLX: same paths, names, shapes",
      ["ops/", "quants.py", "models/", "memory/", "context.py", "sampling.py"]),
-    ("reference/", "the specification", "NumPy: ops, memory, decoding semantics (the chapters)",
+    ("reference/", "the specification",
+     "NumPy: ops, memory, decoding semantics; what the chapters show",
      ["ops/", "models/", "memory/", "batch.py", "context.py", "generate.py", "sampling.py",
       "quants.py", "gguf.py", "hf.py", "hparams.py", "tokenizer.py", "common.py",
       "testing.py"]),
@@ -36,7 +37,7 @@ BOX_X0, BOX_X1 = 0.15, 6.55  # the boxes; the lane on their right carries the lo
 LANE_X = 7.25
 LINE_H = 0.26  # one line of text, in inches
 GAP = 0.75  # between two boxes: room for an arrow and its label
-MAX_CHARS = 52  # monospace characters per line of module names
+MAX_CHARS = 64  # monospace characters per line of module names
 
 
 def module_lines(package: str, modules: list[str]) -> list[str]:
@@ -45,8 +46,8 @@ def module_lines(package: str, modules: list[str]) -> list[str]:
         if not (ROOT / package / name).exists():
             raise SystemExit(f"layers.py: {package}{name} does not exist; update LAYERS")
     lines, line = [], ""
-    for name in modules:
-        candidate = f"{line}   {name}" if line else name
+    for name in modules:  # SVG collapses runs of spaces: a dot keeps the names apart
+        candidate = f"{line} \u00b7 {name}" if line else name
         if len(candidate) > MAX_CHARS:
             lines.append(line)
             candidate = name
@@ -69,10 +70,11 @@ def draw_box(ax, package: str, role: str, line: str, mods: list[str], y_top: flo
                                 facecolor=FILL[package], edgecolor=EDGE[package], linewidth=1.6))
     x = BOX_X0 + 0.2
     y = y_top - 0.32
-    ax.text(x, y, package, family="monospace", fontsize=15, fontweight="bold",
-            color=EDGE[package], va="center")
-    ax.text(x + 0.16 * len(package) + 0.25, y, role, fontsize=14, fontweight="bold",
-            color="#222222", va="center")
+    name = ax.text(x, y, package, family="monospace", fontsize=15, fontweight="bold",
+                   color=EDGE[package], va="center")
+    box = name.get_window_extent(ax.figure.canvas.get_renderer())  # in pixels
+    x_role = x + box.width / ax.figure.dpi + 0.15  # inches: the axes are 1 unit per inch
+    ax.text(x_role, y, role, fontsize=14, fontweight="bold", color="#222222", va="center")
     y -= 0.38
     ax.text(x, y, line, fontsize=11.5, color="#333333", va="center")
     y -= 0.12 + LINE_H
@@ -93,7 +95,7 @@ def draw(out: Path = OUT) -> Path:
     """Draw the picture and write it as SVG to ``out``."""
     import matplotlib
 
-    matplotlib.use("svg")
+    matplotlib.use("agg")  # measures the text; the file is written as SVG all the same
     import matplotlib.pyplot as plt
 
     plt.rcParams["svg.fonttype"] = "none"  # text as text: selectable, searchable, small
@@ -101,7 +103,7 @@ def draw(out: Path = OUT) -> Path:
     plt.rcParams["font.family"] = "sans-serif"
 
     blocks = [(p, r, d, module_lines(p, m)) for p, r, d, m in LAYERS]
-    height = 0.25 + sum(box_height(len(b[3])) for b in blocks) + GAP * (len(blocks) - 1) + 0.6
+    height = 0.25 + sum(box_height(len(b[3])) for b in blocks) + GAP * (len(blocks) - 1) + 0.55
     fig = plt.figure(figsize=(WIDTH, height), facecolor="white")
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, WIDTH)
