@@ -4,9 +4,11 @@ r"""Twin of :mod:`reference.context`: ``llama_context`` with MLX memory, forward
 slot search, return codes, output ordering and the state layout are inherited. What
 differs:
 
-- the memory is :class:`accelerated.memory.KVCache` (MLX K/V tensors, the same cells), or
-  for a recurrent model (Mamba, Mamba-2) :class:`accelerated.memory.recurrent.RecurrentMemory`
-  (MLX state rows, the same cells);
+- the memory is made by :func:`accelerated.memory.create_memory`, the factory the twin
+  puts in place of the reference's: :class:`accelerated.memory.KVCache` (MLX K/V
+  tensors, the same cells), or for a recurrent model (Mamba, Mamba-2)
+  :class:`accelerated.memory.recurrent.RecurrentMemory` (MLX state rows, the same cells).
+  Both present the reference's memory interface, so ``decode`` is inherited;
 - the weights are prepared once (:func:`accelerated.models.llama.prepare_weights`: dense and
   transposed on the CPU device, Q4_0/Q4_1/Q8_0 quantized on a GPU; ``matmul`` chooses);
 - each Llama/Qwen2 ubatch runs one **graph**: :func:`accelerated.models.llama.llm_build_llama`
@@ -28,11 +30,9 @@ differs:
 - the logits are evaluated and brought back as NumPy rows, so :meth:`Context.get_logits`
   returns NumPy as the reference does; :meth:`Context.get_logits_ith_device` gives the same
   row as an ``mx.array`` without a host copy, for a sampler that runs on the device;
-- the state functions of :mod:`reference.memory.state` read and write ``memory.k_l`` /
-  ``v_l`` as NumPy arrays, so each state method runs them on NumPy copies of the tensors and
-  puts the (possibly restored) tensors back as MLX arrays; a recurrent memory uses
-  :mod:`accelerated.memory.recurrent`'s state functions, which do the same with its rows.
-  Blobs are interchangeable between the two contexts.
+- the state methods are inherited: each memory runs the reference's state functions on
+  NumPy copies of its tensors and puts the (possibly restored) tensors back as MLX arrays
+  (its ``on_host``). Blobs are interchangeable between the two contexts.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -48,13 +47,12 @@ import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
-from accelerated.memory import KVCache
-from accelerated.memory.kv_cache import GraphAttnInput, mx_dtype
-from accelerated.memory.recurrent import RecurrentMemory
+from accelerated.memory import KVCache, create_memory
+from accelerated.memory.kv_cache import GraphAttnInput
 from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
 from accelerated.models.mamba import mamba_forward
 from reference import context as ref
-from reference.batch import Batch, Ubatch, output_order
+from reference.batch import Batch, output_order
 from reference.context import (
     ContextError,
     PerfContextData,
@@ -62,7 +60,8 @@ from reference.context import (
     context_sizes,
     is_recurrent,
 )
-from reference.hparams import LlamaHParams, MambaHParams
+from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
+from reference.memory import MemoryContext
 from reference.models.llama import check_forward_inputs
 
 __all__ = [
@@ -215,15 +214,6 @@ class Context(ref.Context):
         super().__init__(hparams, weights, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                          n_seq_max=n_seq_max, kv_unified=kv_unified, swa_full=swa_full,
                          dtype=dtype, abort_callback=abort_callback)
-        # the reference built a NumPy memory; the twin takes its place, empty as it is
-        if self.recurrent:
-            state_dtype = np.float16 if self.dtype == np.float16 else np.float32
-            self._memory = RecurrentMemory(hparams, mem_size=max(1, self._n_seq_max),
-                                           n_seq_max=self._n_seq_max, dtype=state_dtype)
-        else:
-            self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
-                                   kv_unified=kv_unified, swa_full=swa_full,
-                                   n_ubatch=self._n_ubatch, dtype=self.dtype)
         self.mlx_weights = prepare_weights(self.weights, matmul or default_matmul())
         disabled = os.environ.get("LLAMA_GRAPH_REUSE_DISABLE", "0").strip() or "0"
         self.graph_reuse = bool(graph_reuse) and not int(disabled)
@@ -233,6 +223,9 @@ class Context(ref.Context):
         self._pending: list[tuple[np.ndarray, mx.array]] = []
         self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
         self._device_rows: list[tuple[np.ndarray, mx.array]] = []
+
+    create_memory = staticmethod(create_memory)
+    """The memory factory: :func:`accelerated.memory.create_memory` (MLX tensors)."""
 # --8<-- [end:Context]
 
     # --8<-- [start:decode]
@@ -254,7 +247,7 @@ class Context(ref.Context):
     # --8<-- [end:decode]
 
     # --8<-- [start:process_ubatch]
-    def process_ubatch(self, ubatch: Ubatch, sinfo) -> np.ndarray:
+    def process_ubatch(self, mctx: MemoryContext) -> np.ndarray:
         """Twin of :meth:`reference.context.Context.process_ubatch`: the MLX forward.
 
         Llama/Qwen2: the ubatch's graph (:meth:`graph`) on its inputs and the cache tensors;
@@ -264,14 +257,15 @@ class Context(ref.Context):
         Returns:
             The ubatch's logits rows ``(n_outputs_ubatch, n_vocab)`` as NumPy.
         """
+        ubatch = mctx.get_ubatch()
         out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
-        mem = self._memory
-        if self.recurrent:
+        if self.hparams.arch in MAMBA_ARCHS:
+            mem = self._memory
             logits = mamba_forward(self.mlx_weights, self.hparams, ubatch.token,
-                                   mem.rs_input(ubatch), out_ids, n_seqs=ubatch.n_seqs)
+                                   mctx.graph_input(), out_ids, n_seqs=ubatch.n_seqs)
             mx.eval(logits, *mem.r_l, *mem.s_l)
         else:
-            logits = self._llama_ubatch(ubatch, sinfo, out_ids)
+            logits = self._llama_ubatch(mctx, out_ids)
         self._pending.append((np.asarray(ubatch.idx)[out_ids], logits))
         return np.array(logits).astype(self._logits.dtype, copy=False)
     # --8<-- [end:process_ubatch]
@@ -298,10 +292,10 @@ class Context(ref.Context):
         return fn
     # --8<-- [end:graph]
 
-    def _llama_ubatch(self, ubatch: Ubatch, sinfo, out_ids: np.ndarray) -> mx.array:
+    def _llama_ubatch(self, mctx: MemoryContext, out_ids: np.ndarray) -> mx.array:
         """Run one Llama/Qwen2 ubatch through its graph; the cache takes the written tensors."""
-        mem = self._memory
-        inp = mem.attn_input(ubatch, sinfo)  # host bookkeeping: k_idxs, the KQ mask
+        mem, ubatch, sinfo = self._memory, mctx.get_ubatch(), mctx.get_placement()
+        inp = mctx.graph_input()  # host bookkeeping: k_idxs, the KQ mask
         tokens, pos, out_ids, embd = check_forward_inputs(self.hparams, ubatch.token, ubatch.pos,
                                                           out_ids, ubatch.embd)
         n_view = kv_view(mem, sinfo, inp.n_kv)
@@ -367,73 +361,13 @@ class Context(ref.Context):
     # --8<-- [end:get_logits_ith_device]
 
     # --8<-- [start:state]
-    @contextmanager
-    def _numpy_memory(self):
-        """The cache tensors as NumPy (``memory.dtype``) inside, MLX again after.
-
-        A recurrent memory is left as it is: its state functions
-        (:mod:`accelerated.memory.recurrent`) move its rows to the host themselves.
-        """
-        mem = self._memory
-        if self.recurrent:
-            yield
-            return
-        dt = mx_dtype(mem.dtype)
-        mem.k_l = [np.array(t).astype(mem.dtype) for t in mem.k_l]
-        mem.v_l = [np.array(t).astype(mem.dtype) for t in mem.v_l]
-        try:
-            yield
-        finally:
-            mem.k_l = [mx.array(t).astype(dt) for t in mem.k_l]
-            mem.v_l = [mx.array(t).astype(dt) for t in mem.v_l]
-
-    def _state_module(self):
-        """The module with ``state_write`` / ``state_read`` / files for this memory."""
-        if self.recurrent:
-            import accelerated.memory.recurrent as module
-
-            return module
-        return super()._state_module()
-
-    def state_get_data(self) -> bytes:
-        """:meth:`reference.context.Context.state_get_data` on NumPy copies of the tensors."""
-        with self._numpy_memory():
-            return super().state_get_data()
-
     def state_set_data(self, data: bytes) -> int:
-        """:meth:`reference.context.Context.state_set_data`, restoring into MLX tensors."""
-        with self._numpy_memory():
-            n = super().state_set_data(data)
+        """:meth:`reference.context.Context.state_set_data`; the device logits then follow.
+
+        The memory restores into its MLX tensors itself (its ``on_host``); the restored
+        logits exist on the host only until :meth:`get_logits_ith_device` asks for them.
+        """
+        n = super().state_set_data(data)
         self._device_rows, self._logits_device = [], None
         return n
-
-    def state_seq_get_data(self, seq_id: int) -> bytes:
-        """:meth:`reference.context.Context.state_seq_get_data` on NumPy copies."""
-        with self._numpy_memory():
-            return super().state_seq_get_data(seq_id)
-
-    def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
-        """:meth:`reference.context.Context.state_seq_set_data`, restoring into MLX tensors."""
-        with self._numpy_memory():
-            return super().state_seq_set_data(data, dest_seq_id)
-
-    def state_save_file(self, path, tokens) -> int:
-        """:meth:`reference.context.Context.state_save_file` on NumPy copies."""
-        with self._numpy_memory():
-            return super().state_save_file(path, tokens)
-
-    def state_load_file(self, path) -> np.ndarray:
-        """:meth:`reference.context.Context.state_load_file`, restoring into MLX tensors."""
-        with self._numpy_memory():
-            return super().state_load_file(path)
-
-    def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
-        """:meth:`reference.context.Context.state_seq_save_file` on NumPy copies."""
-        with self._numpy_memory():
-            return super().state_seq_save_file(path, seq_id, tokens)
-
-    def state_seq_load_file(self, path, dest_seq_id: int) -> np.ndarray:
-        """:meth:`reference.context.Context.state_seq_load_file`, restoring into MLX tensors."""
-        with self._numpy_memory():
-            return super().state_seq_load_file(path, dest_seq_id)
     # --8<-- [end:state]

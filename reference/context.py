@@ -1,23 +1,23 @@
 r"""The context: ``llama_context`` (``src/llama-context.cpp``) and ``llama_decode``.
 
-A :class:`Context` ties a model (hyperparameters and weights) to a memory (the
-:class:`~reference.memory.KVCache`) and runs batches through them. Its one verb is
-:meth:`Context.decode`, which mirrors ``llama_context::decode`` step by step:
+A :class:`Context` ties a model (hyperparameters and weights) to a memory and runs batches
+through them. Its one verb is :meth:`Context.decode`, which mirrors
+``llama_context::decode`` step by step:
 
 1. **validate** the batch (:class:`~reference.batch.BatchAllocr`: token and seq id ranges,
    positions that continue the memory, ``n_tokens <= n_batch``); any failure returns
    $-1$ and changes nothing;
-2. **update the memory** (``memory_update``): pending stream copies and the K-shift that
-   ``seq_add`` / ``seq_div`` recorded are applied to K now (:meth:`KVCache.update`);
-3. **split** the batch into ubatches of at most ``n_ubatch`` tokens: ``split_simple`` for a
-   one-stream cache, ``split_equal(sequential=True)`` for one stream per sequence;
-4. **prepare**: find a slot for every ubatch, all or nothing; no slot returns $1$ with the
-   cells exactly as they were;
-5. per ubatch: **apply** it to the cells, **compute** the forward (which writes K/V into the
-   slot and reads the visible cells through the KQ mask), gather the logits of its output
-   tokens. An ``abort_callback`` that answers True stops here with $2$: the ubatches already
-   computed stay in the memory, the aborted one is removed;
-6. put the output rows back into **batch order** (``out_ids``).
+2. **update the memory** (``memory_update``): what memory ops left pending is applied now,
+   for a KV cache the stream copies and the K-shift that ``seq_add`` / ``seq_div``
+   recorded (:meth:`~reference.memory.KVCache.update`);
+3. **split and prepare** (``memory.init_batch``): the memory cuts the batch into ubatches of
+   at most ``n_ubatch`` tokens and finds a place for every one of them, all or nothing; no
+   valid split or no room returns $1$ with the memory exactly as it was;
+4. per ubatch: **apply** it to the memory, **compute** the forward (which reads and writes
+   the memory through the ubatch's graph input), gather the logits of its output tokens.
+   An ``abort_callback`` that answers True stops here with $2$: the ubatches already
+   computed stay in the memory, the aborted one is removed (``remove_ubatch``);
+5. put the output rows back into **batch order** (``out_ids``).
 
 Return codes (``llama_decode``):
 
@@ -28,23 +28,37 @@ Return codes (``llama_decode``):
 | 2 | aborted by ``abort_callback`` | earlier ubatches kept | none |
 | -1 | invalid batch | unchanged | the previous decode's |
 
-**Recurrent models** (Mamba, Mamba-2) get a
-:class:`~reference.memory.recurrent.RecurrentMemory` instead of a KV cache, as
-``llama_model::create_memory`` gives them a ``llama_memory_recurrent`` of
-``max(1, n_seq_max)`` cells, one per sequence. ``decode`` is the same procedure with four
-differences:
+**One memory interface.** ``decode`` never asks which memory it holds. The memory is made
+by :func:`~reference.memory.create_memory` from the architecture, as
+``llama_model::create_memory``: a :class:`~reference.memory.KVCache` for ``llama`` /
+``qwen2``, a :class:`~reference.memory.recurrent.RecurrentMemory` of ``max(1, n_seq_max)``
+cells, one per sequence, for ``mamba`` / ``mamba2``. Both answer the calls of
+``llama_memory_i`` (:mod:`reference.memory.interface`):
 
-- step 2 does nothing: a state is not rotated by position, there is no K-shift
-  (``init_update`` answers "no update");
-- step 3 always uses ``split_equal(sequential=True)`` (``llama_memory_recurrent::init_batch``;
-  ``split_seq`` only when every token must output embeddings, which this Context never asks):
-  each ubatch is ``n_seqs`` sequence sets of equal length, which the conv and the scan need;
-- step 5 gives each sequence set its own cell (copy on write after ``seq_cp``) and computes
-  :func:`~reference.models.mamba.mamba_forward`, which reads and writes the state rows;
-- an aborted ubatch is undone by restoring the cells and rows it changed. llama.cpp calls
-  ``seq_rm(s, pos_min, -1)``, which a recurrent memory refuses for a sequence that goes on
-  (a partial removal), so there the cell keeps the ubatch's position over a state that was
-  never computed: a divergence.
+| ``decode`` calls | llama.cpp | KV cache | recurrent memory |
+|---|---|---|---|
+| ``init_update`` | ``init_update`` | K-shift, stream copies | ``NO_UPDATE`` |
+| ``init_batch`` | ``init_batch`` | a ``SlotInfo`` per ubatch | a range of cells per ubatch |
+| ``mctx.apply()`` | ``mctx->apply()`` | pos, seq ids into the slot | cells placed, rows moved |
+| ``mctx.graph_input()`` | ``build_attn_inp_kv`` / ``build_rs_inp`` | K/V, KQ mask | state rows |
+| ``mctx.remove_ubatch()`` | ``seq_rm(s, pos_min, -1)`` | that ``seq_rm`` | cells, rows put back |
+| ``state_write``, ``state_read`` | the same | :mod:`reference.memory.state` | its own blob |
+
+The memory also chooses the split (``init_batch``): ``split_simple`` for a one-stream KV
+cache, ``split_equal(sequential=True)`` for one stream per sequence and for a recurrent
+memory, whose conv and scan need ``n_seqs`` sequence sets of equal length (llama.cpp uses
+``split_seq`` there only when every token outputs embeddings, which this Context never
+asks).
+
+What the context does choose is the **forward**, by architecture, as
+``llama_model::build_graph``: :func:`~reference.models.llama.llama_forward` or
+:func:`~reference.models.mamba.mamba_forward`, both fed by ``mctx.graph_input()``.
+
+Where the undo of an aborted ubatch differs from llama.cpp: llama.cpp removes the
+positions of each token's *first* seq id only (here every seq id of the ubatch); and a
+recurrent memory refuses llama.cpp's partial ``seq_rm``, so there the cell keeps the
+ubatch's position over a state that was never computed, while here the cells and rows are
+put back.
 
 The sizes follow ``llama_context``'s constructor: ``n_ctx`` is padded to 256 (per stream
 when not unified, :func:`~reference.memory.n_ctx_seq`); ``n_batch`` is capped by the
@@ -61,11 +75,11 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.batch import Batch, BatchAllocr, BatchError, Ubatch, output_order
+from reference.batch import Batch, BatchAllocr, BatchError, output_order
 from reference.common import LLAMA_MAX_SEQ, LlamarefError
 from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
-from reference.memory import KVCache, n_ctx_seq
-from reference.memory.recurrent import RecurrentMemory
+from reference.memory import Memory, MemoryContext, MemoryStatus, create_memory, n_ctx_seq
+from reference.memory.state import context_state_read, context_state_write
 from reference.models.llama import get_weight, llama_forward, model_dtype
 from reference.models.mamba import mamba_forward
 
@@ -204,10 +218,10 @@ def context_sizes(
 class Context:
     """``llama_context``: a model, its memory, and the outputs of the last decode.
 
-    The memory is chosen by the architecture, as ``llama_model::create_memory`` does: a
-    :class:`~reference.memory.KVCache` for ``llama`` / ``qwen2``, a
-    :class:`~reference.memory.recurrent.RecurrentMemory` of ``n_seq_max`` cells for ``mamba`` /
-    ``mamba2`` (:func:`is_recurrent`).
+    The memory is chosen by the architecture, as ``llama_model::create_memory`` does
+    (:meth:`create_memory`): a :class:`~reference.memory.KVCache` for ``llama`` / ``qwen2``,
+    a :class:`~reference.memory.recurrent.RecurrentMemory` of ``n_seq_max`` cells for
+    ``mamba`` / ``mamba2`` (:func:`is_recurrent`).
 
     Args:
         hparams: the model's hyperparameters (:class:`~reference.hparams.LlamaHParams` or
@@ -277,15 +291,9 @@ class Context:
         self.kv_unified = kv_unified
         self.abort_callback = abort_callback
         self.last_error: str | None = None  # why the last decode did not return 0
-        self.recurrent = is_recurrent(hparams)
-        self._memory: KVCache | RecurrentMemory
-        if self.recurrent:  # llama_memory_recurrent(mem_size = max(1, n_seq_max), n_seq_max)
-            self._memory = RecurrentMemory(hparams, mem_size=max(1, self._n_seq_max),
-                                           n_seq_max=self._n_seq_max, dtype=self.dtype)
-        else:
-            self._memory = KVCache(hparams, kv_size=self._n_ctx_seq, n_seq_max=self._n_seq_max,
-                                   kv_unified=kv_unified, swa_full=swa_full,
-                                   n_ubatch=self._n_ubatch, dtype=self.dtype)
+        self._memory: Memory = self.create_memory(
+            hparams, n_ctx_seq=self._n_ctx_seq, n_seq_max=self._n_seq_max,
+            kv_unified=kv_unified, swa_full=swa_full, n_ubatch=self._n_ubatch, dtype=self.dtype)
         compute = model_dtype(self.weights)
         self.rope_factors = get_weight(self.weights, "rope_freqs.weight", compute, required=False)
         self._logits = np.zeros((0, hparams.n_vocab), compute)  # (n_outputs, n_vocab)
@@ -333,63 +341,45 @@ class Context:
         return len(self._logits)
 
     @property
-    def memory(self) -> KVCache | RecurrentMemory:
+    def memory(self) -> Memory:
         """The memory (``llama_get_memory``): ``seq_rm``, ``seq_cp``, ``seq_add``, ..."""
         return self._memory
 
-    def get_memory(self) -> KVCache | RecurrentMemory:
+    def get_memory(self) -> Memory:
         """``llama_get_memory(ctx)``: the same as :attr:`memory`."""
         return self._memory
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the architecture keeps recurrent states (:func:`is_recurrent`)."""
+        return is_recurrent(self.hparams)
 # --8<-- [end:Context]
+
+    # --8<-- [start:create_memory]
+    create_memory = staticmethod(create_memory)
+    """The memory factory (``llama_model::create_memory``):
+    :func:`reference.memory.create_memory`; the MLX twin puts its own here."""
+    # --8<-- [end:create_memory]
 
     # ---- decode -------------------------------------------------------------------------------
 
     # --8<-- [start:memory_update]
     def memory_update(self) -> bool:
-        """Apply pending stream copies and K-shifts (``llama_context::memory_update``).
+        """Apply what memory ops left pending (``llama_context::memory_update``).
 
-        :meth:`decode` calls it after validating the batch; calling it earlier changes
-        nothing that a later decode could see.
-
-        A recurrent memory has nothing to update (``init_update`` answers
-        ``LLAMA_MEMORY_STATUS_NO_UPDATE``): a state is not rotated by position.
+        ``init_update`` says whether there is anything (a KV cache: a K-shift or a stream
+        copy; a recurrent memory: never, a state is not rotated by position); if so, its
+        context's ``apply()`` does it. :meth:`decode` calls this after validating the batch;
+        calling it earlier changes nothing that a later decode could see.
 
         Returns:
-            True when a K-shift was applied.
+            True when a K-shift turned some key.
         """
-        if self.recurrent:
+        mctx = self._memory.init_update(self.rope_factors)
+        if mctx.get_status() is not MemoryStatus.SUCCESS:
             return False
-        return self._memory.update(self.rope_factors)
+        return mctx.apply()
     # --8<-- [end:memory_update]
-
-    # --8<-- [start:split_batch]
-    def split_batch(self, balloc: BatchAllocr) -> list[Ubatch] | None:
-        """Cut the batch into ubatches, as ``llama_kv_cache::init_batch`` does.
-
-        One stream: ``split_simple`` (the next ``n_ubatch`` tokens in batch order). One stream
-        per sequence: ``split_equal(sequential=True)`` (equal runs of consecutive sequences,
-        each ubatch touching each stream once). A recurrent memory
-        (``llama_memory_recurrent::init_batch``): always ``split_equal(sequential=True)``,
-        because the conv and the scan run on ``n_seqs`` sets of ``n_seq_tokens`` tokens.
-
-        Returns:
-            The ubatches, or None when some tokens cannot be split (coupled sequences on a
-            non-unified cache): ``llama_decode`` then returns 1.
-        """
-        balloc.split_reset()
-        ubatches = []
-        while True:
-            if not self.recurrent and self._memory.get_n_stream() == 1:
-                ubatch = balloc.split_simple(self._n_ubatch)
-            else:
-                ubatch = balloc.split_equal(self._n_ubatch, sequential=True)
-            if ubatch.n_tokens == 0:
-                break
-            ubatches.append(ubatch)
-        if balloc.n_used < balloc.n_tokens:
-            return None  # "failed to find a suitable split"
-        return ubatches
-    # --8<-- [end:split_batch]
 
     # --8<-- [start:decode]
     def decode(self, batch: Batch) -> int:
@@ -410,7 +400,7 @@ class Context:
         never raises, it returns -1.
 
         Raises:
-            ContextError: an embeddings batch for a recurrent model (its forward,
+            ContextError: an embeddings batch for a Mamba model (its forward,
                 :func:`~reference.models.mamba.mamba_forward`, takes token ids only);
                 nothing changed.
 
@@ -425,7 +415,7 @@ class Context:
             >>> ctx.last_error  # doctest: +ELLIPSIS
             'the tokens of sequence 0 in the input batch have inconsistent ...'
         """
-        if self.recurrent and batch.embd is not None:
+        if batch.embd is not None and self.hparams.arch in MAMBA_ARCHS:
             raise ContextError("this Context runs Mamba on token ids only: mamba_forward "
                                "takes no input embeddings")
         t_start = time.perf_counter()
@@ -438,37 +428,28 @@ class Context:
             self.last_error = str(err)
             return -1
         self.last_error = None
-        # 2. pending K-shifts and stream copies
+        # 2. what memory ops left pending (K-shift, stream copies)
         self.memory_update()
-        # 3. + 4. ubatches, and a slot for each of them, or nothing
-        ubatches = self.split_batch(balloc)
-        if ubatches is None:
-            self.last_error = balloc.split_error or "failed to find a suitable split"
-            return 1
-        if self.recurrent:  # one cell per sequence set; no slot info
-            sinfos = [None] * len(ubatches) if self._memory.prepare(ubatches) else None
-        else:
-            sinfos = self._memory.prepare(ubatches)
-        if sinfos is None:
-            self.last_error = f"failed to find a memory slot for a batch of {balloc.n_tokens}"
+        # 3. ubatches, and a place in the memory for each of them, or nothing
+        mctx = self._memory.init_batch(balloc, self._n_ubatch)
+        if mctx.get_status() is not MemoryStatus.SUCCESS:
+            self.last_error = mctx.error
             return 1
         # output_reserve: the previous outputs are gone from here on
         self._logits = self._logits[:0]
         self._output_ids = np.full(balloc.n_tokens, -1, dtype=np.int64)  # (n_tokens,)
-        # 5. one forward per ubatch
+        # 4. one forward per ubatch
         rows = []
-        for ubatch, sinfo in zip(ubatches, sinfos, strict=True):
-            backup = self._memory.backup() if self.recurrent else None
-            if self.recurrent:
-                self._memory.apply_ubatch(ubatch)
-            else:
-                self._memory.apply_ubatch(sinfo, ubatch)
+        while True:
+            mctx.apply()
             if self.abort_callback is not None and self.abort_callback():
-                self.remove_ubatch(ubatch, backup)
+                mctx.remove_ubatch()
                 self.last_error = "aborted by abort_callback"
                 return 2
-            rows.append(self.process_ubatch(ubatch, sinfo))
-        # 6. outputs in batch order
+            rows.append(self.process_ubatch(mctx))
+            if not mctx.next():
+                break
+        # 5. outputs in batch order
         self._logits = np.concatenate(rows)[output_order(balloc.out_ids)]  # (n_outputs, n_vocab)
         self._output_ids[np.sort(np.asarray(balloc.out_ids, np.int64))] = np.arange(
             balloc.n_outputs)
@@ -477,60 +458,34 @@ class Context:
     # --8<-- [end:decode]
 
     # --8<-- [start:process_ubatch]
-    def process_ubatch(self, ubatch: Ubatch, sinfo) -> np.ndarray:
-        """The forward of one applied ubatch: its logits rows ``(n_outputs_ubatch, n_vocab)``.
+    def process_ubatch(self, mctx: MemoryContext) -> np.ndarray:
+        """The forward of the memory context's current ubatch, applied: its logits rows.
 
-        The model writes the ubatch's K/V into its slot and attends to the first ``n_kv``
-        cells of each stream through the KQ mask (:meth:`KVCache.attn_input`). Only the
-        output tokens go through the last layer's FFN and the lm_head (``out_ids``).
+        The forward is chosen by the architecture (``llama_model::build_graph``) and gets
+        its memory input from the memory context (``mctx.graph_input()``):
 
-        A recurrent model reads the states of the ubatch's ``n_seqs`` sequence sets from their
-        cells and writes the final ones back (:meth:`RecurrentMemory.rs_input`); ``sinfo`` is
-        then None.
+        - Llama / Qwen2: the ubatch's K/V are written into its slot and the first ``n_kv``
+          cells of each stream are read through the KQ mask
+          (:class:`~reference.memory.KVCacheAttnInput`);
+        - Mamba / Mamba-2: the states of the ubatch's ``n_seqs`` sequence sets are read from
+          their cells and the final ones written back
+          (:class:`~reference.memory.recurrent.RecurrentMemoryInput`).
+
+        Only the output tokens go through the last layer's FFN and the lm_head
+        (``out_ids``).
+
+        Returns:
+            ``(n_outputs_ubatch, n_vocab)``.
         """
+        ubatch = mctx.get_ubatch()
         out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
-        if self.recurrent:
-            inp_rs = self._memory.rs_input(ubatch)
-            return mamba_forward(self.weights, self.hparams, ubatch.token, inp_rs, out_ids,
+        inp = mctx.graph_input()
+        if self.hparams.arch in MAMBA_ARCHS:
+            return mamba_forward(self.weights, self.hparams, ubatch.token, inp, out_ids,
                                  n_seqs=ubatch.n_seqs)
-        inp_attn = self._memory.attn_input(ubatch, sinfo)
-        return llama_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp_attn,
+        return llama_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp,
                              out_ids, embd=ubatch.embd)
     # --8<-- [end:process_ubatch]
-
-    # --8<-- [start:remove_ubatch]
-    def remove_ubatch(self, ubatch: Ubatch, backup: tuple | None = None) -> None:
-        """Undo an applied ubatch that was not computed: ``seq_rm(s, pos_min_s, -1)``.
-
-        llama.cpp does this when a ubatch's compute fails or is aborted, for the *first*
-        seq id of each token only; a token shared by several sequences then stays in the
-        others, its K/V possibly unwritten. Here every seq id of the ubatch is cleaned (a
-        divergence, see :mod:`reference.context`'s chapter).
-
-        A recurrent memory cannot forget the last tokens of a sequence that goes on
-        (``seq_rm`` of a partial range returns False), so its cells and state rows are put
-        back as they were before :meth:`RecurrentMemory.apply_ubatch` (``backup``, taken by
-        :meth:`decode`). llama.cpp's ``seq_rm`` there is refused, and the cell keeps the
-        ubatch's last position over a state that was never computed (a divergence).
-
-        Args:
-            ubatch: the applied ubatch.
-            backup: for a recurrent memory, what ``RecurrentMemory.backup()`` saved before
-                the ubatch was applied.
-        """
-        if self.recurrent:
-            if backup is None:
-                raise ContextError("removing a ubatch from a recurrent memory needs the "
-                                   "backup taken before it was applied")
-            self._memory.restore(backup)
-            return
-        pos_min: dict[int, int] = {}
-        for p, ids in zip(ubatch.pos.tolist(), ubatch.seq_id, strict=True):
-            for s in ids:
-                pos_min[s] = min(pos_min.get(s, p), p)
-        for s, p in sorted(pos_min.items()):
-            self._memory.seq_rm(s, p, -1)
-    # --8<-- [end:remove_ubatch]
 
     # ---- performance (llama_perf_context) -----------------------------------------------------
 
@@ -654,14 +609,10 @@ class Context:
     def state_get_data(self) -> bytes:
         """The last decode's outputs and the memory, as bytes (``llama_state_get_data``).
 
-        See :func:`reference.memory.state.context_state_write` for the layout; a recurrent
-        memory's blob (:func:`reference.memory.recurrent.state_write`) takes the place of the
-        KV cache's.
+        See :func:`reference.memory.state.context_state_write` for the layout; the memory
+        writes its own blob (``memory.state_write``).
         """
-        from reference.memory.state import context_state_write
-
-        return context_state_write(self._memory, self.hparams, self._logits, self._output_ids,
-                                   self._state_module().state_write)
+        return context_state_write(self._memory, self.hparams, self._logits, self._output_ids)
 
     def state_set_data(self, data: bytes) -> int:
         """Restore :meth:`state_get_data`'s bytes (``llama_state_set_data``); returns their size.
@@ -669,10 +620,7 @@ class Context:
         Raises:
             StateError: a refused blob; nothing changed.
         """
-        from reference.memory.state import context_state_read
-
-        logits, output_ids = context_state_read(self._memory, self.hparams, data,
-                                                self._state_module().state_read)
+        logits, output_ids = context_state_read(self._memory, self.hparams, data)
         n_vocab = self.n_vocab
         self._logits = logits if logits is not None else self._logits[:0].reshape(0, n_vocab)
         self._output_ids = np.asarray(output_ids, dtype=np.int64)
@@ -680,8 +628,7 @@ class Context:
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
         """One sequence's cells and K/V, or its state rows (``llama_state_seq_get_data``)."""
-        state_write = self._state_module().state_write
-        return state_write(self._memory, self.hparams, seq_id)
+        return self._memory.state_write(self.hparams, seq_id)
 
     def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
         """Restore a sequence blob into ``dest_seq_id`` (``llama_state_seq_set_data``).
@@ -692,42 +639,29 @@ class Context:
         Raises:
             StateError: a refused blob (no slot, another model, corrupted); nothing changed.
         """
-        state_read = self._state_module().state_read
-        state_read(self._memory, self.hparams, data, dest_seq_id)
+        self._memory.state_read(self.hparams, data, dest_seq_id)
         return len(data)
 
     def state_save_file(self, path, tokens) -> int:
         """Save the memory and ``tokens`` to ``path`` (``llama_state_save_file``); its size."""
-        state_save_file = self._state_module().state_save_file
-        return state_save_file(path, self._memory, self.hparams, tokens)
+        return self._memory.state_save_file(path, self.hparams, tokens)
 
     def state_load_file(self, path) -> np.ndarray:
         """Restore a file of :meth:`state_save_file`; returns its tokens."""
-        state_load_file = self._state_module().state_load_file
-        return state_load_file(path, self._memory, self.hparams)
+        return self._memory.state_load_file(path, self.hparams)
 
     def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
         """Save one sequence and ``tokens`` to ``path`` (``llama_state_seq_save_file``)."""
-        state_save_file = self._state_module().state_save_file
-        return state_save_file(path, self._memory, self.hparams, tokens, seq_id)
+        return self._memory.state_save_file(path, self.hparams, tokens, seq_id)
 
     def state_seq_load_file(self, path, dest_seq_id: int) -> np.ndarray:
         """Restore a sequence file into ``dest_seq_id``; returns its tokens."""
-        state_load_file = self._state_module().state_load_file
-        return state_load_file(path, self._memory, self.hparams, dest_seq_id)
-
-    def _state_module(self):
-        """The module with ``state_write`` / ``state_read`` / files for this memory."""
-        if self.recurrent:
-            import reference.memory.recurrent as module
-        else:
-            import reference.memory.state as module
-        return module
+        return self._memory.state_load_file(path, self.hparams, dest_seq_id)
     # --8<-- [end:state]
 
 
 # --8<-- [start:context_shift]
-def context_shift(ctx_or_memory: Context | KVCache, seq_id: int, n_keep: int,
+def context_shift(ctx_or_memory: Context | Memory, seq_id: int, n_keep: int,
                   n_discard: int) -> None:
     r"""Drop ``n_discard`` positions after the first ``n_keep`` and shift the rest back.
 

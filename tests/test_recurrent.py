@@ -98,10 +98,11 @@ def decode(mem: RecurrentMemory, tokens, seq_ids, n_ubatch: int = 4) -> bool:
     while (ub := balloc.split_equal(n_ubatch, sequential=True)).n_tokens:
         ubatches.append(ub)
     assert balloc.n_used == len(tokens)
-    if not mem.prepare(ubatches):
+    placements = mem.prepare(ubatches)
+    if placements is None:
         return False
-    for ub in ubatches:
-        mem.apply_ubatch(ub)
+    for ub, cells in zip(ubatches, placements, strict=True):
+        mem.apply_ubatch(cells, ub)
         fake_forward(mem, ub)
     return True
 
@@ -231,7 +232,7 @@ def test_ubatch_layout_of_split_equal():
     batch = Batch(token=[10, 20, 11, 21], seq_id=[[0], [1], [0], [1]])
     ub = BatchAllocr(batch, n_vocab=100, n_seq_max=3, memory=mem).split_equal(8, True)
     assert ub.token.tolist() == [10, 11, 20, 21] and (ub.n_seqs, ub.n_seq_tokens) == (2, 2)
-    mem.apply_ubatch(ub)
+    mem.apply_ubatch(mem.prepare([ub])[0], ub)
     assert [mem.cells[s].tail for s in (0, 1)] == [mem.head, mem.head + 1]
     inp = mem.rs_input(ub)
     assert inp.get_s(0).shape == (2, HP.n_s) and not inp.get_s(0).any()  # zeros: new seqs
@@ -247,8 +248,8 @@ def test_coupled_sequences_share_the_state():
     ub = Ubatch(token=np.array([3, 4]), embd=None, pos=np.array([0, 1]),
                 seq_id=((0, 1), (0, 1)), seq_id_unq=(0, 1), output=np.ones(2, bool),
                 idx=np.arange(2), equal_seqs=True, n_seq_tokens=2, n_seqs=1)
-    assert mem.prepare([ub])
-    mem.apply_ubatch(ub)
+    [cells] = mem.prepare([ub])
+    mem.apply_ubatch(cells, ub)
     fake_forward(mem, ub)
     assert mem.cells[0].tail == mem.cells[1].tail
     assert mem.cells[mem.cells[0].tail].seq_id == {0, 1}
@@ -440,7 +441,7 @@ def test_prepare_is_all_or_nothing():
     assert not mem.prepare([one_seq_ubatch(1, [2]), one_seq_ubatch(2, [0])])
     assert_same_snapshot(snapshot(mem), before)
     with pytest.raises(RecurrentMemoryError, match="no cell"):
-        mem.apply_ubatch(one_seq_ubatch(2, [0]))
+        mem.apply_ubatch(range(0, 1), one_seq_ubatch(2, [0]))
     assert_same_snapshot(snapshot(mem), before)
 
 

@@ -109,11 +109,12 @@ def _decode(mem, forward, weights, hp, tokens, seq_ids, n_ubatch):
     ubatches = []
     while (ub := balloc.split_equal(n_ubatch, sequential=True)).n_tokens:
         ubatches.append(ub)
-    assert mem.prepare(ubatches)
+    placements = mem.prepare(ubatches)
+    assert placements is not None
     logits = np.zeros((len(tokens), hp.n_vocab), np.float32)
     n_seqs_seen = []
-    for ub in ubatches:
-        mem.apply_ubatch(ub)
+    for ub, cells in zip(ubatches, placements, strict=True):
+        mem.apply_ubatch(cells, ub)
         out = forward(weights, hp, ub.token, mem.rs_input(ub), n_seqs=ub.n_seqs)
         logits[np.asarray(ub.idx)] = np.array(out)
         n_seqs_seen.append(ub.n_seqs)

@@ -1,7 +1,9 @@
 """Twin of :mod:`reference.memory.kv_cache`: ``llama_kv_cache`` with MLX K/V tensors.
 
 :class:`KVCache` *is* the reference's cache (a subclass): the cells, streams, slot search,
-``seq_*`` operations and ``prepare``/``apply_ubatch`` are inherited unchanged. What differs:
+``seq_*`` operations, the memory interface (``init_batch``, ``prepare``, ``apply_ubatch``,
+``remove_ubatch``, ``update``) and the state methods are inherited unchanged. What differs
+is the array steps they call:
 
 - ``k_l[il]`` / ``v_l[il]`` are ``mx.array`` of the reference's shapes
   ``(n_stream, kv_size, n_embd_k_gqa)``; MLX arrays are values, so a write replaces the
@@ -12,14 +14,20 @@
 - :class:`GraphAttnInput` is the same input as a *value*: it holds its own list of K/V
   tensors (graph placeholders when the forward is traced), so a compiled forward takes the
   cache tensors in and gives the written ones back (:mod:`accelerated.context`);
-- the K-shift in :meth:`KVCache.update` is :func:`build_rope_shift` on MLX
-  (``accelerated.ops.rope_ext``), applied to the shifted rows with one scatter per layer.
+- the K-shift of ``update`` (:meth:`KVCache.apply_k_shift`) is :func:`build_rope_shift` on
+  MLX (``accelerated.ops.rope_ext``), applied to the shifted rows with one scatter per
+  layer; a stream copy (:meth:`KVCache.copy_stream`) replaces the stream in each tensor;
+- :meth:`KVCache.on_host` gives the reference's state functions NumPy tensors for the
+  duration, so a blob written by either cache restores in the other.
 
 The tensors compute in float32 (MLX's CPU float64 support is partial): a ``dtype`` of
 float64 is stored as float32; float16/bfloat16 are kept.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -268,8 +276,7 @@ class KVCache(ref.KVCache):
         """Empty every cell; with ``data`` also zero the K/V tensors (``llama_memory_clear``).
 
         The tensors are replaced by zeros of their own kind: MLX normally, NumPy while the
-        reference's state functions work on NumPy copies
-        (:meth:`accelerated.context.Context.state_set_data`).
+        reference's state functions work on NumPy copies (:meth:`on_host`).
         """
         super().clear(data=False)
         if data:
@@ -278,42 +285,56 @@ class KVCache(ref.KVCache):
             self.v_l = [zeros(t) for t in self.v_l]
 
     def attn_input(self, ubatch, sinfo: SlotInfo) -> KVCacheAttnInput:
-        """The MLX :class:`KVCacheAttnInput` of ``ubatch`` (call after ``apply_ubatch``)."""
+        """The MLX :class:`KVCacheAttnInput` of ``ubatch`` (call after ``apply_ubatch``).
+
+        ``graph_input`` (inherited) returns it too.
+        """
         return KVCacheAttnInput(self, ubatch, sinfo)
 
-    # --8<-- [start:update]
-    def update(self, rope_factors: np.ndarray | None = None) -> bool:
-        """Twin of :meth:`reference.memory.kv_cache.KVCache.update` on MLX tensors.
+    # --8<-- [start:apply_k_shift]
+    def apply_k_shift(self, stream: int, rows: list[int], shift: np.ndarray,
+                      rope_factors: np.ndarray | None = None) -> None:
+        """Twin of :meth:`reference.memory.kv_cache.KVCache.apply_k_shift` on MLX tensors.
 
-        Stream copies replace whole streams; the K-shift turns the shifted rows of each
-        stream (:func:`build_rope_shift`) and scatters them back, in every layer.
-
-        Args:
-            rope_factors: the model's ``rope_freqs.weight``, if it has one.
-
-        Returns:
-            True when a K-shift was applied.
+        The shifted rows of each layer are gathered, turned (:func:`build_rope_shift`) and
+        scattered back; the bookkeeping around it (which rows, by how much, forgetting the
+        shifts) is the reference's ``update``.
         """
-        for ssrc, sdst in self.sc_info:
-            for tensors in (self.k_l, self.v_l):
-                for il, t in enumerate(tensors):
-                    t[sdst] = t[ssrc]
-                    tensors[il] = t
-        self.sc_info = []
-        if not self.get_has_shift():
-            return False
         hp = self.hparams
-        for s, cells in enumerate(self.v_cells):
-            rows = [i for i in range(cells.size()) if not cells.is_empty(i) and cells.get_shift(i)]
-            if rows:
-                shift = np.array([cells.get_shift(i) for i in rows])  # (n_rows,)
-                idx = mx.array(np.array(rows, dtype=np.int32))  # (n_rows,)
-                for il, k in enumerate(self.k_l):
-                    k_rows = k[s][idx].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
-                    k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
-                    k[s, idx] = k_rows.reshape(len(rows), -1).astype(k.dtype)  # (n_rows, E)
-                    self.k_l[il] = k
-            cells.reset_shift()
-        return True
-    # --8<-- [end:update]
+        idx = mx.array(np.array(rows, dtype=np.int32))  # (n_rows,)
+        for il, k in enumerate(self.k_l):
+            k_rows = k[stream][idx].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
+            k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
+            k[stream, idx] = k_rows.reshape(len(rows), -1).astype(k.dtype)  # (n_rows, E)
+            self.k_l[il] = k
+
+    def copy_stream(self, ssrc: int, sdst: int) -> None:
+        """Twin of :meth:`reference.memory.kv_cache.KVCache.copy_stream`: a new array per layer."""
+        for tensors in (self.k_l, self.v_l):
+            for il, t in enumerate(tensors):
+                t[sdst] = t[ssrc]
+                tensors[il] = t
+    # --8<-- [end:apply_k_shift]
+
+    # --8<-- [start:on_host]
+    @contextmanager
+    def on_host(self) -> Iterator[None]:
+        """The K/V tensors as NumPy (``self.dtype``) inside the ``with``, MLX again after.
+
+        The reference's state functions run on them (``state_write``, ``state_read`` and
+        the file forms are inherited); a restore comes back as MLX tensors, even after an
+        error. Re-entrant: inside, the tensors are already on the host.
+        """
+        if isinstance(self.k_l[0], np.ndarray):
+            yield
+            return
+        dt = mx_dtype(self.dtype)
+        self.k_l = [np.array(t).astype(self.dtype) for t in self.k_l]
+        self.v_l = [np.array(t).astype(self.dtype) for t in self.v_l]
+        try:
+            yield
+        finally:
+            self.k_l = [mx.array(t).astype(dt) for t in self.k_l]
+            self.v_l = [mx.array(t).astype(dt) for t in self.v_l]
+    # --8<-- [end:on_host]
 # --8<-- [end:KVCache]

@@ -1,20 +1,21 @@
 r"""Twin of :mod:`reference.memory.recurrent`: the recurrent memory with MLX state rows.
 
 The cell bookkeeping (``find_slot``, ``seq_rm``/``seq_cp``/``seq_keep``/``seq_add``/
-``seq_div``, ``prepare``, copy on write, ``rs_z``, ``src0``) is inherited from
-:class:`reference.memory.recurrent.RecurrentMemory`, never rewritten. Only the array work
-differs:
+``seq_div``, copy on write, ``rs_z``, ``src0``) and the memory interface (``init_batch``,
+``prepare``, ``apply_ubatch``, ``remove_ubatch``, ``backup``/``restore``, the state methods)
+are inherited from :class:`reference.memory.recurrent.RecurrentMemory`, never rewritten.
+Only the array steps they call differ:
 
 - ``r_l[il]`` ``(mem_size, n_embd_r)`` and ``s_l[il]`` ``(mem_size, n_embd_s)`` are
   ``mx.array``. MLX arrays are values, so a write replaces a layer's array in the list by a new
   (lazy) one instead of writing into a buffer; nothing else holds a reference to the rows.
-- :meth:`RecurrentMemory.apply_ubatch` moves the rows with one gather per layer and state
-  (``mx.take``) and evaluates the result, so a ubatch's graph starts from concrete rows.
+- :meth:`RecurrentMemory.move_rows` (the row moves of ``apply_ubatch``) is one gather per
+  layer and state (``mx.take``), evaluated, so a ubatch's graph starts from concrete rows;
+  :meth:`RecurrentMemory.save_rows` keeps the arrays themselves (values: no copy).
 - :class:`RecurrentMemoryInput` hands the model ``mx.array`` rows and takes lazy ones back.
-
-- State save/restore (:func:`state_write`, :func:`state_read` and the file forms) is the
-  reference's code run on host copies of the rows (:func:`_on_host`), so a blob written by
-  either memory restores in the other; parsing and checking blobs are imported.
+- State save/restore is the reference's code run on host copies of the rows
+  (:meth:`RecurrentMemory.on_host`), so a blob written by either memory restores in the
+  other; parsing and checking blobs are imported.
 """
 
 from __future__ import annotations
@@ -136,27 +137,28 @@ class RecurrentMemory(ref.RecurrentMemory):
             self.s_l = [zeros(t) for t in self.s_l]
     # --8<-- [end:clear]
 
-    def backup(self) -> tuple:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.backup`.
+    # --8<-- [start:save_rows]
+    def save_rows(self, cells: range) -> tuple[list, list]:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.save_rows`.
 
         The rows are immutable values: keeping the arrays (not copies) is the backup.
         """
-        return self._snapshot(), (list(self.r_l), list(self.s_l))
+        return list(self.r_l), list(self.s_l)
 
-    def restore(self, backup: tuple) -> None:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.restore`."""
-        snap, (r_l, s_l) = backup
-        self._restore(snap)
+    def load_rows(self, cells: range, saved: tuple[list, list]) -> None:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.load_rows`."""
+        r_l, s_l = saved
         self.r_l, self.s_l = list(r_l), list(s_l)
+    # --8<-- [end:save_rows]
 
-    # --8<-- [start:apply_ubatch]
-    def apply_ubatch(self, ubatch: Ubatch) -> None:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.apply_ubatch`.
+    # --8<-- [start:move_rows]
+    def move_rows(self, cells: range, src: list[int], rs_z: int) -> None:
+        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.move_rows`.
 
-        ``find_slot`` is the reference's; the row moves are, per layer and state, a zeroed
-        ``rs_z`` row then one gather ``t[src0]`` written over cells ``head .. head + n``
-        (the gather reads the array before the write, as the reference's fancy indexing);
-        the new rows are evaluated.
+        Per layer and state, a zeroed ``rs_z`` row then one gather ``t[src]`` written over
+        ``cells`` (the gather reads the array before the write, as the reference's fancy
+        indexing); the new rows are evaluated. ``apply_ubatch`` (``find_slot``, the check
+        of the placement, the undo) is the reference's.
 
         Examples:
             >>> from types import SimpleNamespace
@@ -165,55 +167,59 @@ class RecurrentMemory(ref.RecurrentMemory):
             >>> mem = RecurrentMemory(hp, mem_size=2, n_seq_max=2)
             >>> b = Batch(token=[1, 2, 3], seq_id=[[0], [1], [0]])
             >>> ub = BatchAllocr(b, n_vocab=8, n_seq_max=2, memory=mem).split_equal(8, True)
-            >>> mem.prepare([ub]), ub.n_seqs, ub.n_seq_tokens
-            (True, 2, 1)
-            >>> mem.apply_ubatch(ub)
-            >>> inp = mem.rs_input(ub)
+            >>> [cells] = mem.prepare([ub]); cells, ub.n_seqs, ub.n_seq_tokens
+            (range(0, 2), 2, 1)
+            >>> mem.apply_ubatch(cells, ub)
+            >>> inp = mem.graph_input(cells, ub)
             >>> inp.get_s(0).tolist()  # two new sequences: zeros
             [[0.0, 0.0], [0.0, 0.0]]
             >>> inp.cpy_s(0, mx.ones((2, 2)))
             >>> mem.seq_pos_max(0), mem.seq_pos_max(1), mem.s_l[0].sum().item()
             (0, 0, 4.0)
         """
-        snap = self._snapshot()
-        if not self.find_slot(ubatch):
-            self._restore(snap)
-            raise RecurrentMemoryError(f"no cell for a sequence of {ubatch.seq_id_unq}: "
-                                       f"seq ids must be < mem_size = {self.size}")
-        src = mx.array([self.cells[i].src0 for i in range(self.head, self.head + self.n)],
-                       dtype=mx.int32)  # (n,)
+        idx = mx.array(src, dtype=mx.int32)  # (n,)
         for rows in (self.r_l, self.s_l):
             for il, t in enumerate(rows):
-                if self.rs_z >= 0:
-                    t = _put_rows(t, self.rs_z, mx.zeros((1, t.shape[1]), t.dtype))
-                rows[il] = _put_rows(t, self.head, mx.take(t, src, axis=0))  # (size, n_embd)
+                if rs_z >= 0:
+                    t = _put_rows(t, rs_z, mx.zeros((1, t.shape[1]), t.dtype))
+                rows[il] = _put_rows(t, cells.start, mx.take(t, idx, axis=0))  # (size, n_embd)
         mx.eval(self.r_l + self.s_l)
-    # --8<-- [end:apply_ubatch]
+    # --8<-- [end:move_rows]
 
     # --8<-- [start:rs_input]
     def rs_input(self, ubatch: Ubatch) -> RecurrentMemoryInput:
         """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.rs_input`."""
         return RecurrentMemoryInput(self, ubatch)
     # --8<-- [end:rs_input]
+
+    # --8<-- [start:on_host]
+    @contextmanager
+    def on_host(self) -> Iterator[None]:
+        """The rows as NumPy inside the ``with``, MLX again after (even on an error).
+
+        The reference's state functions run on them (the state methods are inherited).
+        Re-entrant: inside, the rows are already on the host.
+        """
+        if self.r_l and isinstance(self.r_l[0], np.ndarray):
+            yield
+            return
+        mx_dtype = self.r_l[0].dtype if self.r_l else mx.float32
+        self.r_l = [np.array(t) for t in self.r_l]
+        self.s_l = [np.array(t) for t in self.s_l]
+        try:
+            yield
+        finally:
+            self.r_l = [mx.array(np.asarray(t)).astype(mx_dtype) for t in self.r_l]
+            self.s_l = [mx.array(np.asarray(t)).astype(mx_dtype) for t in self.s_l]
+    # --8<-- [end:on_host]
 # --8<-- [end:RecurrentMemory]
-
-
-@contextmanager
-def _on_host(memory: RecurrentMemory) -> Iterator[None]:
-    """Give ``memory`` NumPy rows for the duration, then MLX rows again (even on an error)."""
-    mx_dtype = memory.r_l[0].dtype if memory.r_l else mx.float32
-    memory.r_l = [np.array(t) for t in memory.r_l]
-    memory.s_l = [np.array(t) for t in memory.s_l]
-    try:
-        yield
-    finally:
-        memory.r_l = [mx.array(np.asarray(t)).astype(mx_dtype) for t in memory.r_l]
-        memory.s_l = [mx.array(np.asarray(t)).astype(mx_dtype) for t in memory.s_l]
 
 
 # --8<-- [start:state_write]
 def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int = -1) -> bytes:
-    """Twin of :func:`reference.memory.recurrent.state_write`. The reference on host rows.
+    """Twin of :func:`reference.memory.recurrent.state_write`. ``memory.state_write``.
+
+    The memory's method runs the reference on host rows (:meth:`RecurrentMemory.on_host`).
 
     Examples:
         >>> from reference.testing import tiny_mamba_hparams
@@ -221,36 +227,32 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
         >>> state_write(RecurrentMemory(hp, mem_size=1), hp)[:4]
         b'LRRS'
     """
-    with _on_host(memory):
-        return ref.state_write(memory, hparams, seq_id)
+    return memory.state_write(hparams, seq_id)
 # --8<-- [end:state_write]
 
 
 # --8<-- [start:state_read]
 def state_read(memory: RecurrentMemory, hparams: RecurrentHParams, data: bytes,
                dest_seq_id: int = -1) -> None:
-    """Twin of :func:`reference.memory.recurrent.state_read`. The reference on host rows.
+    """Twin of :func:`reference.memory.recurrent.state_read`. ``memory.state_read``.
 
     A refused blob raises :class:`reference.memory.state.StateError` and changes nothing.
     """
-    with _on_host(memory):
-        ref.state_read(memory, hparams, data, dest_seq_id)
+    memory.state_read(hparams, data, dest_seq_id)
 # --8<-- [end:state_read]
 
 
 # --8<-- [start:state_save_file]
 def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
                     tokens: ArrayLike, seq_id: int = -1) -> int:
-    """Twin of :func:`reference.memory.recurrent.state_save_file`. The reference on host rows."""
-    with _on_host(memory):
-        return ref.state_save_file(path, memory, hparams, tokens, seq_id)
+    """Twin of :func:`reference.memory.recurrent.state_save_file`. ``memory.state_save_file``."""
+    return memory.state_save_file(path, hparams, tokens, seq_id)
 # --8<-- [end:state_save_file]
 
 
 # --8<-- [start:state_load_file]
 def state_load_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
                     dest_seq_id: int = -1) -> np.ndarray:
-    """Twin of :func:`reference.memory.recurrent.state_load_file`. The reference on host rows."""
-    with _on_host(memory):
-        return ref.state_load_file(path, memory, hparams, dest_seq_id)
+    """Twin of :func:`reference.memory.recurrent.state_load_file`. ``memory.state_load_file``."""
+    return memory.state_load_file(path, hparams, dest_seq_id)
 # --8<-- [end:state_load_file]

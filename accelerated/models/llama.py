@@ -603,11 +603,11 @@ def greedy(
     while len(out) < n_predict:
         balloc = BatchAllocr(Batch(token=tokens), n_vocab=hparams.n_vocab, n_seq_max=1,
                              memory=cache)
-        ubatch = balloc.split_simple(len(tokens))
-        sinfo = cache.prepare([ubatch])[0]
-        cache.apply_ubatch(sinfo, ubatch)
-        logits = llama_forward(weights, hparams, ubatch.token, ubatch.pos,
-                               cache.attn_input(ubatch, sinfo), [len(tokens) - 1])
+        mctx = cache.init_batch(balloc, n_ubatch=len(tokens))  # one ubatch, its slot
+        mctx.apply()
+        ubatch = mctx.get_ubatch()
+        logits = llama_forward(weights, hparams, ubatch.token, ubatch.pos, mctx.graph_input(),
+                               [len(tokens) - 1])
         token = int(mx.argmax(logits[-1]).item())
         if token in stop:
             break

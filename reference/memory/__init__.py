@@ -1,11 +1,22 @@
-"""The memory of a context: the KV cache as cells (``llama_kv_cells``, ``llama_kv_cache``).
+"""The memory of a context: the KV cache as cells (``llama_kv_cells``, ``llama_kv_cache``),
+or the recurrent memory (``llama_memory_recurrent``), behind one interface (``llama_memory_i``).
 
+- :mod:`reference.memory.interface`: the interface both implement, the memory context of a
+  batch (``llama_memory_context_i``) and its status;
 - :mod:`reference.memory.kv_cells`: the metadata of the cells (positions, sequence sets,
   pending shifts);
 - :mod:`reference.memory.kv_cache`: the K/V tensors, streams, slot search, the memory API,
-  the K-shift, the KQ mask and the attention input of a ubatch.
+  the K-shift, the KQ mask and the attention input of a ubatch;
+- :mod:`reference.memory.recurrent`: one cell of state rows per sequence (Mamba);
+- :mod:`reference.memory.state`: save and restore;
+- :func:`create_memory`: which memory a model gets (``llama_model::create_memory``).
 """
 
+import numpy as np
+from numpy.typing import DTypeLike
+
+from reference.hparams import MAMBA_ARCHS
+from reference.memory.interface import Memory, MemoryContext, MemoryStatus
 from reference.memory.kv_cache import (
     KVCache,
     KVCacheAttnInput,
@@ -18,14 +29,20 @@ from reference.memory.kv_cache import (
     set_input_kq_mask,
 )
 from reference.memory.kv_cells import KVCells, pos_div_shift, pos_div_shift_llamacpp
+from reference.memory.recurrent import RecurrentMemory
 
 __all__ = [
     "KVCache",
     "KVCacheAttnInput",
     "KVCacheError",
     "KVCells",
+    "Memory",
+    "MemoryContext",
+    "MemoryStatus",
+    "RecurrentMemory",
     "SlotInfo",
     "build_rope_shift",
+    "create_memory",
     "k_shift_rope_params",
     "kv_size_swa",
     "n_ctx_seq",
@@ -33,3 +50,38 @@ __all__ = [
     "pos_div_shift_llamacpp",
     "set_input_kq_mask",
 ]
+
+
+# --8<-- [start:create_memory]
+def create_memory(hparams, n_ctx_seq: int, n_seq_max: int = 1, kv_unified: bool = True,
+                  swa_full: bool = True, n_ubatch: int = 512,
+                  dtype: DTypeLike = np.float32) -> Memory:
+    """The memory a model gets, chosen by its architecture (``llama_model::create_memory``).
+
+    ``mamba`` / ``mamba2``: a :class:`RecurrentMemory` of ``max(1, n_seq_max)`` cells, one
+    per sequence (``kv_unified``, ``swa_full`` and ``n_ctx_seq`` do not apply). Every other
+    architecture: a :class:`KVCache` of ``n_ctx_seq`` cells per stream.
+
+    Args:
+        hparams: the model's hyperparameters.
+        n_ctx_seq: cells per stream of a KV cache (llama_context's ``n_ctx_seq``).
+        n_seq_max: the number of sequences.
+        kv_unified: one KV stream for all sequences, or one per sequence.
+        swa_full: with a sliding window, keep the full context.
+        n_ubatch: the ubatch size (sizes a SWA cache).
+        dtype: dtype of the K/V tensors or of the state rows.
+
+    Examples:
+        >>> from reference.testing import tiny_hparams, tiny_mamba_hparams
+        >>> type(create_memory(tiny_hparams(), n_ctx_seq=256)).__name__
+        'KVCache'
+        >>> mem = create_memory(tiny_mamba_hparams("mamba"), n_ctx_seq=256, n_seq_max=3)
+        >>> type(mem).__name__, mem.get_size()
+        ('RecurrentMemory', 3)
+    """
+    if hparams.arch in MAMBA_ARCHS:  # llama_memory_recurrent(mem_size = max(1, n_seq_max))
+        return RecurrentMemory(hparams, mem_size=max(1, n_seq_max), n_seq_max=n_seq_max,
+                               dtype=dtype)
+    return KVCache(hparams, kv_size=n_ctx_seq, n_seq_max=n_seq_max, kv_unified=kv_unified,
+                   swa_full=swa_full, n_ubatch=n_ubatch, dtype=dtype)
+# --8<-- [end:create_memory]

@@ -17,16 +17,25 @@ there are ``n_seq_max`` streams of ``kv_size`` cells each, sequence $s$ living i
 :func:`n_ctx_seq`), and ``seq_cp`` between streams copies the whole stream at the next
 :meth:`KVCache.update`.
 
-Decoding a ubatch goes through four steps, as in llama.cpp:
+Decoding a batch goes through these steps, as in llama.cpp; they are the memory interface
+(:mod:`reference.memory.interface`) that the recurrent memory implements too:
 
-1. :meth:`KVCache.prepare` finds a slot (a list of cell indices) for every ubatch of the
-   batch by placing them one after the other, then restores the cells: all or nothing;
+1. :meth:`KVCache.init_batch` cuts the batch into ubatches (``split_simple`` for one stream,
+   ``split_equal(sequential=True)`` for one stream per sequence) and :meth:`KVCache.prepare`
+   finds a slot (a :class:`SlotInfo`: cell indices) for every ubatch by placing them one
+   after the other, then restores the cells: all or nothing;
 2. :meth:`KVCache.apply_ubatch` writes the ubatch's positions and sequence ids into its
    slot;
-3. :meth:`KVCache.attn_input` gives the model its :class:`KVCacheAttnInput`: it writes the
-   new K/V rows into the slot and reads the first ``n_kv`` cells back with the KQ mask;
+3. :meth:`KVCache.graph_input` (:meth:`KVCache.attn_input`) gives the model its
+   :class:`KVCacheAttnInput`: it writes the new K/V rows into the slot and reads the first
+   ``n_kv`` cells back with the KQ mask; :meth:`KVCache.remove_ubatch` undoes a ubatch that
+   was applied but not computed;
 4. :meth:`KVCache.update`, before the next batch, re-ropes the keys of the cells whose
    position changed (``seq_add``/``seq_div``): the lazy K-shift.
+
+The array work of these steps is in small methods the MLX twin overrides
+(:meth:`KVCache.copy_stream`, :meth:`KVCache.apply_k_shift`, :meth:`KVCache.on_host`); the
+bookkeeping around them is written once, here.
 
 The memory API (``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add``, ``seq_div``,
 ``seq_pos_min``, ``seq_pos_max``, ``clear``, ``can_shift``) has llama.cpp's edge cases;
@@ -35,13 +44,18 @@ where llama.cpp asserts, :class:`KVCacheError` is raised before anything changes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-from numpy.typing import DTypeLike
+from numpy.typing import ArrayLike, DTypeLike
 
+from reference.batch import BatchAllocr
 from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
 from reference.hparams import SWA_TYPE_NONE, LlamaHParams, is_masked_swa, rope_cparams
+from reference.memory.interface import MemoryContext, MemoryStatus, batch_context
 from reference.memory.kv_cells import KVCells
 from reference.ops import rope_ext, set_rows
 
@@ -405,8 +419,15 @@ class KVCache:
         return self.n_stream
 
     def get_has_shift(self) -> bool:
-        """Whether some stream has a pending K-shift."""
-        return any(cells.get_has_shift() for cells in self.v_cells)
+        """Whether a K-shift is pending: some used cell has a non-zero recorded shift.
+
+        llama.cpp answers with the cells' ``has_shift`` flag, which stays set when the
+        shifted cells were freed since (moved below 0, removed) or their shifts cancelled:
+        a K-shift that turns no key. Here such a flag does not count, so the answer depends
+        only on the cells' positions and shifts, which a state blob saves: a restored memory
+        answers as the one it was saved from (:mod:`reference.memory.state`).
+        """
+        return any(cells.get_has_shift() and any(cells.shift) for cells in self.v_cells)
 
     def can_shift(self) -> bool:
         """Whether positions can be shifted (``get_can_shift``): True for this cache."""
@@ -697,8 +718,10 @@ class KVCache:
     # --8<-- [end:find_cells]
 
     # --8<-- [start:apply_ubatch]
-    def apply_ubatch(self, sinfo: SlotInfo, ubatch) -> None:
+    def apply_ubatch(self, placement: SlotInfo, ubatch) -> None:
         """Write the ubatch's positions and sequence ids into the cells of its slot.
+
+        ``placement`` is the ubatch's :class:`SlotInfo` (from :meth:`prepare`).
 
         ``llama_kv_cache::apply_ubatch``. A cell being reused (SWA-masked, one sequence) is
         emptied first; then, so that every position between a sequence's ``pos_min`` and
@@ -706,8 +729,8 @@ class KVCache:
         overwritten position is removed (``seq_rm``). The head moves past the slot.
         """
         seq_pos_max_rm: dict[int, int] = {}
-        n = sinfo.size()
-        for s, (stream, idxs) in enumerate(zip(sinfo.strm, sinfo.idxs, strict=True)):
+        n = placement.size()
+        for s, (stream, idxs) in enumerate(zip(placement.strm, placement.idxs, strict=True)):
             cells = self.v_cells[stream]
             for ii, idx in enumerate(idxs):
                 i = s * n + ii
@@ -722,7 +745,7 @@ class KVCache:
             cells = self.v_cells[self.seq_to_stream[seq_id]]
             if cells.seq_pos_min(seq_id) <= p_max:
                 self.seq_rm(seq_id, cells.seq_pos_min(seq_id), p_max + 1)
-        for stream, idxs in zip(sinfo.strm, sinfo.idxs, strict=True):
+        for stream, idxs in zip(placement.strm, placement.idxs, strict=True):
             self.v_heads[stream] = idxs[-1] + 1
     # --8<-- [end:apply_ubatch]
 
@@ -753,6 +776,43 @@ class KVCache:
         return res
     # --8<-- [end:prepare]
 
+    # --8<-- [start:init_batch]
+    def init_batch(self, balloc: BatchAllocr, n_ubatch: int,
+                   embd_all: bool = False) -> MemoryContext:
+        """Split a validated batch and place every ubatch (``llama_kv_cache::init_batch``).
+
+        One stream: ``split_simple`` (the next ``n_ubatch`` tokens in batch order). One
+        stream per sequence: ``split_equal(sequential=True)`` (equal runs of consecutive
+        sequences, each ubatch touching each stream once). Then :meth:`prepare`.
+
+        Args:
+            balloc: the validated batch.
+            n_ubatch: the most tokens per ubatch.
+            embd_all: every token outputs embeddings (no effect on the KV cache's split).
+
+        Returns:
+            A :class:`~reference.memory.interface.MemoryContext` of the ubatches and their
+            :class:`SlotInfo`; ``FAILED_PREPARE`` (decode's 1) when the batch cannot be split
+            or a ubatch finds no slot, the cells then unchanged.
+        """
+        if self.n_stream == 1:
+            return batch_context(self, balloc, lambda: balloc.split_simple(n_ubatch))
+        return batch_context(self, balloc, lambda: balloc.split_equal(n_ubatch, sequential=True))
+    # --8<-- [end:init_batch]
+
+    # --8<-- [start:init_update]
+    def init_update(self, rope_factors: np.ndarray | None = None) -> MemoryContext:
+        """The pending update, if any (``llama_kv_cache::init_update``).
+
+        ``NO_UPDATE`` when no position changed since the last update (the cells'
+        ``has_shift`` flags, as llama.cpp) and no stream copy is pending; otherwise a context
+        whose ``apply()`` runs :meth:`update`.
+        """
+        if not any(cells.get_has_shift() for cells in self.v_cells) and not self.sc_info:
+            return MemoryContext(self, MemoryStatus.NO_UPDATE)
+        return MemoryContext(self, MemoryStatus.SUCCESS, rope_factors=rope_factors)
+    # --8<-- [end:init_update]
+
     # --8<-- [start:get_n_kv]
     def get_n_kv(self, sinfo: SlotInfo) -> int:
         r"""How many cells of each stream the ubatch reads (``get_n_kv``).
@@ -779,40 +839,129 @@ class KVCache:
     def attn_input(self, ubatch, sinfo: SlotInfo) -> KVCacheAttnInput:
         """The :class:`KVCacheAttnInput` of ``ubatch`` (call after :meth:`apply_ubatch`)."""
         return KVCacheAttnInput(self, ubatch, sinfo)
+
+    def graph_input(self, placement: SlotInfo, ubatch) -> KVCacheAttnInput:
+        """The memory interface's name for :meth:`attn_input` (placement first)."""
+        return self.attn_input(ubatch, placement)
     # --8<-- [end:attn_input]
+
+    # --8<-- [start:remove_ubatch]
+    def remove_ubatch(self, placement: SlotInfo, ubatch) -> None:
+        """Undo an applied ubatch that was not computed: ``seq_rm(s, pos_min_s, -1)``.
+
+        llama.cpp's decode does this when a ubatch's compute fails or is aborted, for the
+        *first* seq id of each token only; a token shared by several sequences then stays
+        in the others, its K/V possibly unwritten. Here every seq id of the ubatch is
+        cleaned (a divergence, see :mod:`reference.context`'s chapter). The placement is
+        not needed: positions say what to remove.
+        """
+        pos_min: dict[int, int] = {}
+        for p, ids in zip(ubatch.pos.tolist(), ubatch.seq_id, strict=True):
+            for s in ids:
+                pos_min[s] = min(pos_min.get(s, p), p)
+        for s, p in sorted(pos_min.items()):
+            self.seq_rm(s, p, -1)
+    # --8<-- [end:remove_ubatch]
 
     # --8<-- [start:update]
     def update(self, rope_factors: np.ndarray | None = None) -> bool:
         """Apply the pending stream copies, then the K-shift (``llama_kv_cache::update``).
 
         Stream copies (from ``seq_cp`` across streams) copy the K/V rows of the whole
-        stream. The K-shift turns the key of every cell with a non-zero recorded shift by
-        that shift (:func:`build_rope_shift`), in every layer, then forgets the shifts.
-        (llama.cpp turns every cell, by 0 for the others: the identity, except that under
-        YaRN it rescales them, see :func:`k_shift_rope_params`.)
+        stream (:meth:`copy_stream`). The K-shift turns the key of every cell with a non-zero
+        recorded shift by that shift (:meth:`apply_k_shift`), in every layer, then forgets
+        the shifts. (llama.cpp turns every cell, by 0 for the others: the identity, except
+        that under YaRN it rescales them, see :func:`k_shift_rope_params`.)
 
         Args:
             rope_factors: the model's ``rope_freqs.weight``, if it has one.
 
         Returns:
-            True when a K-shift was applied.
+            True when a K-shift turned some key.
         """
         for ssrc, sdst in self.sc_info:
-            for t in self.k_l + self.v_l:
-                t[sdst] = t[ssrc]
+            self.copy_stream(ssrc, sdst)
         self.sc_info = []
         if not self.get_has_shift():
+            for cells in self.v_cells:  # a flag set by shifts that turn no key: forget it
+                if cells.get_has_shift():
+                    cells.reset_shift()
             return False
-        hp = self.hparams
         for s, cells in enumerate(self.v_cells):
             rows = [i for i in range(cells.size()) if not cells.is_empty(i) and cells.get_shift(i)]
             if rows:
                 shift = np.array([cells.get_shift(i) for i in rows])  # (n_rows,)
-                for k in self.k_l:
-                    k_rows = k[s, rows].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
-                    k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
-                    k[s, rows] = k_rows.reshape(len(rows), -1)  # (n_rows, n_embd_k_gqa)
+                self.apply_k_shift(s, rows, shift, rope_factors)
             cells.reset_shift()
         return True
     # --8<-- [end:update]
+
+    # --8<-- [start:apply_k_shift]
+    def apply_k_shift(self, stream: int, rows: list[int], shift: np.ndarray,
+                      rope_factors: np.ndarray | None = None) -> None:
+        """The array step of :meth:`update`: turn the keys of ``rows`` of ``stream`` by ``shift``.
+
+        In every layer, :func:`build_rope_shift` on the rows' keys, written back in place.
+
+        Args:
+            stream: the stream.
+            rows: cell indices ``(n_rows,)``.
+            shift: the shift of each row ``(n_rows,)``.
+            rope_factors: the model's ``rope_freqs.weight`` or None.
+        """
+        hp = self.hparams
+        for k in self.k_l:
+            k_rows = k[stream, rows].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
+            k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
+            k[stream, rows] = k_rows.reshape(len(rows), -1)  # (n_rows, n_embd_k_gqa)
+
+    def copy_stream(self, ssrc: int, sdst: int) -> None:
+        """The other array step of :meth:`update`: stream ``sdst``'s K/V rows become ``ssrc``'s."""
+        for t in self.k_l + self.v_l:
+            t[sdst] = t[ssrc]
+    # --8<-- [end:apply_k_shift]
+
+    # ---- state (reference/memory/state.py) --------------------------------------------------
+
+    # --8<-- [start:state]
+    @contextmanager
+    def on_host(self) -> Iterator[None]:
+        """The K/V tensors as NumPy arrays inside the ``with``: already so in the reference.
+
+        The state functions of :mod:`reference.memory.state` read and write ``k_l``/``v_l``
+        as NumPy; a twin whose tensors live elsewhere overrides this to move them for the
+        duration (:meth:`accelerated.memory.KVCache.on_host`).
+        """
+        yield
+
+    def state_write(self, hparams: LlamaHParams, seq_id: int = -1) -> bytes:
+        """The memory, or one sequence, as bytes: :func:`reference.memory.state.state_write`."""
+        from reference.memory import state
+
+        with self.on_host():
+            return state.state_write(self, hparams, seq_id)
+
+    def state_read(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1) -> None:
+        """Restore a blob of :meth:`state_write`: :func:`reference.memory.state.state_read`."""
+        from reference.memory import state
+
+        with self.on_host():
+            state.state_read(self, hparams, data, dest_seq_id)
+
+    def state_save_file(self, path: str | Path, hparams: LlamaHParams, tokens: ArrayLike,
+                        seq_id: int = -1) -> int:
+        """Save to a file (:func:`reference.memory.state.state_save_file`); its size."""
+        from reference.memory import state
+
+        with self.on_host():
+            return state.state_save_file(path, self, hparams, tokens, seq_id)
+
+    def state_load_file(self, path: str | Path, hparams: LlamaHParams,
+                        dest_seq_id: int = -1) -> np.ndarray:
+        """Restore a file (:func:`reference.memory.state.state_load_file`); its tokens."""
+        from reference.memory import state
+
+        with self.on_host():
+            return state.state_load_file(path, self, hparams, dest_seq_id)
+    # --8<-- [end:state]
 # --8<-- [end:KVCache]

@@ -32,18 +32,30 @@ with the KV cache):
 - ``seq_add`` / ``seq_div``: only the position of the tail cell changes. There is no K-shift
   (a state is not rotated by position), so ``can_shift`` is True and costs nothing.
 
-Decoding a ubatch (``split_equal(sequential=True)``: ``n_seqs`` sequence sets of
-``n_seq_tokens`` tokens, token ``t`` of set ``s`` at index ``s * n_seq_tokens + t``):
+Decoding a batch goes through the steps of the memory interface
+(:mod:`reference.memory.interface`), the KV cache's steps with a range of cells in place of
+a slot:
 
-1. :meth:`RecurrentMemory.prepare` runs :meth:`RecurrentMemory.find_slot` on every ubatch,
-   then restores the cells: all or nothing;
+1. :meth:`RecurrentMemory.init_batch` cuts the batch with ``split_equal(sequential=True)``
+   (``n_seqs`` sequence sets of ``n_seq_tokens`` tokens, token ``t`` of set ``s`` at index
+   ``s * n_seq_tokens + t``), and :meth:`RecurrentMemory.prepare` runs
+   :meth:`RecurrentMemory.find_slot` on every ubatch, then restores the cells: all or
+   nothing; each ubatch's placement is the ``range`` of cells its graph touches;
 2. :meth:`RecurrentMemory.apply_ubatch` runs ``find_slot`` for real: the ubatch's sequences
    get the contiguous cells ``head .. head + n_seqs - 1``, set ``s`` in cell ``head + s``,
    then moves the state rows as the graph's ``build_rs`` does (``s_copy``: each cell of
    ``head .. head + n`` takes the row of its ``src0``; a cell with no source takes the
-   zeroed row ``rs_z``);
-3. :meth:`RecurrentMemory.rs_input` gives the model its :class:`RecurrentMemoryInput`:
-   ``get_r``/``get_s`` read the ``n_seqs`` rows, ``cpy_r``/``cpy_s`` write the final states.
+   zeroed row ``rs_z``); :meth:`RecurrentMemory.remove_ubatch` puts the cells and rows back
+   as they were before it;
+3. :meth:`RecurrentMemory.graph_input` (:meth:`RecurrentMemory.rs_input`) gives the model
+   its :class:`RecurrentMemoryInput`: ``get_r``/``get_s`` read the ``n_seqs`` rows,
+   ``cpy_r``/``cpy_s`` write the final states;
+4. there is no update: :meth:`RecurrentMemory.init_update` answers ``NO_UPDATE``.
+
+The row moves are small array methods the MLX twin overrides
+(:meth:`RecurrentMemory.move_rows`, :meth:`RecurrentMemory.save_rows`,
+:meth:`RecurrentMemory.load_rows`, :meth:`RecurrentMemory.on_host`); the bookkeeping around
+them is written once, here.
 
 Where this differs from llama.cpp at the pinned commit (each with a test):
 
@@ -72,6 +84,8 @@ State save/restore uses the header, checksum and refusal rules of
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -79,8 +93,9 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from reference.batch import Ubatch
+from reference.batch import BatchAllocr, Ubatch
 from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
+from reference.memory.interface import MemoryContext, MemoryStatus, batch_context
 from reference.memory.state import (
     DTYPE_OF_GGML_TYPE,
     FILE_MAGIC,
@@ -243,6 +258,7 @@ class RecurrentMemory:
         self.used = 0  # cells holding at least one sequence
         self.n = 0  # cells head .. head + n touched by the last placed ubatch
         self.rs_z = -1  # the cell zeroed for new sequences, -1 if none
+        self._undo: tuple | None = None  # what remove_ubatch needs to undo the last ubatch
         self.dtype = np.dtype(dtype)
         self.cells = [MemCell() for _ in range(mem_size)]
         self.r_l = [np.zeros((mem_size, hparams.n_embd_r()), self.dtype)
@@ -295,6 +311,7 @@ class RecurrentMemory:
             cell.tail = -1
         self.head = 0
         self.used = 0
+        self._undo = None
         if data:
             for t in self.r_l + self.s_l:
                 t.fill(0)
@@ -544,16 +561,26 @@ class RecurrentMemory:
     def _restore(self, snap: tuple) -> None:
         self.cells, self.used, self.head, self.n, self.rs_z = snap
 
+    # --8<-- [start:backup]
     def backup(self) -> tuple:
-        """Everything a ubatch may change: the cells and every state row (to undo an abort)."""
-        return self._snapshot(), [t.copy() for t in self.r_l + self.s_l]
+        """The cells and every state row, for :meth:`restore`."""
+        return self._snapshot(), self.save_rows(range(self.size))
 
     def restore(self, backup: tuple) -> None:
         """Put back what :meth:`backup` saved."""
         snap, rows = backup
         self._restore(snap)
-        for t, saved in zip(self.r_l + self.s_l, rows, strict=True):
-            t[...] = saved
+        self.load_rows(range(self.size), rows)
+
+    def save_rows(self, cells: range) -> list[np.ndarray]:
+        """The array step of a backup: copies of the state rows of ``cells``, every layer."""
+        return [t[cells.start: cells.stop].copy() for t in self.r_l + self.s_l]
+
+    def load_rows(self, cells: range, saved: list[np.ndarray]) -> None:
+        """Write back rows that :meth:`save_rows` saved from ``cells``."""
+        for t, rows in zip(self.r_l + self.s_l, saved, strict=True):
+            t[cells.start: cells.stop] = rows
+    # --8<-- [end:backup]
 
     # --8<-- [start:find_slot]
     def find_slot(self, ubatch: Ubatch) -> bool:
@@ -689,33 +716,72 @@ class RecurrentMemory:
     # --8<-- [end:stage_sources]
 
     # --8<-- [start:prepare]
-    def prepare(self, ubatches: list[Ubatch]) -> bool:
-        """Whether every ubatch of a batch fits, placing them in order; changes nothing.
+    def prepare(self, ubatches: list[Ubatch]) -> list[range] | None:
+        """Where every ubatch of a batch goes, placing them in order; changes nothing.
 
         ``llama_memory_recurrent::prepare``: :meth:`find_slot` on each ubatch, then the
         cells, ``used`` and ``head`` are restored (whether it fit or not). Here ``n`` and
-        ``rs_z`` are restored too. False is decode's return code 1.
+        ``rs_z`` are restored too.
+
+        Returns:
+            Per ubatch, the cells ``range(head, head + n)`` its graph touches; None when one
+            does not fit (llama.cpp: False; decode's return code 1).
         """
         snap = self._snapshot()
+        placements = []
         try:
-            return all(self.find_slot(ubatch) for ubatch in ubatches)
+            for ubatch in ubatches:
+                if not self.find_slot(ubatch):
+                    return None
+                placements.append(range(self.head, self.head + self.n))
+            return placements
         finally:
             self._restore(snap)
     # --8<-- [end:prepare]
 
+    # --8<-- [start:init_batch]
+    def init_batch(self, balloc: BatchAllocr, n_ubatch: int,
+                   embd_all: bool = False) -> MemoryContext:
+        """Split a validated batch and place every ubatch (``init_batch``).
+
+        ``llama_memory_recurrent::init_batch`` always cuts with
+        ``split_equal(sequential=True)``: the conv and the scan run on ``n_seqs`` sets of
+        ``n_seq_tokens`` tokens; with ``split_seq`` when every token outputs embeddings
+        (``embd_all``). Then :meth:`prepare`.
+
+        Returns:
+            A :class:`~reference.memory.interface.MemoryContext` of the ubatches and their
+            cell ranges; ``FAILED_PREPARE`` (decode's 1) when the batch cannot be split or
+            does not fit, the cells then unchanged.
+        """
+        if embd_all:
+            return batch_context(self, balloc, lambda: balloc.split_seq(n_ubatch))
+        return batch_context(self, balloc, lambda: balloc.split_equal(n_ubatch, sequential=True))
+
+    def init_update(self, rope_factors: np.ndarray | None = None) -> MemoryContext:
+        """``NO_UPDATE``: a state is not rotated by position, there is nothing to update."""
+        return MemoryContext(self, MemoryStatus.NO_UPDATE)
+
+    def update(self, rope_factors: np.ndarray | None = None) -> bool:
+        """Nothing to do (there is no K-shift); False."""
+        return False
+    # --8<-- [end:init_batch]
+
     # --8<-- [start:apply_ubatch]
-    def apply_ubatch(self, ubatch: Ubatch) -> None:
+    def apply_ubatch(self, placement: range, ubatch: Ubatch) -> None:
         """Place ``ubatch`` (:meth:`find_slot`) and move the state rows (``build_rs``).
 
-        For every layer and both states, as the graph of the ubatch does before the layer
-        runs: zero row ``rs_z``, then every cell ``i`` of ``head .. head + n`` takes the row
-        of its source ``src0`` (all rows are read before any is written). After this, cell
+        ``placement`` is what :meth:`prepare` found for the ubatch; ``find_slot`` runs again
+        (as llama.cpp's ``apply``) and must land there. Then, for every layer and both
+        states, as the graph of the ubatch does before the layer runs (:meth:`move_rows`):
+        zero row ``rs_z``, then every cell ``i`` of ``head .. head + n`` takes the row of
+        its source ``src0`` (all rows are read before any is written). After this, cell
         ``head + s`` holds the state sequence set ``s`` continues from: its own, the shared
-        one it copied on write, or zeros.
+        one it copied on write, or zeros. What :meth:`remove_ubatch` needs is kept.
 
         Raises:
-            RecurrentMemoryError: the ubatch does not fit (call :meth:`prepare` first); the
-                memory is then unchanged.
+            RecurrentMemoryError: the ubatch does not fit, or not at ``placement`` (call
+                :meth:`prepare` first); the memory is then unchanged.
 
         Examples:
             >>> from types import SimpleNamespace
@@ -724,10 +790,10 @@ class RecurrentMemory:
             >>> mem = RecurrentMemory(hp, mem_size=2, n_seq_max=2)
             >>> b = Batch(token=[1, 2, 3], seq_id=[[0], [1], [0]])
             >>> ub = BatchAllocr(b, n_vocab=8, n_seq_max=2, memory=mem).split_equal(8, True)
-            >>> mem.prepare([ub]), ub.n_seqs, ub.n_seq_tokens
-            (True, 2, 1)
-            >>> mem.apply_ubatch(ub)
-            >>> inp = mem.rs_input(ub)
+            >>> [cells] = mem.prepare([ub]); cells, ub.n_seqs, ub.n_seq_tokens
+            (range(0, 2), 2, 1)
+            >>> mem.apply_ubatch(cells, ub)
+            >>> inp = mem.graph_input(cells, ub)
             >>> inp.get_s(0).tolist()  # two new sequences: zeros
             [[0.0, 0.0], [0.0, 0.0]]
             >>> inp.cpy_s(0, np.ones((2, 2), np.float32))
@@ -739,19 +805,97 @@ class RecurrentMemory:
             self._restore(snap)
             raise RecurrentMemoryError(f"no cell for a sequence of {ubatch.seq_id_unq}: "
                                        f"seq ids must be < mem_size = {self.size}")
-        dst = slice(self.head, self.head + self.n)
-        src = [self.cells[i].src0 for i in range(dst.start, dst.stop)]
-        for t in self.r_l + self.s_l:
-            if self.rs_z >= 0:
-                t[self.rs_z] = 0
-            t[dst] = t[src]  # (n, n_embd_r or n_embd_s); fancy indexing reads first
+        cells = range(self.head, self.head + self.n)
+        if cells != placement:
+            self._restore(snap)
+            raise RecurrentMemoryError(f"the ubatch lands in cells {cells}, not in its "
+                                       f"placement {placement}: prepare() the ubatches in order")
+        self._undo = (ubatch, cells, snap, self.save_rows(cells))
+        self.move_rows(cells, [self.cells[i].src0 for i in cells], self.rs_z)
     # --8<-- [end:apply_ubatch]
+
+    # --8<-- [start:move_rows]
+    def move_rows(self, cells: range, src: list[int], rs_z: int) -> None:
+        """The array step of :meth:`apply_ubatch`: zero row ``rs_z``, then ``cells`` take ``src``.
+
+        Args:
+            cells: the cells of the ubatch, ``head .. head + n``.
+            src: the source row of each of them (``src0``).
+            rs_z: the row to zero first (-1: none).
+        """
+        for t in self.r_l + self.s_l:
+            if rs_z >= 0:
+                t[rs_z] = 0
+            t[cells.start: cells.stop] = t[src]  # (n, n_embd_r or n_embd_s); reads first
+    # --8<-- [end:move_rows]
+
+    # --8<-- [start:remove_ubatch]
+    def remove_ubatch(self, placement: range, ubatch: Ubatch) -> None:
+        """Undo the last :meth:`apply_ubatch`, whose ubatch was not computed (an abort).
+
+        A state cannot forget its last tokens (``seq_rm`` of a partial range returns
+        False), so the cells and the state rows of ``placement`` are put back as they were
+        before the ubatch was applied. llama.cpp's decode calls ``seq_rm(s, pos_min, -1)``,
+        which the recurrent memory refuses for a sequence that goes on: the cell keeps the
+        ubatch's last position over a state that was never computed (a divergence).
+
+        Raises:
+            RecurrentMemoryError: ``ubatch`` is not the last one applied (at ``placement``).
+        """
+        undo = self._undo
+        if undo is None or undo[0] is not ubatch or undo[1] != placement:
+            raise RecurrentMemoryError("remove_ubatch undoes the last apply_ubatch only, "
+                                       "before anything else changes the memory")
+        _, cells, snap, rows = undo
+        self._restore(snap)
+        self.load_rows(cells, rows)
+        self._undo = None
+    # --8<-- [end:remove_ubatch]
 
     # --8<-- [start:rs_input]
     def rs_input(self, ubatch: Ubatch) -> RecurrentMemoryInput:
         """The :class:`RecurrentMemoryInput` of ``ubatch`` (call after :meth:`apply_ubatch`)."""
         return RecurrentMemoryInput(self, ubatch)
+
+    def graph_input(self, placement: range, ubatch: Ubatch) -> RecurrentMemoryInput:
+        """The memory interface's name for :meth:`rs_input` (the memory knows the cells)."""
+        return self.rs_input(ubatch)
     # --8<-- [end:rs_input]
+
+    # ---- state (the module's functions, below) ----------------------------------------------
+
+    # --8<-- [start:state]
+    @contextmanager
+    def on_host(self) -> Iterator[None]:
+        """The state rows as NumPy arrays inside the ``with``: already so in the reference.
+
+        A twin whose rows live elsewhere overrides this to move them for the duration
+        (:meth:`accelerated.memory.recurrent.RecurrentMemory.on_host`).
+        """
+        yield
+
+    def state_write(self, hparams: RecurrentHParams, seq_id: int = -1) -> bytes:
+        """The memory, or one sequence, as bytes: the module's :func:`state_write`."""
+        with self.on_host():
+            return state_write(self, hparams, seq_id)
+
+    def state_read(self, hparams: RecurrentHParams, data: bytes, dest_seq_id: int = -1) -> None:
+        """Restore a blob of :meth:`state_write`: the module's :func:`state_read`."""
+        with self.on_host():
+            state_read(self, hparams, data, dest_seq_id)
+
+    def state_save_file(self, path: str | Path, hparams: RecurrentHParams, tokens: ArrayLike,
+                        seq_id: int = -1) -> int:
+        """Save to a file (the module's :func:`state_save_file`); its size."""
+        with self.on_host():
+            return state_save_file(path, self, hparams, tokens, seq_id)
+
+    def state_load_file(self, path: str | Path, hparams: RecurrentHParams,
+                        dest_seq_id: int = -1) -> np.ndarray:
+        """Restore a file (the module's :func:`state_load_file`); its tokens."""
+        with self.on_host():
+            return state_load_file(path, self, hparams, dest_seq_id)
+    # --8<-- [end:state]
 # --8<-- [end:RecurrentMemory]
 
 

@@ -38,10 +38,19 @@ Where this format differs from llama.cpp's (it is *not* byte-compatible with it)
   the cache dtypes, the stream count, the saved sequence) and a SHA-256 trailer. llama.cpp
   writes only the architecture name (in the context wrapper) and relies on per-layer type
   and row-size checks, so a blob of another model of the same shape loads silently;
-- each cell also carries its pending K-shift (where llama.cpp writes its ``ext``): llama.cpp
-  drops it, so a state saved between ``seq_add`` and the next decode comes back with keys
-  that are never re-roped. Pending stream copies (``seq_cp`` across streams) are resolved
-  when writing (the rows are read from the copy's source);
+- each cell also carries its pending K-shift (where llama.cpp writes its ``ext``). A cell
+  moved by ``seq_add`` / ``seq_div`` holds its new position but its key is still roped at
+  the old one until the next decode's K-shift. llama.cpp's ``state_write_meta`` saves the
+  position only, and ``state_read_meta`` restores into a cleared cache (no shift, no
+  ``has_shift``): the restored key is the un-shifted key under the shifted position, and it
+  is never turned. Here the restored cell gets the same un-shifted key *and* the same
+  pending shift, so the next K-shift turns it exactly as it turns the source's. The
+  stream's "a shift is pending" answer is not saved as such:
+  :meth:`~reference.memory.KVCache.get_has_shift` is computed from the cells (some used cell
+  with a non-zero shift), so the restored memory answers as the source does. (llama.cpp's
+  flag also stays set after the shifted cells are freed, a shift below 0 for instance,
+  when no key is left to turn; that flag is not state.) Pending stream copies (``seq_cp``
+  across streams) are resolved when writing (the rows are read from the copy's source);
 - everything is checked *before* anything changes. llama.cpp removes ``dest_seq_id`` before
   it knows the blob fits, and on a failed read clears the destination (the whole memory for
   a whole restore); here a refused blob leaves the memory exactly as it was;
@@ -61,7 +70,6 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +79,7 @@ from numpy.typing import ArrayLike
 from reference.batch import Ubatch
 from reference.common import DTYPE_OF_GGML_TYPE, GGML_TYPE_OF_DTYPE, LlamarefError
 from reference.hparams import LlamaHParams, is_masked_swa
+from reference.memory.interface import Memory
 from reference.memory.kv_cache import KVCache
 from reference.memory.kv_cells import KVCells
 
@@ -837,11 +846,10 @@ def state_load_file(
 
 # --8<-- [start:context_state_write]
 def context_state_write(
-    memory: KVCache,
+    memory: Memory,
     hparams: LlamaHParams,
     logits: np.ndarray | None,
     output_ids: ArrayLike,
-    write_memory: Callable = state_write,
 ) -> bytes:
     """The context's state: its output buffer, then the memory blob.
 
@@ -851,19 +859,21 @@ def context_state_write(
     | has_logits | u32 (0: none) |
     | logits type, n_outputs, n_vocab, logits | i32, u32, u32, rows (when has_logits) |
     | n_output_ids, output_ids | u32, i32 each |
-    | memory blob size, memory blob | u64, :func:`state_write` |
+    | memory blob size, memory blob | u64, ``memory.state_write(hparams)`` |
     | checksum | SHA-256 of every byte before it |
 
     ``output_ids`` is stored as the Context keeps it (any int32 sequence, for example the
     logits row of each batch index, -1 for none); it is given back unchanged.
 
+    The memory writes its own blob (:meth:`~reference.memory.KVCache.state_write`: this
+    module's :func:`state_write` for a KV cache,
+    :func:`reference.memory.recurrent.state_write` for a recurrent memory).
+
     Args:
-        memory: the context's cache.
+        memory: the context's memory.
         hparams: its hyperparameters.
         logits: the last decode's logits ``(n_outputs, n_vocab)``, or None.
         output_ids: the output bookkeeping of the last decode ``(n,)``.
-        write_memory: the memory's blob writer: :func:`state_write` for a KV cache,
-            :func:`reference.memory.recurrent.state_write` for a recurrent memory.
 
     Returns:
         The blob.
@@ -886,7 +896,7 @@ def context_state_write(
         raise StateError("output ids must fit an int32")
     body.write("I", ids.size)
     body.write_array(ids.astype(np.int32))
-    blob = write_memory(memory, hparams)
+    blob = memory.state_write(hparams)
     body.write("Q", len(blob))
     body.write_bytes(blob)
     return _seal(CONTEXT_MAGIC, CONTEXT_VERSION, body.getvalue())
@@ -895,18 +905,17 @@ def context_state_write(
 
 # --8<-- [start:context_state_read]
 def context_state_read(
-    memory: KVCache, hparams: LlamaHParams, data: bytes, read_memory: Callable = state_read
+    memory: Memory, hparams: LlamaHParams, data: bytes
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Restore a blob of :func:`context_state_write`; returns ``(logits, output_ids)``.
 
-    The whole blob, the memory blob included, is checked before the memory changes.
+    The whole blob, the memory blob included (read by ``memory.state_read``), is checked
+    before the memory changes.
 
     Args:
-        memory: the context's cache.
+        memory: the context's memory.
         hparams: its hyperparameters.
         data: the blob.
-        read_memory: the memory's blob reader, as ``write_memory`` of
-            :func:`context_state_write`.
 
     Returns:
         ``logits`` ``(n_outputs, n_vocab)`` or None, and ``output_ids`` ``(n,)`` int32.
@@ -934,6 +943,6 @@ def context_state_read(
     blob = io.read_bytes(io.read("Q"))
     if io.off != len(io.data):
         raise StateError(f"context state has {len(io.data) - io.off} unread bytes")
-    read_memory(memory, hparams, blob)
+    memory.state_read(hparams, blob)
     return logits, output_ids
 # --8<-- [end:context_state_read]
