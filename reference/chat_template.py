@@ -19,7 +19,9 @@ templates and re-implements them in C++, ``llama_chat_apply_template``; that is 
 follow.)
 
 The rendered prompt is then tokenized with ``parse_special=True`` so that ``<|im_start|>``
-becomes its control token, and ``add_special`` as the model asks.
+becomes its control token, and ``add_special`` as the model asks
+(:meth:`reference.tokenizer.Tokenizer.apply_chat_template`, which reports a
+:class:`ChatTemplateError` as a ``TokenizerError``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from reference.common import LlamarefError
+
+
+class ChatTemplateError(LlamarefError, ValueError):
+    """A chat template that does not compile, refuses the messages, or fails to render."""
+
 
 def _raise_exception(message: str) -> None:
-    from reference.tokenizer import TokenizerError
-
-    raise TokenizerError(f"the chat template refused the messages: {message}")
+    raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
 def _tojson(
@@ -101,7 +107,7 @@ def render_chat_template(
         The prompt text.
 
     Raises:
-        TokenizerError: the template does not compile, refuses the messages
+        ChatTemplateError: the template does not compile, refuses the messages
             (``raise_exception``), or fails while rendering.
 
     Examples:
@@ -112,14 +118,12 @@ def render_chat_template(
     """
     import jinja2
 
-    from reference.tokenizer import TokenizerError
-
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise TokenizerError("messages must be a list of dicts")
+        raise ChatTemplateError("messages must be a list of dicts")
     try:
         compiled = _compile(template)
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"the chat template does not compile: {e}") from None
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
     try:
         return compiled.render(
             messages=messages,
@@ -129,7 +133,7 @@ def render_chat_template(
             **special_tokens,
         )
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"the chat template failed to render: {e}") from None
+        raise ChatTemplateError(f"the chat template failed to render: {e}") from None
 
 
 # --8<-- [end:render_chat_template]

@@ -42,6 +42,7 @@ from typing import Any
 from reference.batch import Batch
 from reference.common import LlamarefError
 from reference.context import Context, ContextError, context_shift
+from reference.tokenizer import StreamDecoder
 
 #: ``llama-completion`` keeps 4 cells free: a prompt longer than ``n_ctx - 4`` is refused here.
 N_CTX_MARGIN = 4
@@ -316,8 +317,6 @@ class ChatSession:
         Returns:
             The reply (also added to the conversation).
         """
-        from reference.tokenizer import StreamDecoder
-
         self.messages.append({"role": "user", "content": user})
         tokens = self.render()
         suffix = self.generator.sync_prefix(tokens)

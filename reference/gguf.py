@@ -53,6 +53,11 @@ anything is allocated from it, so a corrupt or hostile file costs at most memory
 proportional to its own size, and ends in a :class:`GGUFError`, never in another exception.
 Tensor data are not copied: F32 tensors are read-only views of a memory map, and every other
 type is a :class:`reference.quants.QuantizedTensor` over the raw bytes.
+
+This module is the container only: what a key means to a model (``llama.block_count`` is
+``n_layer``) is :mod:`reference.hparams`' table, :data:`reference.hparams.GGUF_KEYS`, which
+reads the hyperparameters of a file (:func:`reference.hparams.hparams_from_file`) and writes
+them as metadata (:func:`reference.hparams.llama_metadata`).
 """
 
 from __future__ import annotations
@@ -61,17 +66,14 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
 from reference.common import LlamarefError
-
-if TYPE_CHECKING:
-    from reference.hparams import LlamaHParams
-    from reference.quants import QuantizedTensor
+from reference.quants import QuantizedTensor, row_size
 
 # --8<-- [start:constants]
 GGUF_MAGIC = b"GGUF"
@@ -190,16 +192,6 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise GGUFError(f"{self.path}: 'general.architecture' is missing or not a string")
         return arch
-
-    @property
-    def hparams(self) -> LlamaHParams:
-        """The hyperparameters, by :func:`reference.hparams.hparams_from_gguf`.
-
-        ``tied_output`` is True when the file has no ``output.weight``.
-        """
-        from reference.hparams import hparams_from_gguf
-
-        return hparams_from_gguf(self.arch, self.metadata, tensor_names=self.tensors.keys())
 
 
 # --8<-- [end:GGUFFile]
@@ -564,8 +556,6 @@ def _tensor_view(buf: np.ndarray, start: int, info: TensorInfo) -> np.ndarray | 
     raw = buf[start : start + info.nbytes]  # (nbytes,) uint8
     if info.type == GGMLQuantizationType.F32:
         return raw.view("<f4").reshape(info.shape)  # shape
-    from reference.quants import QuantizedTensor, row_size
-
     data = raw.reshape(*info.shape[:-1], row_size(info.type, info.shape[-1]))  # (..., row_bytes)
     return QuantizedTensor(info.type, info.shape, data)  # dequantize() checks the type
 
@@ -801,8 +791,6 @@ def _tensor_bytes(name: str, tensor: Any) -> tuple[tuple[int, ...], GGMLQuantiza
                 "QuantizedTensor for any other ggml type"
             )
         return tensor.shape, GGMLQuantizationType.F32, tensor.astype("<f4").tobytes()
-    from reference.quants import QuantizedTensor
-
     if not isinstance(tensor, QuantizedTensor):
         raise GGUFError(f"tensor {name!r}: expected a float32 array or a QuantizedTensor")
     qtype = GGMLQuantizationType(tensor.qtype)
@@ -907,184 +895,3 @@ def write_gguf(
 
 
 # --8<-- [end:write_gguf]
-
-
-# ---------------------------------------------------------------------------------------------
-# Llama-family metadata
-# ---------------------------------------------------------------------------------------------
-
-# llama.cpp's llama_token_type, as tokenizer.ggml.token_type stores it.
-LLAMA_TOKEN_TYPE_NORMAL = 1
-LLAMA_TOKEN_TYPE_UNKNOWN = 2
-LLAMA_TOKEN_TYPE_CONTROL = 3
-LLAMA_TOKEN_TYPE_BYTE = 6
-
-
-# --8<-- [start:spm_dummy_vocab]
-def spm_dummy_vocab(n_vocab: int) -> dict[str, Any]:
-    """A minimal SentencePiece-style (``"llama"``) vocabulary of ``n_vocab`` tokens.
-
-    Token 0 is ``<unk>``, 1 ``<s>`` (BOS), 2 ``</s>`` (EOS), then the byte tokens
-    ``<0x00>``..``<0xFF>`` as far as they fit, then ``tok{i}`` pieces with score ``-i``.
-    It is enough for llama.cpp to load a random model.
-
-    Args:
-        n_vocab: number of tokens, at least 3.
-
-    Returns:
-        The ``tokenizer.ggml.*`` metadata keys.
-
-    Raises:
-        GGUFError: ``n_vocab < 3``.
-
-    Examples:
-        >>> tokens = spm_dummy_vocab(300)["tokenizer.ggml.tokens"]
-        >>> tokens[:4], tokens[-1]
-        (['<unk>', '<s>', '</s>', '<0x00>'], 'tok299')
-    """
-    if n_vocab < 3:
-        raise GGUFError(f"a vocabulary needs at least 3 tokens (unk, bos, eos), got {n_vocab}")
-    tokens = ["<unk>", "<s>", "</s>"]
-    types = [LLAMA_TOKEN_TYPE_UNKNOWN, LLAMA_TOKEN_TYPE_CONTROL, LLAMA_TOKEN_TYPE_CONTROL]
-    n_bytes = min(256, n_vocab - 3)
-    tokens += [f"<0x{b:02X}>" for b in range(n_bytes)]
-    types += [LLAMA_TOKEN_TYPE_BYTE] * n_bytes
-    tokens += [f"tok{i}" for i in range(len(tokens), n_vocab)]
-    types += [LLAMA_TOKEN_TYPE_NORMAL] * (n_vocab - len(types))
-    return {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": -np.arange(n_vocab, dtype=np.float32),  # (n_vocab,)
-        "tokenizer.ggml.token_type": np.array(types, dtype=np.int32),  # (n_vocab,)
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-    }
-
-
-# --8<-- [end:spm_dummy_vocab]
-
-
-def _model_metadata(arch: str, hparams: Any, vocab: dict[str, Any] | None) -> dict[str, Any]:
-    """The keys every model writes: its name and sizes, and its vocabulary (checked)."""
-    vocab = spm_dummy_vocab(hparams.n_vocab) if vocab is None else dict(vocab)
-    if len(vocab.get("tokenizer.ggml.tokens", ())) != hparams.n_vocab:
-        raise GGUFError(f"the vocabulary must have n_vocab={hparams.n_vocab} tokens")
-    return {
-        "general.architecture": arch,
-        "general.name": f"llamaref {arch}",
-        f"{arch}.context_length": hparams.n_ctx_train,
-        f"{arch}.embedding_length": hparams.n_embd,
-        f"{arch}.block_count": hparams.n_layer,
-        **vocab,
-    }
-
-
-# --8<-- [start:llama_metadata]
-def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The GGUF metadata that describes ``hparams`` (arch ``llama`` or ``qwen2``).
-
-    The inverse of :func:`reference.hparams.hparams_from_gguf`: reading the keys back gives
-    ``hparams`` again (floats rounded to float32, as llama.cpp stores them;
-    ``n_ctx_orig_yarn = 0`` becomes ``n_ctx_train``; ``tied_output`` comes from the tensors).
-
-    Args:
-        hparams: the hyperparameters.
-        vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
-            :func:`spm_dummy_vocab`.
-
-    Returns:
-        Key to value, ready for :func:`write_gguf`.
-
-    Raises:
-        GGUFError: an architecture other than llama/qwen2, or a vocabulary whose size is not
-            ``hparams.n_vocab``.
-
-    Examples:
-        >>> from reference.hparams import LlamaHParams
-        >>> hp = LlamaHParams("llama", n_vocab=32, n_ctx_train=64, n_embd=16, n_layer=1,
-        ...     n_head=2, n_head_kv=1, n_embd_head_k=8, n_embd_head_v=8, n_rot=8, n_ff=32,
-        ...     f_norm_rms_eps=1e-5)
-        >>> md = llama_metadata(hp)
-        >>> md["llama.attention.head_count_kv"], len(md["tokenizer.ggml.tokens"])
-        (1, 32)
-    """
-    from reference.hparams import ROPE_SCALING_TYPE_NAMES
-
-    arch = hparams.arch
-    if arch not in ("llama", "qwen2"):
-        raise GGUFError(f"unsupported architecture {arch!r}: expected 'llama' or 'qwen2'")
-    md = _model_metadata(arch, hparams, vocab)
-    md.update({
-        f"{arch}.feed_forward_length": hparams.n_ff,
-        f"{arch}.attention.head_count": hparams.n_head,
-        f"{arch}.attention.head_count_kv": hparams.n_head_kv,
-        f"{arch}.attention.key_length": hparams.n_embd_head_k,
-        f"{arch}.attention.value_length": hparams.n_embd_head_v,
-        f"{arch}.rope.dimension_count": hparams.n_rot,
-        f"{arch}.attention.layer_norm_rms_epsilon": float(hparams.f_norm_rms_eps),
-        f"{arch}.rope.freq_base": float(hparams.rope_freq_base_train),
-        f"{arch}.rope.scaling.type": ROPE_SCALING_TYPE_NAMES[hparams.rope_scaling_type_train],
-        f"{arch}.rope.scaling.original_context_length": hparams.n_ctx_orig_yarn
-        or hparams.n_ctx_train,
-    })
-    if hparams.rope_freq_scale_train != 1.0:
-        md[f"{arch}.rope.scaling.factor"] = 1.0 / hparams.rope_freq_scale_train
-    if hparams.n_swa:
-        md[f"{arch}.attention.sliding_window"] = hparams.n_swa
-    return md
-
-
-# --8<-- [end:llama_metadata]
-
-
-# --8<-- [start:mamba_metadata]
-def mamba_metadata(hparams: Any, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The GGUF metadata that describes a ``mamba``/``mamba2`` model, as the converter writes.
-
-    The inverse of :func:`reference.hparams.mamba_hparams_from_gguf`. Like
-    ``convert_hf_to_gguf``'s ``MambaModel`` / ``Mamba2Model`` it also writes
-    ``feed_forward_length = 0`` and ``attention.head_count = 0`` (unused by the graph).
-
-    Args:
-        hparams: a :class:`reference.hparams.MambaHParams`.
-        vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
-            :func:`spm_dummy_vocab`.
-
-    Returns:
-        Key to value, ready for :func:`write_gguf`.
-
-    Raises:
-        GGUFError: another architecture, or a vocabulary whose size is not
-            ``hparams.n_vocab``.
-
-    Examples:
-        >>> from reference.hparams import MambaHParams
-        >>> hp = MambaHParams("mamba2", n_vocab=32, n_embd=16, n_layer=1, n_ctx_train=64,
-        ...     ssm_d_conv=4, ssm_d_inner=32, ssm_d_state=8, ssm_dt_rank=4, ssm_n_group=1,
-        ...     f_norm_rms_eps=1e-5)
-        >>> md = mamba_metadata(hp)
-        >>> md["mamba2.ssm.group_count"], md["mamba2.ssm.time_step_rank"]
-        (1, 4)
-    """
-    arch = hparams.arch
-    if arch not in ("mamba", "mamba2"):
-        raise GGUFError(f"unsupported architecture {arch!r}: expected 'mamba' or 'mamba2'")
-    md = _model_metadata(arch, hparams, vocab)
-    md.update({
-        f"{arch}.feed_forward_length": 0,
-        f"{arch}.attention.head_count": 0,
-        f"{arch}.ssm.conv_kernel": hparams.ssm_d_conv,
-        f"{arch}.ssm.inner_size": hparams.ssm_d_inner,
-        f"{arch}.ssm.state_size": hparams.ssm_d_state,
-        f"{arch}.ssm.time_step_rank": hparams.ssm_dt_rank,
-        f"{arch}.attention.layer_norm_rms_epsilon": float(hparams.f_norm_rms_eps),
-    })
-    if arch == "mamba":
-        md["mamba.ssm.dt_b_c_rms"] = bool(hparams.ssm_dt_b_c_rms)
-    else:
-        md["mamba2.ssm.group_count"] = hparams.ssm_n_group
-    return md
-
-
-# --8<-- [end:mamba_metadata]

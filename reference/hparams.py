@@ -31,7 +31,8 @@ $$
 | ``{arch}.attention.layer_norm_rms_epsilon`` | ``f_norm_rms_eps`` | required |
 | ``{arch}.rope.freq_base`` | ``rope_freq_base_train`` | 10000 |
 | ``{arch}.rope.scaling.type`` | ``rope_scaling_type_train`` | ``"linear"`` |
-| ``{arch}.rope.scaling.factor`` (3) | ``rope_freq_scale_train = 1/factor`` | 1 |
+| ``{arch}.rope.scaling.factor`` | ``rope_freq_scale_train = 1/factor`` | 1 |
+| ``{arch}.rope.scale_linear`` (its old name) | the same | read when the new one is absent |
 | ``{arch}.rope.scaling.original_context_length`` | ``n_ctx_orig_yarn`` | ``n_ctx_train`` |
 | ``{arch}.attention.sliding_window`` | ``n_swa``, ``swa_type`` (2) | 0, none |
 | ``tokenizer.ggml.tokens`` (length), else ``{arch}.vocab_size`` | ``n_vocab`` | required |
@@ -42,8 +43,7 @@ $$
 creation fails there); here the missing key is named at once. (2) llama.cpp's ``llama`` and
 ``qwen2`` loaders do not read ``attention.sliding_window``: a file with that key runs with full
 attention in llama.cpp. We read it, so that Mistral-style sliding-window models can be
-described; oracle tests against llama.cpp must not set it. (3) Or the old key
-``{arch}.rope.scale_linear``.
+described; oracle tests against llama.cpp must not set it.
 
 The selective state space models (``mamba``, ``mamba2``) have their own dataclass,
 :class:`MambaHParams` (the ``ssm_*`` fields, ``n_embd_r()``/``n_embd_s()``), read by
@@ -52,19 +52,26 @@ The selective state space models (``mamba``, ``mamba2``) have their own dataclas
 Like llama.cpp, floats are held as float32 and a key may hold one value per layer (an
 array of ``n_layer`` items); this dataclass holds one value, so per-layer arrays must be
 uniform.
+
+The keys are one table in code, :data:`GGUF_KEYS` (a :class:`GGUFKey` per row: key, field,
+type, default, per-layer or not, conversion), read in both directions:
+:func:`hparams_from_gguf` reads a file's metadata through it, and :func:`llama_metadata` /
+:func:`mamba_metadata` write hyperparameters as metadata through it, so that the reader and
+the writer cannot disagree. :mod:`reference.gguf` is the container only: it knows the bytes
+of a file, not what a key means to a model.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from reference.common import LlamarefError
-from reference.gguf import GGUFError
+from reference.gguf import GGUFError, GGUFFile
 from reference.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM  # noqa: F401  (re-exported)
 
 # Sliding-window kinds, as llama.cpp's llama_swa_type.
@@ -274,151 +281,6 @@ def rope_cparams(hparams: LlamaHParams) -> dict:
 # --8<-- [end:rope_cparams]
 
 
-_REQUIRED = object()
-_U32_MAX = 2**32 - 1
-
-
-def _get(metadata: dict[str, Any], key: str, default: Any, kind: type, n_layer: int = 0) -> Any:
-    """One value of ``metadata[key]`` of Python type ``kind`` (a uniform per-layer array ok)."""
-    if key not in metadata:
-        if default is _REQUIRED:
-            raise GGUFError(f"missing required key {key!r}")
-        return default
-    value = metadata[key]
-    if n_layer and isinstance(value, np.ndarray) and value.ndim == 1:
-        if len(value) != n_layer:
-            raise GGUFError(f"key {key!r}: {len(value)} per-layer values, expected {n_layer}")
-        if np.any(value != value[0]):
-            raise GGUFError(f"key {key!r}: per-layer values differ, which is not supported")
-        value = value[0].item()
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise GGUFError(f"key {key!r} must be an integer, got {value!r}")
-    if kind is int and not 0 <= value <= _U32_MAX:
-        raise GGUFError(f"key {key!r} must fit a uint32, got {value}")
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GGUFError(f"key {key!r} must be a number, got {value!r}")
-        if abs(value) > np.finfo(np.float32).max and math.isfinite(value):
-            raise GGUFError(f"key {key!r}: {value} does not fit a float32")
-        return float(np.float32(value))  # llama_hparams holds float
-    if kind is bool:
-        if not isinstance(value, (bool, np.bool_)):
-            raise GGUFError(f"key {key!r} must be a bool, got {value!r}")
-        return bool(value)
-    if kind is str and not isinstance(value, str):
-        raise GGUFError(f"key {key!r} must be a string, got {value!r}")
-    return value
-
-
-def _n_vocab(metadata: dict[str, Any], arch: str) -> int:
-    """The vocabulary size: the token list's length, else ``{arch}.vocab_size``."""
-    if "tokenizer.ggml.tokens" in metadata:
-        tokens = metadata["tokenizer.ggml.tokens"]
-        if not isinstance(tokens, list):
-            raise GGUFError("key 'tokenizer.ggml.tokens' must be an array of strings")
-        return len(tokens)
-    return _get(metadata, f"{arch}.vocab_size", _REQUIRED, int)
-
-
-# --8<-- [start:hparams_from_gguf]
-def hparams_from_gguf(
-    arch: str, metadata: dict[str, Any], tensor_names: Iterable[str] | None = None
-) -> LlamaHParams | MambaHParams:
-    """Hyperparameters from GGUF metadata, as ``llama_model::load_hparams`` reads them.
-
-    See the table of keys in the module docstring; ``mamba`` and ``mamba2`` go to
-    :func:`mamba_hparams_from_gguf`.
-
-    Args:
-        arch: ``general.architecture``: ``"llama"``, ``"qwen2"``, ``"mamba"`` or ``"mamba2"``.
-        metadata: the GGUF key/value pairs (``GGUFFile.metadata``).
-        tensor_names: the file's tensor names; ``tied_output`` is True when they lack
-            ``output.weight``. None leaves ``tied_output`` False.
-
-    Returns:
-        The :class:`LlamaHParams` (:class:`MambaHParams` for ``mamba``/``mamba2``).
-
-    Raises:
-        GGUFError: an unsupported architecture, a missing required key (named), a value of
-            the wrong type, a head count that does not divide ``n_embd``, ``n_rot`` other than
-            the head size for llama, an unknown RoPE scaling type, non-uniform per-layer values.
-
-    Examples:
-        >>> md = {"llama.context_length": 128, "llama.embedding_length": 64,
-        ...       "llama.block_count": 2, "llama.feed_forward_length": 96,
-        ...       "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
-        ...       "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
-        >>> hp = hparams_from_gguf("llama", md, tensor_names=["token_embd.weight"])
-        >>> hp.n_embd_head_k, hp.n_rot, hp.n_gqa(), hp.rope_freq_base_train, hp.tied_output
-        (16, 16, 2, 10000.0, True)
-    """
-    if arch in MAMBA_ARCHS:
-        return mamba_hparams_from_gguf(arch, metadata, tensor_names)
-    if arch not in ("llama", "qwen2"):
-        raise GGUFError(
-            f"unsupported architecture {arch!r}: expected 'llama', 'qwen2', 'mamba' or 'mamba2'"
-        )
-    a = arch
-    n_layer = _get(metadata, f"{a}.block_count", _REQUIRED, int)
-    if n_layer == 0:
-        raise GGUFError(f"key '{a}.block_count' must be > 0")
-    n_embd = _get(metadata, f"{a}.embedding_length", _REQUIRED, int)
-    n_head = _get(metadata, f"{a}.attention.head_count", _REQUIRED, int, n_layer)
-    n_head_kv = _get(metadata, f"{a}.attention.head_count_kv", n_head, int, n_layer)
-    if n_head == 0 or n_head_kv == 0 or n_head % n_head_kv:
-        raise GGUFError(f"n_head={n_head} must be a positive multiple of n_head_kv={n_head_kv}")
-    n_embd_head_k = _get(metadata, f"{a}.attention.key_length", n_embd // n_head, int)
-    n_embd_head_v = _get(metadata, f"{a}.attention.value_length", n_embd // n_head, int)
-    n_rot = _get(metadata, f"{a}.rope.dimension_count", n_embd_head_k, int)
-    if arch == "llama" and n_rot != n_embd_head_k:
-        raise GGUFError(f"invalid n_rot: {n_rot}, expected {n_embd_head_k} (llama)")
-    n_ctx_train = _get(metadata, f"{a}.context_length", _REQUIRED, int)
-
-    scaling = _get(metadata, f"{a}.rope.scaling.type", "linear", str)
-    names = {name: t for t, name in ROPE_SCALING_TYPE_NAMES.items()}
-    if scaling not in names:
-        raise GGUFError(f"key '{a}.rope.scaling.type': unsupported RoPE scaling {scaling!r}")
-    factor = _get(metadata, f"{a}.rope.scaling.factor", None, float)
-    if factor is None:
-        factor = _get(metadata, f"{a}.rope.scale_linear", 0.0, float)  # the old key name
-    freq_scale = 1.0 if factor == 0.0 else float(np.float32(1.0) / np.float32(factor))
-
-    n_swa = _get(metadata, f"{a}.attention.sliding_window", 0, int)
-    n_vocab = _n_vocab(metadata, a)
-    try:
-        return LlamaHParams(
-            arch=arch,
-            n_vocab=n_vocab,
-            n_ctx_train=n_ctx_train,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            n_embd_head_k=n_embd_head_k,
-            n_embd_head_v=n_embd_head_v,
-            n_rot=n_rot,
-            n_ff=_get(metadata, f"{a}.feed_forward_length", _REQUIRED, int, n_layer),
-            f_norm_rms_eps=_get(
-                metadata, f"{a}.attention.layer_norm_rms_epsilon", _REQUIRED, float
-            ),
-            rope_type=ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX,
-            rope_freq_base_train=_get(metadata, f"{a}.rope.freq_base", 10000.0, float),
-            rope_freq_scale_train=freq_scale,
-            rope_scaling_type_train=names[scaling],
-            n_ctx_orig_yarn=_get(
-                metadata, f"{a}.rope.scaling.original_context_length", n_ctx_train, int
-            ),
-            n_swa=n_swa,
-            swa_type=SWA_TYPE_STANDARD if n_swa else SWA_TYPE_NONE,
-            tied_output=tensor_names is not None and "output.weight" not in set(tensor_names),
-        )
-    except HParamsError as e:
-        raise GGUFError(f"inconsistent hyperparameters: {e}") from e
-
-
-# --8<-- [end:hparams_from_gguf]
-
-
 # ---------------------------------------------------------------------------------------------
 # Mamba and Mamba-2
 # ---------------------------------------------------------------------------------------------
@@ -555,6 +417,286 @@ class MambaHParams:
 # --8<-- [end:MambaHParams]
 
 
+
+# ---------------------------------------------------------------------------------------------
+# GGUF metadata: one table of keys, read by hparams_from_gguf, written by llama_metadata
+# ---------------------------------------------------------------------------------------------
+
+#: A :class:`GGUFKey` default: the key must be present.
+REQUIRED = object()
+_U32_MAX = 2**32 - 1
+
+
+# --8<-- [start:GGUFKey]
+@dataclass(frozen=True)
+class GGUFKey:
+    """One row of :data:`GGUF_KEYS`: the metadata key ``{arch}.{key}`` and the field it holds.
+
+    :func:`hparams_from_gguf` reads the rows in order, so a default or a check may use the
+    fields read before it; :func:`llama_metadata` and :func:`mamba_metadata` write the same
+    rows back, so that reading what was written gives the hyperparameters again.
+
+    Attributes:
+        key: the key without its ``{arch}.`` prefix (``"attention.head_count"``).
+        field: the field of :class:`LlamaHParams` / :class:`MambaHParams` (``"n_head"``).
+        kind: the type of the stored value: ``int`` (a uint32), ``float`` (held as a
+            float32, like llama.cpp), ``str`` or ``bool``.
+        default: what an absent key reads as: :data:`REQUIRED`, a stored value, or a
+            function of the fields read so far (``lambda f: f["n_head"]``).
+        per_layer: the key may hold one value per layer (llama.cpp's ``get_key_or_arr``);
+            the values must be equal.
+        old_key: an older name of the key, read when ``key`` is absent, never written.
+        decode: the field from the stored value, when they differ; raises ``ValueError``
+            for a value it does not know.
+        encode: the stored value from the hyperparameters: the inverse of ``decode``.
+        check: a rule on the fields read so far, applied once this key is read: an error
+            message, or None.
+        omit_default: the writer leaves the key out when the field holds what an absent
+            key reads as (the converter writes these keys only when they are set).
+
+    Examples:
+        >>> row = GGUFKey("attention.head_count_kv", "n_head_kv", int, lambda f: f["n_head"])
+        >>> fields = {"arch": "llama", "n_head": 4}  # read before this row
+        >>> _read_key({"llama.attention.head_count_kv": 2}, row, fields)
+        2
+        >>> _read_key({}, row, fields)  # absent: the default
+        4
+    """
+
+    key: str
+    field: str
+    kind: type
+    default: Any = REQUIRED
+    per_layer: bool = False
+    old_key: str | None = None
+    decode: Callable[[Any], Any] | None = None
+    encode: Callable[[Any], Any] | None = None
+    check: Callable[[dict[str, Any]], str | None] | None = None
+    omit_default: bool = False
+# --8<-- [end:GGUFKey]
+
+
+def _has_layers(f: dict[str, Any]) -> str | None:
+    return None if f["n_layer"] > 0 else "must be > 0"
+
+
+def _whole_kv_groups(f: dict[str, Any]) -> str | None:
+    """Query heads come in whole groups per KV head (checked before ``n_embd / n_head``)."""
+    n_head, n_head_kv = f["n_head"], f["n_head_kv"]
+    if n_head > 0 and n_head_kv > 0 and n_head % n_head_kv == 0:
+        return None
+    return f"n_head={n_head} must be a positive multiple of n_head_kv={n_head_kv}"
+
+
+def _llama_rotates_whole_heads(f: dict[str, Any]) -> str | None:
+    """llama.cpp's ``llama`` loader requires ``n_rot == n_embd_head_k`` (qwen2 does not)."""
+    if f["arch"] == "llama" and f["n_rot"] != f["n_embd_head_k"]:
+        return f"invalid n_rot: {f['n_rot']}, expected {f['n_embd_head_k']} (llama)"
+    return None
+
+
+def _rope_scaling_type(name: str) -> int:
+    """A ``rope.scaling.type`` name to its ``ROPE_SCALING_TYPE_*``."""
+    types = {n: t for t, n in ROPE_SCALING_TYPE_NAMES.items()}
+    if name not in types:
+        raise ValueError(f"unsupported RoPE scaling {name!r}")
+    return types[name]
+
+
+def _freq_scale(factor: float) -> float:
+    """``rope.scaling.factor`` to ``rope_freq_scale_train = 1 / factor`` (0: no factor)."""
+    return 1.0 if factor == 0.0 else float(np.float32(1.0) / np.float32(factor))
+
+
+# --8<-- [start:GGUF_KEYS]
+LLAMA_ARCHS = ("llama", "qwen2")  # GGUF architectures of the Llama-family graph
+
+_LLAMA_KEYS = (  # in the order they are read: a default or a check uses the rows above it
+    GGUFKey("block_count", "n_layer", int, check=_has_layers),
+    GGUFKey("embedding_length", "n_embd", int),
+    GGUFKey("attention.head_count", "n_head", int, per_layer=True),
+    GGUFKey("attention.head_count_kv", "n_head_kv", int, lambda f: f["n_head"],
+            per_layer=True, check=_whole_kv_groups),
+    GGUFKey("attention.key_length", "n_embd_head_k", int, lambda f: f["n_embd"] // f["n_head"]),
+    GGUFKey("attention.value_length", "n_embd_head_v", int,
+            lambda f: f["n_embd"] // f["n_head"]),
+    GGUFKey("rope.dimension_count", "n_rot", int, lambda f: f["n_embd_head_k"],
+            check=_llama_rotates_whole_heads),
+    GGUFKey("context_length", "n_ctx_train", int),
+    GGUFKey("rope.scaling.type", "rope_scaling_type_train", str, "linear",
+            decode=_rope_scaling_type,
+            encode=lambda hp: ROPE_SCALING_TYPE_NAMES[hp.rope_scaling_type_train]),
+    GGUFKey("rope.scaling.factor", "rope_freq_scale_train", float, 0.0,
+            old_key="rope.scale_linear", decode=_freq_scale,
+            encode=lambda hp: 1.0 / hp.rope_freq_scale_train, omit_default=True),
+    GGUFKey("attention.sliding_window", "n_swa", int, 0, omit_default=True),
+    GGUFKey("feed_forward_length", "n_ff", int, per_layer=True),
+    GGUFKey("attention.layer_norm_rms_epsilon", "f_norm_rms_eps", float),
+    GGUFKey("rope.freq_base", "rope_freq_base_train", float, 10000.0),
+    GGUFKey("rope.scaling.original_context_length", "n_ctx_orig_yarn", int,
+            lambda f: f["n_ctx_train"], encode=lambda hp: hp.n_ctx_orig_yarn or hp.n_ctx_train),
+)
+
+_MAMBA_KEYS = (
+    GGUFKey("block_count", "n_layer", int, check=_has_layers),
+    GGUFKey("embedding_length", "n_embd", int),
+    GGUFKey("context_length", "n_ctx_train", int),
+    GGUFKey("ssm.conv_kernel", "ssm_d_conv", int),
+    GGUFKey("ssm.inner_size", "ssm_d_inner", int),
+    GGUFKey("ssm.state_size", "ssm_d_state", int),
+    GGUFKey("ssm.time_step_rank", "ssm_dt_rank", int),
+    GGUFKey("attention.layer_norm_rms_epsilon", "f_norm_rms_eps", float),
+)
+
+#: ``general.architecture`` -> the ``{arch}.*`` keys its loader reads, in the order it reads
+#: them. The fields not in the table are derived: ``n_vocab`` from the vocabulary,
+#: ``tied_output`` from the tensors, ``rope_type`` from the architecture, ``swa_type`` from
+#: ``n_swa``.
+GGUF_KEYS: dict[str, tuple[GGUFKey, ...]] = {
+    "llama": _LLAMA_KEYS,
+    "qwen2": _LLAMA_KEYS,
+    "mamba": (*_MAMBA_KEYS, GGUFKey("ssm.dt_b_c_rms", "ssm_dt_b_c_rms", bool, False)),
+    "mamba2": (*_MAMBA_KEYS, GGUFKey("ssm.group_count", "ssm_n_group", int)),
+}
+# --8<-- [end:GGUF_KEYS]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: metadata -> hyperparameters
+# ---------------------------------------------------------------------------------------------
+
+
+def _get(metadata: dict[str, Any], key: str, default: Any, kind: type, n_layer: int = 0) -> Any:
+    """One value of ``metadata[key]`` of Python type ``kind`` (a uniform per-layer array ok)."""
+    if key not in metadata:
+        if default is REQUIRED:
+            raise GGUFError(f"missing required key {key!r}")
+        return default
+    value = metadata[key]
+    if n_layer and isinstance(value, np.ndarray) and value.ndim == 1:
+        if len(value) != n_layer:
+            raise GGUFError(f"key {key!r}: {len(value)} per-layer values, expected {n_layer}")
+        if np.any(value != value[0]):
+            raise GGUFError(f"key {key!r}: per-layer values differ, which is not supported")
+        value = value[0].item()
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise GGUFError(f"key {key!r} must be an integer, got {value!r}")
+    if kind is int and not 0 <= value <= _U32_MAX:
+        raise GGUFError(f"key {key!r} must fit a uint32, got {value}")
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise GGUFError(f"key {key!r} must be a number, got {value!r}")
+        if abs(value) > np.finfo(np.float32).max and math.isfinite(value):
+            raise GGUFError(f"key {key!r}: {value} does not fit a float32")
+        return float(np.float32(value))  # llama_hparams holds float
+    if kind is bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise GGUFError(f"key {key!r} must be a bool, got {value!r}")
+        return bool(value)
+    if kind is str and not isinstance(value, str):
+        raise GGUFError(f"key {key!r} must be a string, got {value!r}")
+    return value
+
+
+# --8<-- [start:read_gguf_keys]
+def _read_key(metadata: dict[str, Any], row: GGUFKey, fields: dict[str, Any]) -> Any:
+    """The value of one row's field: read (or defaulted), checked for its type, decoded."""
+    arch = fields["arch"]
+    key = f"{arch}.{row.key}"
+    if row.old_key is not None and key not in metadata and f"{arch}.{row.old_key}" in metadata:
+        key = f"{arch}.{row.old_key}"
+    default = row.default(fields) if callable(row.default) else row.default
+    value = _get(metadata, key, default, row.kind, fields["n_layer"] if row.per_layer else 0)
+    if row.decode is None:
+        return value
+    try:
+        return row.decode(value)
+    except ValueError as e:
+        raise GGUFError(f"key {key!r}: {e}") from None
+
+
+def _read_gguf_keys(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The fields of ``GGUF_KEYS[arch]``, read in the table's order, each row checked."""
+    fields: dict[str, Any] = {"arch": arch}
+    for row in GGUF_KEYS[arch]:
+        fields[row.field] = _read_key(metadata, row, fields)
+        error = row.check(fields) if row.check is not None else None
+        if error is not None:
+            raise GGUFError(f"key '{arch}.{row.key}': {error}")
+    return fields
+# --8<-- [end:read_gguf_keys]
+
+
+def _n_vocab(metadata: dict[str, Any], arch: str) -> int:
+    """The vocabulary size: the token list's length, else ``{arch}.vocab_size``."""
+    if "tokenizer.ggml.tokens" in metadata:
+        tokens = metadata["tokenizer.ggml.tokens"]
+        if not isinstance(tokens, list):
+            raise GGUFError("key 'tokenizer.ggml.tokens' must be an array of strings")
+        return len(tokens)
+    return _get(metadata, f"{arch}.vocab_size", REQUIRED, int)
+
+
+def _tied_output(tensor_names: Iterable[str] | None) -> bool:
+    """True when the file has tensors and no ``output.weight`` among them."""
+    return tensor_names is not None and "output.weight" not in set(tensor_names)
+
+
+def _checked(cls: type, fields: dict[str, Any]) -> LlamaHParams | MambaHParams:
+    """``cls(**fields)``, its :class:`HParamsError` reported as the file's error."""
+    try:
+        return cls(**fields)
+    except HParamsError as e:
+        raise GGUFError(f"inconsistent hyperparameters: {e}") from e
+
+
+# --8<-- [start:hparams_from_gguf]
+def hparams_from_gguf(
+    arch: str, metadata: dict[str, Any], tensor_names: Iterable[str] | None = None
+) -> LlamaHParams | MambaHParams:
+    """Hyperparameters from GGUF metadata, as ``llama_model::load_hparams`` reads them.
+
+    The keys are the rows of :data:`GGUF_KEYS` (the table in the module docstring);
+    ``mamba`` and ``mamba2`` go to :func:`mamba_hparams_from_gguf`.
+
+    Args:
+        arch: ``general.architecture``: ``"llama"``, ``"qwen2"``, ``"mamba"`` or ``"mamba2"``.
+        metadata: the GGUF key/value pairs (``GGUFFile.metadata``).
+        tensor_names: the file's tensor names; ``tied_output`` is True when they lack
+            ``output.weight``. None leaves ``tied_output`` False.
+
+    Returns:
+        The :class:`LlamaHParams` (:class:`MambaHParams` for ``mamba``/``mamba2``).
+
+    Raises:
+        GGUFError: an unsupported architecture, a missing required key (named), a value of
+            the wrong type, a head count that does not divide ``n_embd``, ``n_rot`` other than
+            the head size for llama, an unknown RoPE scaling type, non-uniform per-layer values.
+
+    Examples:
+        >>> md = {"llama.context_length": 128, "llama.embedding_length": 64,
+        ...       "llama.block_count": 2, "llama.feed_forward_length": 96,
+        ...       "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+        ...       "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}
+        >>> hp = hparams_from_gguf("llama", md, tensor_names=["token_embd.weight"])
+        >>> hp.n_embd_head_k, hp.n_rot, hp.n_gqa(), hp.rope_freq_base_train, hp.tied_output
+        (16, 16, 2, 10000.0, True)
+    """
+    if arch in MAMBA_ARCHS:
+        return mamba_hparams_from_gguf(arch, metadata, tensor_names)
+    if arch not in LLAMA_ARCHS:
+        raise GGUFError(
+            f"unsupported architecture {arch!r}: expected 'llama', 'qwen2', 'mamba' or 'mamba2'"
+        )
+    fields = _read_gguf_keys(metadata, arch)
+    fields["n_vocab"] = _n_vocab(metadata, arch)
+    fields["rope_type"] = ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX
+    fields["swa_type"] = SWA_TYPE_STANDARD if fields["n_swa"] else SWA_TYPE_NONE
+    fields["tied_output"] = _tied_output(tensor_names)
+    return _checked(LlamaHParams, fields)
+# --8<-- [end:hparams_from_gguf]
+
+
 # --8<-- [start:mamba_hparams_from_gguf]
 def mamba_hparams_from_gguf(
     arch: str, metadata: dict[str, Any], tensor_names: Iterable[str] | None = None
@@ -608,33 +750,200 @@ def mamba_hparams_from_gguf(
     """
     if arch not in MAMBA_ARCHS:
         raise GGUFError(f"unsupported architecture {arch!r}: expected one of {MAMBA_ARCHS}")
-    a = arch
-    n_layer = _get(metadata, f"{a}.block_count", _REQUIRED, int)
-    if n_layer == 0:
-        raise GGUFError(f"key '{a}.block_count' must be > 0")
-    n_vocab = _n_vocab(metadata, a)
-    try:
-        return MambaHParams(
-            arch=arch,
-            n_vocab=n_vocab,
-            n_embd=_get(metadata, f"{a}.embedding_length", _REQUIRED, int),
-            n_layer=n_layer,
-            n_ctx_train=_get(metadata, f"{a}.context_length", _REQUIRED, int),
-            ssm_d_conv=_get(metadata, f"{a}.ssm.conv_kernel", _REQUIRED, int),
-            ssm_d_inner=_get(metadata, f"{a}.ssm.inner_size", _REQUIRED, int),
-            ssm_d_state=_get(metadata, f"{a}.ssm.state_size", _REQUIRED, int),
-            ssm_dt_rank=_get(metadata, f"{a}.ssm.time_step_rank", _REQUIRED, int),
-            ssm_n_group=(
-                _get(metadata, f"{a}.ssm.group_count", _REQUIRED, int) if a == "mamba2" else 0
-            ),
-            ssm_dt_b_c_rms=(
-                _get(metadata, f"{a}.ssm.dt_b_c_rms", False, bool) if a == "mamba" else False
-            ),
-            f_norm_rms_eps=_get(
-                metadata, f"{a}.attention.layer_norm_rms_epsilon", _REQUIRED, float
-            ),
-            tied_output=tensor_names is not None and "output.weight" not in set(tensor_names),
-        )
-    except HParamsError as e:
-        raise GGUFError(f"inconsistent hyperparameters: {e}") from e
+    fields = _read_gguf_keys(metadata, arch)
+    fields["n_vocab"] = _n_vocab(metadata, arch)
+    fields["tied_output"] = _tied_output(tensor_names)
+    return _checked(MambaHParams, fields)
 # --8<-- [end:mamba_hparams_from_gguf]
+
+
+# --8<-- [start:hparams_from_file]
+def hparams_from_file(f: GGUFFile) -> LlamaHParams | MambaHParams:
+    """The hyperparameters of a file read by :func:`reference.gguf.read_gguf`.
+
+    :func:`hparams_from_gguf` on its architecture, metadata and tensor names:
+    ``tied_output`` is True when the file has no ``output.weight``.
+
+    Raises:
+        GGUFError: as :func:`hparams_from_gguf`, or ``general.architecture`` is missing.
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> from reference.gguf import read_gguf, write_gguf
+        >>> hp = MambaHParams("mamba", n_vocab=8, n_embd=4, n_layer=1, n_ctx_train=16,
+        ...     ssm_d_conv=4, ssm_d_inner=8, ssm_d_state=2, ssm_dt_rank=1, f_norm_rms_eps=1e-5)
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "m.gguf"
+        >>> write_gguf(p, mamba_metadata(hp), {"token_embd.weight": np.zeros((8, 4), np.float32)})
+        >>> hparams_from_file(read_gguf(p)).tied_output
+        True
+    """
+    return hparams_from_gguf(f.arch, f.metadata, tensor_names=f.tensors.keys())
+# --8<-- [end:hparams_from_file]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: hyperparameters -> metadata (the same table, the other way)
+# ---------------------------------------------------------------------------------------------
+
+# llama.cpp's llama_token_type, as tokenizer.ggml.token_type stores it.
+LLAMA_TOKEN_TYPE_NORMAL = 1
+LLAMA_TOKEN_TYPE_UNKNOWN = 2
+LLAMA_TOKEN_TYPE_CONTROL = 3
+LLAMA_TOKEN_TYPE_BYTE = 6
+
+# Keys convert_hf_to_gguf writes for a recurrent model (MambaModel, Mamba2Model), unread.
+_MAMBA_UNREAD_KEYS = {"feed_forward_length": 0, "attention.head_count": 0}
+
+
+# --8<-- [start:spm_dummy_vocab]
+def spm_dummy_vocab(n_vocab: int) -> dict[str, Any]:
+    """A minimal SentencePiece-style (``"llama"``) vocabulary of ``n_vocab`` tokens.
+
+    Token 0 is ``<unk>``, 1 ``<s>`` (BOS), 2 ``</s>`` (EOS), then the byte tokens
+    ``<0x00>``..``<0xFF>`` as far as they fit, then ``tok{i}`` pieces with score ``-i``.
+    It is enough for llama.cpp to load a random model.
+
+    Args:
+        n_vocab: number of tokens, at least 3.
+
+    Returns:
+        The ``tokenizer.ggml.*`` metadata keys.
+
+    Raises:
+        GGUFError: ``n_vocab < 3``.
+
+    Examples:
+        >>> tokens = spm_dummy_vocab(300)["tokenizer.ggml.tokens"]
+        >>> tokens[:4], tokens[-1]
+        (['<unk>', '<s>', '</s>', '<0x00>'], 'tok299')
+    """
+    if n_vocab < 3:
+        raise GGUFError(f"a vocabulary needs at least 3 tokens (unk, bos, eos), got {n_vocab}")
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [LLAMA_TOKEN_TYPE_UNKNOWN, LLAMA_TOKEN_TYPE_CONTROL, LLAMA_TOKEN_TYPE_CONTROL]
+    n_bytes = min(256, n_vocab - 3)
+    tokens += [f"<0x{b:02X}>" for b in range(n_bytes)]
+    types += [LLAMA_TOKEN_TYPE_BYTE] * n_bytes
+    tokens += [f"tok{i}" for i in range(len(tokens), n_vocab)]
+    types += [LLAMA_TOKEN_TYPE_NORMAL] * (n_vocab - len(types))
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": -np.arange(n_vocab, dtype=np.float32),  # (n_vocab,)
+        "tokenizer.ggml.token_type": np.array(types, dtype=np.int32),  # (n_vocab,)
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+# --8<-- [end:spm_dummy_vocab]
+
+
+# --8<-- [start:write_gguf_keys]
+def _absent_value(row: GGUFKey) -> Any:
+    """What the field reads as when the key is absent (a row whose default is a constant)."""
+    return row.decode(row.default) if row.decode is not None else row.default
+
+
+def _write_gguf_keys(hparams: LlamaHParams | MambaHParams) -> dict[str, Any]:
+    """The ``{arch}.*`` keys of ``GGUF_KEYS[hparams.arch]``: the inverse of the reading."""
+    arch = hparams.arch
+    md: dict[str, Any] = {}
+    for row in GGUF_KEYS[arch]:
+        if row.omit_default and getattr(hparams, row.field) == _absent_value(row):
+            continue
+        value = row.encode(hparams) if row.encode is not None else getattr(hparams, row.field)
+        md[f"{arch}.{row.key}"] = row.kind(value)
+    return md
+# --8<-- [end:write_gguf_keys]
+
+
+def _model_metadata(
+    hparams: LlamaHParams | MambaHParams, vocab: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Name, table keys and vocabulary (checked against ``n_vocab``) of a model."""
+    vocab = spm_dummy_vocab(hparams.n_vocab) if vocab is None else dict(vocab)
+    if len(vocab.get("tokenizer.ggml.tokens", ())) != hparams.n_vocab:
+        raise GGUFError(f"the vocabulary must have n_vocab={hparams.n_vocab} tokens")
+    return {
+        "general.architecture": hparams.arch,
+        "general.name": f"llamaref {hparams.arch}",
+        **_write_gguf_keys(hparams),
+        **vocab,
+    }
+
+
+# --8<-- [start:llama_metadata]
+def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The GGUF metadata that describes ``hparams`` (arch ``llama`` or ``qwen2``).
+
+    The inverse of :func:`hparams_from_gguf`, through the same table (:data:`GGUF_KEYS`):
+    reading the keys back gives ``hparams`` again (floats rounded to float32, as llama.cpp
+    stores them; ``n_ctx_orig_yarn = 0`` becomes ``n_ctx_train``; ``tied_output`` comes from
+    the tensors).
+
+    Args:
+        hparams: the hyperparameters.
+        vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
+            :func:`spm_dummy_vocab`.
+
+    Returns:
+        Key to value, ready for :func:`reference.gguf.write_gguf`.
+
+    Raises:
+        GGUFError: an architecture other than llama/qwen2, or a vocabulary whose size is not
+            ``hparams.n_vocab``.
+
+    Examples:
+        >>> hp = LlamaHParams("llama", n_vocab=32, n_ctx_train=64, n_embd=16, n_layer=1,
+        ...     n_head=2, n_head_kv=1, n_embd_head_k=8, n_embd_head_v=8, n_rot=8, n_ff=32,
+        ...     f_norm_rms_eps=2.0**-16, n_ctx_orig_yarn=64)
+        >>> md = llama_metadata(hp)
+        >>> md["llama.attention.head_count_kv"], len(md["tokenizer.ggml.tokens"])
+        (1, 32)
+        >>> hparams_from_gguf("llama", md) == hp
+        True
+    """
+    if hparams.arch not in LLAMA_ARCHS:
+        raise GGUFError(
+            f"unsupported architecture {hparams.arch!r}: expected 'llama' or 'qwen2'"
+        )
+    return _model_metadata(hparams, vocab)
+# --8<-- [end:llama_metadata]
+
+
+# --8<-- [start:mamba_metadata]
+def mamba_metadata(hparams: MambaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The GGUF metadata that describes a ``mamba``/``mamba2`` model, as the converter writes.
+
+    The inverse of :func:`mamba_hparams_from_gguf`, through the same table
+    (:data:`GGUF_KEYS`). Like ``convert_hf_to_gguf``'s ``MambaModel`` / ``Mamba2Model`` it
+    also writes ``feed_forward_length = 0`` and ``attention.head_count = 0`` (unused by the
+    graph).
+
+    Args:
+        hparams: the hyperparameters.
+        vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
+            :func:`spm_dummy_vocab`.
+
+    Returns:
+        Key to value, ready for :func:`reference.gguf.write_gguf`.
+
+    Raises:
+        GGUFError: another architecture, or a vocabulary whose size is not
+            ``hparams.n_vocab``.
+
+    Examples:
+        >>> hp = MambaHParams("mamba2", n_vocab=32, n_embd=16, n_layer=1, n_ctx_train=64,
+        ...     ssm_d_conv=4, ssm_d_inner=32, ssm_d_state=8, ssm_dt_rank=4, ssm_n_group=1,
+        ...     f_norm_rms_eps=1e-5)
+        >>> md = mamba_metadata(hp)
+        >>> md["mamba2.ssm.group_count"], md["mamba2.ssm.time_step_rank"]
+        (1, 4)
+    """
+    if hparams.arch not in MAMBA_ARCHS:
+        raise GGUFError(
+            f"unsupported architecture {hparams.arch!r}: expected 'mamba' or 'mamba2'"
+        )
+    unread = {f"{hparams.arch}.{key}": value for key, value in _MAMBA_UNREAD_KEYS.items()}
+    return {**_model_metadata(hparams, vocab), **unread}
+# --8<-- [end:mamba_metadata]

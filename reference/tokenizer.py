@@ -42,7 +42,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from reference.chat_template import ChatTemplateError, render_chat_template
 from reference.common import LlamarefError
+from reference.gguf import GGUFError, read_gguf
 from reference.unicode import (
     GPT2_REGEX,
     LLAMA3_REGEX,
@@ -1005,10 +1007,9 @@ class Tokenizer:
         See :func:`reference.chat_template.render_chat_template`.
 
         Raises:
-            TokenizerError: no chat template, or it does not render.
+            TokenizerError: no chat template, or it does not render (the
+                :class:`~reference.chat_template.ChatTemplateError`, as a tokenizer error).
         """
-        from reference.chat_template import render_chat_template
-
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template ('tokenizer.chat_template')")
         names = {
@@ -1016,7 +1017,12 @@ class Tokenizer:
             for k, v in self.special.items()
             if k in ("bos", "eos", "unk", "pad") and v is not None
         }
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, **names)
+        try:
+            return render_chat_template(
+                self.chat_template, messages, add_generation_prompt, **names
+            )
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from e
 
 
 # --8<-- [end:Tokenizer]
@@ -1026,8 +1032,6 @@ class Tokenizer:
 def _tokenizer_metadata(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
     """The ``tokenizer.*`` and ``general.*`` metadata of a GGUF file (cached by path, mtime
     and size: reading 100k strings is most of the cost of loading a vocabulary)."""
-    from reference.gguf import GGUFError, read_gguf
-
     try:
         metadata = read_gguf(path).metadata
     except GGUFError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +14,17 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
+import reference.hparams
 from reference.gguf import (
     GGUFError,
     GGUFFile,
     GGUFValue,
-    llama_metadata,
     read_gguf,
     write_gguf,
 )
 from reference.hparams import (
+    GGUF_KEYS,
+    LLAMA_ARCHS,
     ROPE_SCALING_TYPE_LINEAR,
     ROPE_SCALING_TYPE_NONE,
     ROPE_SCALING_TYPE_YARN,
@@ -30,7 +33,10 @@ from reference.hparams import (
     SWA_TYPE_NONE,
     SWA_TYPE_STANDARD,
     LlamaHParams,
+    hparams_from_file,
     hparams_from_gguf,
+    llama_metadata,
+    mamba_hparams_from_gguf,
 )
 from reference.model import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
@@ -353,7 +359,7 @@ def test_real_files_match_gguf_py(shared_fixtures):
 
 def test_stories260k_hparams(shared_fixtures):
     f = read_gguf(shared_fixtures / "stories260K" / "stories260K-f32.gguf")
-    hp = f.hparams
+    hp = hparams_from_file(f)
     assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer) == (512, 512, 64, 5)
     assert (hp.n_head, hp.n_head_kv, hp.n_embd_head_k, hp.n_rot, hp.n_ff) == (8, 4, 8, 8, 172)
     assert hp.f_norm_rms_eps == float(np.float32(1e-5))
@@ -364,7 +370,7 @@ def test_stories260k_hparams(shared_fixtures):
 
 def test_smollm2_hparams():
     f = read_gguf(smollm2_path())
-    hp = f.hparams
+    hp = hparams_from_file(f)
     assert (hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_embd) == (30, 9, 3, 576)
     assert (hp.n_vocab, hp.n_ff, hp.n_embd_head_k, hp.n_rot) == (49152, 1536, 64, 64)
     assert hp.rope_freq_base_train == 100000.0 and hp.n_ctx_train == 8192
@@ -378,7 +384,7 @@ def test_smollm2_hparams():
 def test_real_hparams_match_llama_cpp(shared_fixtures):
     llama_cpp = pytest.importorskip("llama_cpp")
     for path in (shared_fixtures / "stories260K" / "stories260K-f32.gguf", smollm2_path()):
-        hp = read_gguf(path).hparams
+        hp = hparams_from_file(read_gguf(path))
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=16, verbose=False)
         m = llm.model
         assert llama_cpp.llama_model_n_layer(m) == hp.n_layer
@@ -459,7 +465,7 @@ def test_llama_cpp_loads_what_we_write(tmp_path, arch, tied, ffn_type):
     logits = llm.scores[2]  # written by eval only with logits_all=True
     assert np.isfinite(logits).all() and logits.std() > 0
     llm.close()
-    assert read_gguf(p).hparams == dataclasses.replace(
+    assert hparams_from_file(read_gguf(p)) == dataclasses.replace(
         hp, n_ctx_orig_yarn=hp.n_ctx_train, f_norm_rms_eps=float(np.float32(1e-5)), tied_output=tied
     )
 
@@ -503,7 +509,7 @@ def test_llama_metadata_inverts_hparams_from_gguf(
     assert hparams_from_gguf(arch, md, tensor_names=names) == hp
     p = tmp_path_factory.mktemp("hp") / "m.gguf"
     write_gguf(p, md, {n: np.zeros(1, np.float32) for n in names})
-    assert read_gguf(p).hparams == hp
+    assert hparams_from_file(read_gguf(p)) == hp
 
 
 LLAMA_MD = {
@@ -588,6 +594,17 @@ def test_llama_metadata_refuses():
         llama_metadata(tiny_hparams("gemma"))
     with pytest.raises(GGUFError, match="n_vocab=300"):
         llama_metadata(tiny_hparams(), vocab={"tokenizer.ggml.tokens": ["a"]})
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_KEYS))
+def test_the_documented_keys_are_the_keys_read(arch):
+    """The tables of keys in the docstrings (hparams' module docstring for llama and qwen2,
+    mamba_hparams_from_gguf's for mamba) name exactly the keys of GGUF_KEYS, the table in code."""
+    doc = reference.hparams.__doc__ if arch in LLAMA_ARCHS else mamba_hparams_from_gguf.__doc__
+    rows = "\n".join(line for line in doc.splitlines() if line.lstrip().startswith("|"))
+    documented = set(re.findall(r"``(?:\{arch\}|" + arch + r")\.([a-z_.]+)``", rows))
+    read = {key for row in GGUF_KEYS[arch] for key in (row.key, row.old_key) if key}
+    assert documented == read | {"vocab_size"}  # vocab_size: when there is no token list
 
 
 any_value = st.one_of(

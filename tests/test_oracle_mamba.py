@@ -21,6 +21,7 @@ import pytest
 
 from reference.gguf import read_gguf
 from reference.hf import HFLoadError, hparams_from_hf, load_hf
+from reference.hparams import hparams_from_file
 from tests.tiny_models import (
     llamacpp_logits,
     mamba_reference_logits,
@@ -102,7 +103,7 @@ def test_llamacpp_prefill_and_token_by_token(hf_model, tmp_path):
     pytest.importorskip("llama_cpp")
     _, hp, weights, tokens, _, _ = hf_model
     gguf = write_tiny_mamba_gguf(tmp_path / "m.gguf", hp, weights)
-    assert read_gguf(gguf).hparams == hp
+    assert hparams_from_file(read_gguf(gguf)) == hp
     ours = mamba_reference_logits(weights, hp, tokens)
     assert nmse(llamacpp_logits(gguf, tokens), ours) <= NMSE_MAX
     ours_steps = mamba_reference_logits(weights, hp, tokens, chunks=[1] * N_TOKENS)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from reference.gguf import read_gguf, write_gguf
+from reference.hparams import hparams_from_file
 from reference.model import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
 from tests.tiny_models import llamacpp_logits, nmse, reference_logits
@@ -79,7 +80,7 @@ def smol_tokens(smol):
 
 @pytest.fixture(scope="session")
 def smol_ours(smol, smol_f32_weights, smol_tokens):
-    return reference_logits(smol_f32_weights, smol.hparams, smol_tokens)
+    return reference_logits(smol_f32_weights, hparams_from_file(smol), smol_tokens)
 
 
 def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ import re
 import pytest
 
 from reference.gguf import read_gguf
+from reference.hparams import hparams_from_file
 from reference.models.llama import greedy
 
 BOS = 1
@@ -50,12 +51,12 @@ def stories(shared_fixtures):
 
 def test_hparams(stories):
     gguf, _ = stories
-    hp = gguf.hparams
+    hp = hparams_from_file(gguf)
     assert (hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_vocab) == (64, 5, 8, 4, 512)
 
 
 def test_greedy_reproduces_the_model_card(stories):
     gguf, card = stories
-    tokens = greedy(gguf.tensors, gguf.hparams, [BOS], n_predict=STEPS, stop=(BOS,))
+    tokens = greedy(gguf.tensors, hparams_from_file(gguf), [BOS], n_predict=STEPS, stop=(BOS,))
     text = decode_run_c(gguf.metadata["tokenizer.ggml.tokens"], tokens)
     assert text.rstrip() == recorded_greedy_text(card).rstrip()

@@ -48,6 +48,7 @@ from numpy.typing import DTypeLike
 
 from reference.common import LlamarefError
 from reference.hparams import LlamaHParams, rope_cparams
+from reference.models.simple_cache import SimpleKVCache
 from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, rope_ext, swiglu
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -547,8 +548,6 @@ def greedy(
         >>> len(greedy(random_weights(hp, seed=0), hp, [1], n_predict=5))
         5
     """
-    from reference.models.simple_cache import SimpleKVCache
-
     cache = SimpleKVCache(hparams, n_ctx or len(prompt) + n_predict, model_dtype(weights))
     tokens = np.asarray(prompt, dtype=np.int64)
     out: list[int] = []
