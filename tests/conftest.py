@@ -1,7 +1,10 @@
 """Shared test configuration: hypothesis profiles, the oracle rule, the shared fixtures.
 
 - ``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) keeps property tests small and deterministic
-  enough for a CI run of a few minutes; ``dev`` is the default; ``thorough`` digs deeper.
+  enough for a CI run of a few minutes, except for the stateful machines and the state laws
+  (save/restore, states crossing between the twins), which take ``ci-deep``: more examples
+  and steps, still derandomized (:func:`tests.helpers.deep`). ``dev`` is the default;
+  ``thorough`` digs deeper.
 - Tests marked ``oracle`` compare against an external implementation. When
   ``LLAMAREF_REQUIRE_ORACLES=1`` (set by ``.ci/run``) every skipped test is reported as a
   failure, oracles above all (an oracle that did not run proved nothing); the one exception
@@ -41,6 +44,14 @@ settings.register_profile(
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# The stateful machines and the state laws dig deeper in CI (tests.helpers.deep):
+# memory bugs hide in long sequences of operations.
+settings.register_profile(
+    "ci-deep",
+    parent=settings.get_profile("ci"),
+    max_examples=100,
+    stateful_step_count=50,
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)

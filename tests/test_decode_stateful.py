@@ -18,14 +18,13 @@ cut into ubatches), invalid ones, batches too large for the free cells, and appl
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from reference.batch import Batch
 from reference.context import Context, ContextError, context_shift
 from reference.memory import KVCacheError
-from tests.test_context import assert_same, snapshot
+from tests.helpers import assert_same, deep, snapshot
 from tests.tiny_models import random_weights, tiny_hparams
 
 N_SEQ = 3
@@ -43,7 +42,7 @@ def brute_mask(mem, ubatch, strm, n_kv) -> np.ndarray:
         for b, stream in enumerate(strm):
             cells = mem.v_cells[stream]
             for j in range(n_kv):
-                if (stream == mem.seq_to_stream[s] and cells.pos[j] != -1 and s in cells.seq[j]
+                if (stream == mem.seq_to_stream[s] and cells.pos[j] != -1 and cells.seq[j, s]
                         and cells.pos[j] <= p):
                     mask[i, b * n_kv + j] = 0.0
     return mask
@@ -171,21 +170,19 @@ class DecodeMachine(RuleBasedStateMachine):
     def cells_are_consistent(self):
         mem = self.ctx.memory
         for cells in mem.v_cells:
-            with_seq = [i for i in range(cells.size()) if cells.seq[i]]
+            with_seq = [i for i in range(cells.size()) if cells.seq[i].any()]
             with_pos = [i for i in range(cells.size()) if cells.pos[i] != -1]
             assert with_seq == with_pos, "a cell with a position but no sequence (or reverse)"
             assert cells.get_used() == len(with_seq), "used count != cells holding a sequence"
         for s in range(N_SEQ):
             cells = mem.v_cells[mem.seq_to_stream[s]]
-            ps = [cells.pos[i] for i in range(cells.size()) if s in cells.seq[i]]
+            ps = [cells.pos[i] for i in range(cells.size()) if cells.seq[i, s]]
             assert mem.seq_pos_min(s) == (min(ps) if ps else -1)
             assert mem.seq_pos_max(s) == (max(ps) if ps else -1)
         if not mem.kv_unified:  # a sequence lives in its own stream only
             for s, cells in enumerate(mem.v_cells):
-                assert all(cells.seq[i] <= {s} for i in range(cells.size()))
+                assert all(cells.seq_get_all(i) <= {s} for i in range(cells.size()))
 
 
 TestDecodeMachine = DecodeMachine.TestCase
-TestDecodeMachine.settings = settings(
-    settings(), max_examples=settings().max_examples, stateful_step_count=30, deadline=None,
-)  # ci: 25 machines of 30 steps, ~10 s
+TestDecodeMachine.settings = deep()  # ci: ci-deep, 100 machines of up to 50 steps

@@ -1,10 +1,16 @@
 """Laws of ``rope_ext`` and its comparison with three independent implementations.
 
 Laws (float64, where rounding is out of the way): norms are kept, q.k depends only on the
-position difference, rotations add up (``rope(rope(x, a), b) == rope(x, a + b)``), NORMAL is
-NEOX after ``convert_hf_to_gguf``'s Q/K permutation, and with a magnitude scale $M$ (``attn_factor``
-times YaRN's ``mscale``) additivity fails by exactly a factor $M$. In float32, additivity is
-checked in the form and with the bound of llama.cpp's ``tests/test-rope.cpp``.
+position difference, NORMAL is NEOX after ``convert_hf_to_gguf``'s Q/K permutation.
+
+The additivity laws run on every flavour of ``tests/helpers.py``, each on its own
+``rope_ext`` (the reference's in float64 and in float32, the MLX twin's ``mx.fast.rope`` and
+its YaRN cos/sin cache): rotations add up (``rope(rope(x, a), b) == rope(x, a + b)``, YaRN
+included when its magnitude ``attn_factor * mscale`` is one, what a K-shift needs), and with
+a magnitude $M$ other than one, additivity fails by exactly a factor $M$. float64 holds them to
+~1e-10; float32 in the form and with the bound of llama.cpp's ``tests/test-rope.cpp``
+(``sum|r1 - r2| / sum|r| < 1e-4``), at positions of a few thousands, where float32 angles
+keep that bound.
 
 Oracles: ggml's own CPU ``ggml_rope_ext`` (the ``libggml`` that llama-cpp-python ships, called
 through ctypes), HF transformers' ``apply_rotary_pos_emb`` (rotate_half) and HF's YaRN
@@ -13,6 +19,7 @@ frequencies (``_compute_yarn_parameters``).
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -29,6 +36,7 @@ from reference.ops.rope import (
     rope_yarn_corr_dims,
 )
 from tests.ggml_cpu import ggml_cpu
+from tests.helpers import Flavour, every_flavour
 
 MODES = st.sampled_from([ROPE_TYPE_NORM, ROPE_TYPE_NEOX])
 
@@ -98,68 +106,111 @@ def test_qk_depends_only_on_position_difference(case, d, seed):
     assert np.all(np.abs(qk_d - qk) <= 1e-10 * scale)
 
 
-@given(rope_case(), st.integers(-100_000, 100_000))
-def test_additivity_float64(case, b):
-    x, a, n_dims, params = case
-    twice = rope_ext(rope_ext(x, a, n_dims, **params), np.full_like(a, b), n_dims, **params)
-    once = rope_ext(x, a + b, n_dims, **params)
-    assert np.abs(twice - once).max() <= 1e-10 * max(1.0, np.abs(x).max())
+def flavour_rope(flavour: Flavour, x, pos, n_dims, **params) -> np.ndarray:
+    """``rope_ext`` of the flavour's package on ``x`` in the flavour's dtype, as NumPy."""
+    rope = importlib.import_module(f"{flavour.package}.ops.rope").rope_ext
+    if params.get("freq_factors") is not None:
+        params["freq_factors"] = np.asarray(params["freq_factors"], dtype=flavour.dtype)
+    out = np.array(rope(np.asarray(x, dtype=flavour.dtype), pos, n_dims, **params))
+    assert out.dtype == flavour.dtype
+    return out
 
 
-@given(rope_case(max_pos=4096), st.integers(-4096, 4096), st.sampled_from([0.5, 0.25, 0.125]),
-       st.sampled_from([0.5, 1.0]))
-def test_additivity_with_yarn_holds_only_when_the_magnitude_is_one(case, b, freq_scale, ext):
+def rope_twice_and_once(flavour, x, a, b, n_dims, **params):
+    """``rope(rope(x, a), b)`` and ``rope(x, a + b)``."""
+    r0 = flavour_rope(flavour, x, a, n_dims, **params)
+    twice = flavour_rope(flavour, r0, np.full_like(a, b), n_dims, **params)
+    return twice, flavour_rope(flavour, x, a + b, n_dims, **params)
+
+
+def assert_rope_close(flavour: Flavour, want, got, **f64_tol) -> None:
+    """float64: ``np.testing.assert_allclose(got, want, **f64_tol)``; float32: test-rope.cpp's
+    check, ``sum|want - got| / sum|want| < 1e-4`` and the same over ``sum|got|``."""
+    if flavour.dtype == np.float64:
+        np.testing.assert_allclose(got, want, **f64_tol)
+        return
+    diff = np.abs(want.astype(np.float64) - got).sum()
+    for r in (want, got):
+        assert diff <= 1e-4 * np.abs(r).astype(np.float64).sum()
+
+
+def max_pos(flavour: Flavour, float64: int) -> int:
+    """Positions up to ``float64`` in float64, up to test-rope's few thousands in float32."""
+    return float64 if flavour.dtype == np.float64 else 2048
+
+
+@every_flavour
+@given(data=st.data(), ext_factor=st.sampled_from([0.0, 0.5, 1.0]))
+def test_additivity(flavour, data, ext_factor):
+    """rope(rope(x, a), b) == rope(x, a + b): without YaRN (float64: positions to 100000), and
+    with YaRN when the magnitude ``attn_factor * mscale`` is one (a K-shift's rope), where the
+    angle is linear in the position."""
+    p = max_pos(flavour, 100_000)
+    x, a, n_dims, params = data.draw(rope_case(max_pos=p))
+    b = data.draw(st.integers(-p, p))
+    if ext_factor != 0.0:
+        mscale = 1.0 + 0.1 * math.log(1.0 / params["freq_scale"])
+        params = dict(params, ext_factor=ext_factor, n_ctx_orig=512, attn_factor=1.0 / mscale)
+    twice, once = rope_twice_and_once(flavour, x, a, b, n_dims, **params)
+    assert_rope_close(flavour, once, twice, rtol=0, atol=1e-10 * max(1.0, np.abs(x).max()))
+
+
+@every_flavour
+@given(data=st.data(), freq_scale=st.sampled_from([0.5, 0.25, 0.125]),
+       ext=st.sampled_from([0.5, 1.0]), n_ctx_orig=st.sampled_from([512, 2048]))
+def test_additivity_with_yarn_holds_only_when_the_magnitude_is_one(flavour, data, freq_scale,
+                                                                   ext, n_ctx_orig):
     """YaRN's angle is linear in p (additive), but its mscale multiplies on every call."""
-    x, a, n_dims, params = case
-    params = dict(params, freq_scale=freq_scale, ext_factor=ext, n_ctx_orig=2048)
+    p = max_pos(flavour, 4096)
+    x, a, n_dims, params = data.draw(rope_case(max_pos=p))
+    b = data.draw(st.integers(-p, p))
+    params = dict(params, freq_scale=freq_scale, ext_factor=ext, n_ctx_orig=n_ctx_orig)
     mscale = 1.0 + 0.1 * math.log(1.0 / freq_scale)  # YaRN's magnitude correction
-
-    def twice_and_once(attn_factor):
-        kw = dict(params, attn_factor=attn_factor)
-        twice = rope_ext(rope_ext(x, a, n_dims, **kw), np.full_like(a, b), n_dims, **kw)
-        return twice, rope_ext(x, a + b, n_dims, **kw)
+    x = x.astype(flavour.dtype)
 
     # attn_factor * mscale == 1 (what a K-shift needs): additive
-    twice, once = twice_and_once(1.0 / mscale)
-    assert np.abs(twice - once).max() <= 1e-10 * max(1.0, np.abs(x).max())
+    twice, once = rope_twice_and_once(flavour, x, a, b, n_dims, **params, attn_factor=1 / mscale)
+    assert_rope_close(flavour, once, twice, rtol=0, atol=1e-10 * max(1.0, np.abs(x).max()))
     # attn_factor == 1: twice applies M^2, once applies M: off by exactly M on the rotated dims
-    twice, once = twice_and_once(1.0)
-    np.testing.assert_allclose(twice[..., :n_dims], mscale * once[..., :n_dims],
-                               rtol=1e-9, atol=1e-9)
+    twice, once = rope_twice_and_once(flavour, x, a, b, n_dims, **params, attn_factor=1.0)
+    assert_rope_close(flavour, mscale * once[..., :n_dims], twice[..., :n_dims],
+                      rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(twice[..., n_dims:], x[..., n_dims:])  # copied through
     if n_dims > 0 and np.abs(x[..., :n_dims]).max() > 1e-3:
         assert np.abs(twice - once).max() > 1e-3 * (mscale - 1.0) * np.abs(x[..., :n_dims]).max()
 
 
-@given(rope_case(max_pos=4096), st.integers(-4096, 4096), st.floats(0.5, 2.0))
-def test_additivity_fails_for_attn_factor_not_one(case, b, attn_factor):
-    x, a, n_dims, params = case
-    kw = dict(params, attn_factor=attn_factor)
-    twice = rope_ext(rope_ext(x, a, n_dims, **kw), np.full_like(a, b), n_dims, **kw)
-    once = rope_ext(x, a + b, n_dims, **kw)
-    np.testing.assert_allclose(twice[..., :n_dims], attn_factor * once[..., :n_dims],
-                               rtol=1e-9, atol=1e-9)
+@every_flavour
+@given(data=st.data(), attn_factor=st.floats(0.5, 2.0))
+def test_additivity_fails_for_attn_factor_not_one(flavour, data, attn_factor):
+    p = max_pos(flavour, 4096)
+    x, a, n_dims, params = data.draw(rope_case(max_pos=p))
+    b = data.draw(st.integers(-p, p))
+    twice, once = rope_twice_and_once(flavour, x, a, b, n_dims, **params,
+                                      attn_factor=attn_factor)
+    assert_rope_close(flavour, attn_factor * once[..., :n_dims], twice[..., :n_dims],
+                      rtol=1e-9, atol=1e-9)
 
 
-def test_rope_test_cpp_additivity_float32():
+@every_flavour
+def test_rope_test_cpp_additivity(flavour):
     """tests/test-rope.cpp, modes 0 and 2: rope by p0 = 100 + i, then by p1 = 33 - 100 = -67,
     versus rope by p2 = 33 + i; x uniform in [-1, 1], ne = {2*128, 32, 73}, n_rot 128 (half the
     head rotates), ggml_rope's defaults (n_ctx_orig 0, base 10000, beta_fast = beta_slow = 0).
     The check is theirs: sum|r1 - r2| / sum|r1| < 1e-4 and the same over sum|r2|.
     """
     n_rot, n_past_0, n_past_2 = 128, 100, 33
-    x = np.random.default_rng(0).uniform(-1.0, 1.0, (73, 32, 2 * n_rot)).astype(np.float32)
+    x = np.random.default_rng(0).uniform(-1.0, 1.0, (73, 32, 2 * n_rot)).astype(flavour.dtype)
     i = np.arange(73, dtype=np.int32)
     defaults = dict(n_ctx_orig=0, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0,
                     attn_factor=1.0, beta_fast=0.0, beta_slow=0.0)
     for mode in (ROPE_TYPE_NORM, ROPE_TYPE_NEOX):
-        r0 = rope_ext(x, n_past_0 + i, n_rot, mode, **defaults)
-        r1 = rope_ext(r0, np.full(73, n_past_2 - n_past_0, np.int32), n_rot, mode, **defaults)
-        r2 = rope_ext(x, n_past_2 + i, n_rot, mode, **defaults)
-        assert r1.dtype == np.float32
+        r1, r2 = rope_twice_and_once(flavour, x, n_past_0 + i, n_past_2 - n_past_0, n_rot,
+                                     mode=mode, **defaults)
         diff = np.abs(r1.astype(np.float64) - r2).sum()
         assert diff / np.abs(r1).astype(np.float64).sum() < 1e-4
         assert diff / np.abs(r2).astype(np.float64).sum() < 1e-4
-        assert diff > 0  # float32 rounding is there; the law holds to the bound, not exactly
+        assert diff > 0  # rounding is there; the law holds to the bound, not exactly
 
 
 @given(rope_case())
