@@ -11,6 +11,7 @@ import pytest
 from reference.batch import Batch
 from reference.context import Context, ContextError, context_shift, context_sizes
 from reference.memory import KVCache, KVCacheError
+from tests.helpers import assert_same, snapshot
 from tests.tiny_models import random_weights, tiny_hparams
 
 HP = tiny_hparams(n_layer=2, n_ctx_train=4096)
@@ -22,27 +23,6 @@ PROMPT = RNG.integers(0, HP.n_vocab, 40).tolist()
 def make(**kwargs) -> Context:
     kwargs = dict(dict(n_ctx=256, n_batch=256, n_ubatch=256), **kwargs)
     return Context(HP, W, **kwargs)
-
-
-def snapshot(ctx: Context):
-    """Everything a decode may change: cells, heads, K/V, outputs."""
-    mem = ctx.memory
-    return (
-        [(list(c.pos), [frozenset(s) for s in c.seq], list(c.shift)) for c in mem.v_cells],
-        list(mem.v_heads),
-        [k.copy() for k in mem.k_l],
-        [v.copy() for v in mem.v_l],
-        ctx.get_logits().copy(),
-        ctx._output_ids.copy(),
-    )
-
-
-def assert_same(a, b) -> None:
-    assert a[0] == b[0] and a[1] == b[1]
-    for x, y in zip(a[2] + a[3], b[2] + b[3], strict=True):
-        np.testing.assert_array_equal(x, y)
-    np.testing.assert_array_equal(a[4], b[4])
-    np.testing.assert_array_equal(a[5], b[5])
 
 
 # ---- sizes ----------------------------------------------------------------------------------
@@ -265,7 +245,7 @@ def test_context_shift_is_seq_rm_then_seq_add():
     context_shift(a, 0, n_keep=4, n_discard=10)
     b.memory.seq_rm(0, 4, 14)
     b.memory.seq_add(0, 14, -1, -10)
-    assert snapshot(a)[:2] == snapshot(b)[:2]
+    assert_same(snapshot(a), snapshot(b))
     assert (a.memory.seq_pos_min(0), a.memory.seq_pos_max(0)) == (0, 19)
 
 

@@ -1,13 +1,16 @@
 """The accelerated Llama/Qwen2 twin (MLX forward + MLX KV cache) against the reference.
 
-End to end through the two Contexts: the same logits (NMSE <= 1e-6 in float32) for a
-prefill and for multi-sequence batches split into small ubatches in both KV modes; the
-accelerated path's own laws (batched == unbatched, token-by-token == prefill); the lazy
-K-shift after ``context_shift``; state blobs that cross from one twin to the other; the
-device logits (``get_logits_ith_device``) with ``get_logits_ith``'s rows and errors; and
-SmolLM2-135M Q4_1 giving the reference's greedy continuation with both matmul formulations
-(dense transposed, the CPU default; quantized, the Metal default). Mamba through the
-accelerated Context: ``tests/test_twin_context_mamba.py``.
+Direct comparisons, end to end through the two Contexts, on Llama, Qwen2 (biases) and tied
+variants: the same logits (NMSE <= 1e-6 in float32) for a prefill and for multi-sequence
+batches split into small ubatches in both KV modes; the lazy K-shift after
+``context_shift``; the device logits (``get_logits_ith_device``) with ``get_logits_ith``'s
+rows and errors; and SmolLM2-135M Q4_1 giving the reference's greedy continuation with both
+matmul formulations (dense transposed, the CPU default; quantized, the Metal default).
+
+The *laws* (batched == unbatched, token by token == prefill, shifts, state crossings) are
+written once in the law files and run on every Context flavour, MLX included
+(``tests/test_decode_properties.py``, ``tests/test_state.py``, ``tests/test_context_mamba.py``);
+the lock-step machine is ``tests/test_twin_lockstep.py``.
 """
 
 from __future__ import annotations
@@ -79,35 +82,6 @@ def test_multi_sequence_small_ubatches_equal_the_reference(name, kv_unified):
     assert nmse(ref.get_logits(), acc.get_logits()) <= TOL
 
 
-@pytest.mark.parametrize("kv_unified", [True, False])
-@pytest.mark.parametrize("name", MODELS)
-def test_accelerated_batched_equals_unbatched(name, kv_unified):
-    hp, w = model(name)
-    batch = multi_seq_batch()
-    acc = MLXContext(hp, w, n_ctx=256, n_seq_max=3, n_ubatch=5, kv_unified=kv_unified)
-    assert acc.decode(batch) == 0
-    batched = acc.get_logits()
-    seq_of = np.array([ids[0] for ids in batch.seq_id])
-    for s in range(3):
-        alone = MLXContext(hp, w, n_ctx=256)
-        toks = [t for t, q in zip(batch.token, seq_of, strict=True) if q == s]
-        assert alone.decode(Batch(token=toks, logits=[True] * len(toks))) == 0
-        assert nmse(alone.get_logits(), batched[seq_of == s]) <= TOL
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_accelerated_token_by_token_equals_prefill(name):
-    hp, w = model(name)
-    prefill = MLXContext(hp, w, n_ctx=256)
-    assert prefill.decode(Batch(token=PROMPT, logits=[True] * len(PROMPT))) == 0
-    step = MLXContext(hp, w, n_ctx=256)
-    rows = []
-    for t in PROMPT:
-        assert step.decode(Batch(token=[t])) == 0
-        rows.append(step.get_logits()[-1])
-    assert nmse(prefill.get_logits(), np.stack(rows)) <= TOL
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_context_shift_then_decode_equals_the_reference(name):
     ref, acc = pair(name, n_seq_max=2)
@@ -122,36 +96,6 @@ def test_context_shift_then_decode_equals_the_reference(name):
         assert ref.decode(b) == 0 and acc.decode(b) == 0
         assert nmse(ref.get_logits(), acc.get_logits()) <= TOL
     assert not acc.memory.get_has_shift()
-
-
-@pytest.mark.parametrize("kv_unified", [True, False])
-def test_state_crosses_between_the_twins(tmp_path, kv_unified):
-    kw = dict(n_seq_max=2, kv_unified=kv_unified)
-    for src_cls, dst_cls in ((RefContext, MLXContext), (MLXContext, RefContext)):
-        hp, w = model("qwen2-bias")
-        src = src_cls(hp, w, n_ctx=256, **kw)
-        batch = Batch(token=PROMPT[:10] + PROMPT[:6], seq_id=[[0]] * 10 + [[1]] * 6,
-                      logits=[True] * 16)
-        assert src.decode(batch) == 0
-        blob, seq_blob = src.state_get_data(), src.state_seq_get_data(0)
-        dst = dst_cls(hp, w, n_ctx=256, **kw)
-        assert dst.state_set_data(blob) == len(blob)
-        np.testing.assert_array_equal(dst.get_logits(), src.get_logits())
-        assert dst.state_get_data() == blob  # the tensors came back bit for bit
-        nxt = Batch(token=PROMPT[10:14], seq_id=[[0]] * 4, logits=[True] * 4)
-        assert src.decode(nxt) == 0 and dst.decode(nxt) == 0
-        assert nmse(src.get_logits(), dst.get_logits()) <= TOL
-        # one sequence into another id
-        one = dst_cls(hp, w, n_ctx=256, **kw)
-        assert one.state_seq_set_data(seq_blob, 1) == len(seq_blob)
-        cont = Batch(token=PROMPT[10:14], seq_id=[[1]] * 4, logits=[True] * 4)
-        assert one.decode(cont) == 0
-        assert nmse(src.get_logits(), one.get_logits()) <= TOL
-        # files
-        src.state_save_file(tmp_path / "s.bin", PROMPT[:14])
-        again = dst_cls(hp, w, n_ctx=256, **kw)
-        assert again.state_load_file(tmp_path / "s.bin").tolist() == PROMPT[:14]
-        assert again.memory.seq_pos_max(0) == 13
 
 
 @pytest.mark.parametrize("kv_unified", [True, False])
