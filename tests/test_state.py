@@ -738,7 +738,7 @@ def test_write_refuses_bad_arguments():
 
 
 def test_freed_shift_is_not_pending_after_a_round_trip():
-    """tests/test_twin_state.py found it (``seqs=[[0]], ops=[("seq_add", 0, 0, -1)]``,
+    """test_whole_state_crosses_and_continues found it (``seqs=[[0]], ops=[("seq_add", 0, 0, -1)]``,
     ``kv_unified=False``): ``seq_add`` moved the only cell below 0, which freed it. llama.cpp's
     ``has_shift`` flag stays set with no key left to turn; the restored memory, rebuilt from
     the saved cells, said False. ``get_has_shift`` now answers from the cells (a used cell
