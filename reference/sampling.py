@@ -403,10 +403,12 @@ def min_p(cur: TokenDataArray, p: float, min_keep: int = 0) -> None:
 def typical(cur: TokenDataArray, p: float, min_keep: int = 0) -> None:
     r"""``llama_sampler_init_typical``: locally typical sampling.
 
-    With entropy $H = -\sum_i p_i \log p_i$, candidates are ordered by
+    With entropy $H = -\sum_i p_i \log p_i$ (with $0 \log 0 = 0$), candidates are ordered by
     $|-\log p_i - H|$ ascending (stable here; ``std::sort`` in llama.cpp) and the first $m$ are
     kept, $m$ the smallest count whose mass is $> p$ (strictly) with $m \ge$ ``min_keep``.
-    The result is not sorted by logit. $p \ge 1$: no-op.
+    The result is not sorted by logit. $p \ge 1$: no-op. A candidate of probability 0 has
+    distance $\infty$ and comes last; llama.cpp computes $0 \cdot (-\infty)$ = NaN there, which
+    makes $H$ and every distance NaN (docs/divergences.md, 19).
 
     Examples:
         >>> cur = TokenDataArray.from_logits(np.log([0.5, 0.3, 0.2]))
@@ -417,9 +419,10 @@ def typical(cur: TokenDataArray, p: float, min_keep: int = 0) -> None:
     if p >= 1:
         return
     softmax(cur, do_sort=True)
-    with np.errstate(invalid="ignore"):
-        entropy = _sum_f32(-cur.p * _logf(cur.p))
-        shifted = np.abs(-_logf(cur.p) - entropy)  # (size,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # 0 log 0 = 0 (the limit), where llama.cpp's 0 * -inf makes H NaN (divergence 19)
+        entropy = _sum_f32(np.where(cur.p > 0, -cur.p * _logf(cur.p), F32(0)))
+        shifted = np.abs(-_logf(cur.p) - entropy)  # (size,): inf for p = 0, sorted last
     order = np.argsort(shifted, kind="stable")  # (size,)
     cum = np.cumsum(cur.p[order], dtype=F32)  # (size,)
     ok = (cum > p) & ((min_keep == 0) | (np.arange(cur.size) >= min_keep - 1))

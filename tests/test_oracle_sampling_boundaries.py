@@ -498,3 +498,27 @@ def test_mirostat_k_overflowing_int_keeps_one_candidate():
     S.mirostat(ours, S.Mt19937(1), 40.0, 2, 20.0, 0.1)
     assert_same(ours, theirs)
     assert theirs.size == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Divergence 19: typical with a zero-probability candidate (docs/divergences.md)
+# ---------------------------------------------------------------------------------------------
+
+def test_typical_with_a_zero_probability_divergence():
+    """A candidate with p = 0 makes llama.cpp's entropy NaN (0 * -inf), so every distance
+    |-log p - H| is NaN and ``std::sort`` orders by NaN keys: what it keeps depends on
+    libstdc++'s introsort, the zero-probability token included. We take 0 log 0 = 0 (the
+    limit): the entropy is that of the other candidates, the zero-probability one sorts last,
+    and it changes nothing about which others are kept. Measured: llama.cpp keeps 14 of the 17
+    candidates, token 16 (p = 0) among them.
+    """
+    logits = np.linspace(0.0, -4.0, 17).astype(F32)
+    logits[-1] = -np.inf  # p = 0
+    cur = S.TokenDataArray.from_logits(logits)
+    theirs = LcSampler(llama_cpp.llama_sampler_init_typical(0.5, 1)).apply(copy(cur))
+    ours = copy(cur)
+    S.typical(ours, 0.5, 1)
+    without = S.TokenDataArray.from_logits(logits[:-1])  # the same, the p = 0 token left out
+    S.typical(without, 0.5, 1)
+    assert ours.ids.tolist() == without.ids.tolist() and 16 not in ours.ids.tolist()
+    assert theirs.size == 14 and 16 in theirs.ids.tolist()
