@@ -51,7 +51,7 @@ from typing import Protocol
 
 import numpy as np
 
-from reference.common import LLAMA_MAX_SEQ, LlamarefError
+from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
 
 
 # --8<-- [start:BatchError]
@@ -84,14 +84,15 @@ def _int_array(name: str, values, n_tokens: int | None) -> np.ndarray:
     arr = np.asarray(values)
     if arr.size == 0:
         arr = arr.astype(np.int32)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+    if arr.ndim != 1 or arr.dtype.kind not in "iub":  # signed, unsigned, bool
         raise BatchError(f"{name} must be a 1-D sequence of integers, got shape {arr.shape} "
                          f"of {arr.dtype}")
     if arr.dtype == bool:
         raise BatchError(f"{name} must hold integers, not booleans")
-    info = np.iinfo(np.int32)
-    if arr.size and (arr.min() < info.min or arr.max() > info.max):
-        raise BatchError(f"{name} must fit in int32 (llama_token / llama_pos are int32_t)")
+    if arr.dtype != np.int32 and arr.size:  # an int32 array fits by construction
+        info = np.iinfo(np.int32)
+        if arr.min() < info.min or arr.max() > info.max:
+            raise BatchError(f"{name} must fit in int32 (llama_token / llama_pos are int32_t)")
     if n_tokens is not None and arr.shape[0] != n_tokens:
         raise BatchError(f"{name} has {arr.shape[0]} entries, the batch has {n_tokens} tokens")
     return arr.astype(np.int32)
@@ -103,7 +104,9 @@ def _seq_ids(seq_id, n_tokens: int) -> tuple[tuple[int, ...], ...]:
         raise BatchError(f"seq_id has {len(seq_id)} entries, the batch has {n_tokens} tokens")
     out = []
     for i, ids in enumerate(seq_id):
-        if isinstance(ids, (int, np.integer)) or not isinstance(ids, Sequence | np.ndarray):
+        # tuple/list first: the Sequence check (an ABC) is slow, and they are Sequences
+        if isinstance(ids, (int, np.integer)) or not (
+                isinstance(ids, (tuple, list, np.ndarray)) or isinstance(ids, Sequence)):
             raise BatchError(f"seq_id[{i}] must be a list of seq ids (e.g. [0]), got {ids!r}")
         if len(ids) == 0:
             raise BatchError(f"seq_id[{i}] is empty: every token needs at least one seq id")
@@ -112,6 +115,20 @@ def _seq_ids(seq_id, n_tokens: int) -> tuple[tuple[int, ...], ...]:
                 raise BatchError(f"seq_id[{i}] must hold integers, got {s!r}")
         out.append(tuple(dict.fromkeys(int(s) for s in ids)))
     return tuple(out)
+
+
+def _flat_seq_ids(seq_id: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, ...]:
+    """The seq ids of a batch as one flat list in batch order, with where each came from.
+
+    Returns:
+        ``(tok, k, sid)``, each ``(n_entries,)``: entry ``j`` is ``seq_id[tok[j]][k[j]]``
+        ``== sid[j]`` (``k == 0``: a token's first seq id). ``sid`` is an object array when
+        some id does not fit in int64 (only range checks read it then).
+    """
+    tok = np.array([i for i, ids in enumerate(seq_id) for _ in ids], dtype=np.int64)
+    k = np.array([k for ids in seq_id for k in range(len(ids))], dtype=np.int64)
+    sid = np.array([s for ids in seq_id for s in ids], dtype=None if seq_id else np.int64)
+    return tok, k, sid  # each (n_entries,)
 
 
 # --8<-- [start:Batch]
@@ -208,9 +225,11 @@ def check_tokens(token: np.ndarray, n_vocab: int) -> None:
         ...
         reference.batch.BatchError: invalid token[1] = 10: token ids must be in [0, 10)
     """
-    for i, t in enumerate(token.tolist()):
-        if t < 0 or t >= n_vocab:
-            raise BatchError(f"invalid token[{i}] = {t}: token ids must be in [0, {n_vocab})")
+    bad = (token < 0) | (token >= n_vocab)  # (n_tokens,)
+    if bad.any():
+        i = int(np.argmax(bad))  # the first bad one
+        raise BatchError(f"invalid token[{i}] = {int(token[i])}: token ids must be in "
+                         f"[0, {n_vocab})")
 # --8<-- [end:check_tokens]
 
 
@@ -234,11 +253,12 @@ def check_seq_ids(seq_id: tuple[tuple[int, ...], ...], n_seq_max: int) -> None:
     """
     if n_seq_max > LLAMA_MAX_SEQ:
         raise BatchError(f"n_seq_max = {n_seq_max} > {LLAMA_MAX_SEQ} (LLAMA_MAX_SEQ)")
-    for i, ids in enumerate(seq_id):
-        for s, sid in enumerate(ids):
-            if sid < 0 or sid >= n_seq_max:
-                raise BatchError(f"invalid seq_id[{i}][{s}] = {sid}: seq ids must be in "
-                                 f"[0, {n_seq_max}) (n_seq_max = {n_seq_max})")
+    tok, k, sid = _flat_seq_ids(seq_id)
+    bad = (sid < 0) | (sid >= n_seq_max)  # (n_entries,)
+    if bad.any():
+        j = int(np.argmax(bad))  # the first bad one, in batch order
+        raise BatchError(f"invalid seq_id[{tok[j]}][{k[j]}] = {sid[j]}: seq ids must be in "
+                         f"[0, {n_seq_max}) (n_seq_max = {n_seq_max})")
 # --8<-- [end:check_seq_ids]
 
 
@@ -265,15 +285,15 @@ def fill_pos(seq_id: tuple[tuple[int, ...], ...], memory: SeqPosMemory | None) -
         >>> fill_pos(((0,), (1,), (0,), (1,), (0, 1)), Mem()).tolist()
         [5, 0, 6, 1, 7]
     """
-    pos_next: dict[int, int] = {}
-    pos = np.empty(len(seq_id), dtype=np.int32)  # (n_tokens,)
-    for i, ids in enumerate(seq_id):
-        s = ids[0]
-        if s not in pos_next:
-            pos_next[s] = (memory.seq_pos_max(s) if memory is not None else -1) + 1
-        pos[i] = pos_next[s]
-        pos_next[s] += 1
-    return pos
+    first = np.array([ids[0] for ids in seq_id], dtype=np.int64)  # (n_tokens,)
+    pos = np.empty(len(seq_id), dtype=np.int64)  # (n_tokens,)
+    for s in dict.fromkeys(first.tolist()):  # each sequence, in order of appearance
+        mine = first == s  # (n_tokens,) the tokens whose first id is s
+        start = (memory.seq_pos_max(s) if memory is not None else -1) + 1
+        pos[mine] = start + np.arange(np.count_nonzero(mine))  # start, start + 1, ...
+    if pos.size and pos.max() > POS_INF:  # the largest int32
+        raise BatchError("pos must fit in int32 (llama_token / llama_pos are int32_t)")
+    return pos.astype(np.int32)
 # --8<-- [end:fill_pos]
 
 
@@ -388,12 +408,18 @@ def check_coupled(seq_cpl: set[tuple[int, int]], memory: SeqPosMemory | None) ->
 
 # --8<-- [start:check_seq_order]
 def check_seq_order(seq_id: tuple[tuple[int, ...], ...], pos: np.ndarray) -> None:
-    """In batch order, the positions of each sequence never decrease.
+    r"""In batch order, the positions of each sequence never decrease.
+
+    With $t_1 < t_2 < \dots$ the tokens of sequence $s$ in batch order, the batch is refused
+    at the first $t_{k+1}$ (in batch order, over all sequences) with
+    $pos_{t_{k+1}} < pos_{t_k}$. All sequences are checked at once: the (token, seq id)
+    entries are grouped by sequence, keeping batch order inside a group, and each entry is
+    compared with the one before it in its group.
 
     llama.cpp also intersects, per sequence, the seq sets of its tokens and refuses the
     batch when the intersection becomes empty ("incompatible sequence sets"). That test
-    cannot fail: every set that holds ``s`` contains ``s``. It is kept here, as in
-    llama.cpp, and a test shows the example its comment calls invalid being accepted.
+    cannot fail: every set that holds ``s`` contains ``s``, so it is not computed here; a
+    test shows the example its comment calls invalid being accepted.
 
     Args:
         seq_id: per token, its seq ids.
@@ -409,19 +435,19 @@ def check_seq_order(seq_id: tuple[tuple[int, ...], ...], pos: np.ndarray) -> Non
         ...
         reference.batch.BatchError: sequence 0 positions are decreasing (not allowed): ...
     """
-    cur_seq_set: dict[int, frozenset[int]] = {}
-    cur_seq_pos: dict[int, int] = {}
-    for i, ids in enumerate(seq_id):
-        p = int(pos[i])
-        for s in ids:
-            cur_seq_set[s] = cur_seq_set.get(s, frozenset(ids)) & frozenset(ids)
-            if not cur_seq_set[s]:  # unreachable: s is in every set it meets
-                raise BatchError(f"sequence {s} belongs to incompatible sequence sets "
-                                 f"(not allowed)")
-            if p < cur_seq_pos.get(s, -1):
-                raise BatchError(f"sequence {s} positions are decreasing (not allowed): "
-                                 f"position {p} at batch index {i} after {cur_seq_pos[s]}")
-            cur_seq_pos[s] = p
+    tok, _, sid = _flat_seq_ids(seq_id)
+    p = np.asarray(pos, dtype=np.int64)[tok]  # (n_entries,) the position of each entry
+    # the entries grouped by sequence, batch order kept inside a group: each entry's
+    # predecessor in its group is the previous token of the same sequence
+    order = np.argsort(sid, kind="stable")  # (n_entries,)
+    same_seq = sid[order][1:] == sid[order][:-1]  # (n_entries - 1,)
+    drop = same_seq & (p[order][1:] < p[order][:-1])  # (n_entries - 1,)
+    if drop.any():
+        at = np.flatnonzero(drop)
+        j = int(np.argmin(order[1:][at]))  # the first drop in batch order
+        bad, before = order[1:][at[j]], order[:-1][at[j]]
+        raise BatchError(f"sequence {sid[bad]} positions are decreasing (not allowed): "
+                         f"position {p[bad]} at batch index {tok[bad]} after {p[before]}")
 # --8<-- [end:check_seq_order]
 
 
@@ -589,13 +615,11 @@ class BatchAllocr:
             pos = fill_pos(seq_id, memory)
         output = fill_outputs(batch.logits, n_tokens, output_all)
 
-        seq_pos: dict[int, set[int]] = {}
-        seq_cpl: set[tuple[int, int]] = set()
-        for i, ids in enumerate(seq_id):
-            for k, s in enumerate(ids):
-                seq_pos.setdefault(s, set()).add(int(pos[i]))
-                if k > 0:
-                    seq_cpl.add((s, ids[0]))  # seq_cpl[s1][s0] = true
+        tok, k, sid = _flat_seq_ids(seq_id)
+        p = pos[tok]  # (n_entries,) the position of each (token, seq id) entry
+        seq_pos = {s: set(p[sid == s].tolist()) for s in dict.fromkeys(sid.tolist())}
+        s0 = sid[k == 0][tok]  # (n_entries,) the first seq id of each entry's token
+        seq_cpl = set(zip(sid[k > 0].tolist(), s0[k > 0].tolist(), strict=True))  # seq_cpl[s1][s0]
 
         check_positions(seq_pos, memory)
         check_coupled(seq_cpl, memory)

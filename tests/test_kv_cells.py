@@ -2,30 +2,47 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from reference.common import LLAMA_MAX_SEQ
+from reference.hparams import (
+    SWA_TYPE_CHUNKED,
+    SWA_TYPE_NONE,
+    SWA_TYPE_STANDARD,
+    SWA_TYPE_SYMMETRIC,
+    is_masked_swa,
+)
+from reference.memory.kv_cache import KVCache
 from reference.memory.kv_cells import KVCells, pos_div_shift, pos_div_shift_llamacpp
+from reference.testing import tiny_hparams
 
 N_CELLS = 8
 N_SEQ = 3
 
 
 def check_invariants(cells: KVCells) -> None:
-    """pos == -1 <=> no seqs; seq_pos, used and the min/max agree with the cells."""
-    for i in range(cells.size()):
-        assert (cells.pos[i] == -1) == (not cells.seq[i])
-        if cells.pos[i] == -1:
-            assert cells.shift[i] == 0
-    assert cells.used == {i for i in range(cells.size()) if cells.pos[i] != -1}
-    for s in range(N_SEQ):
-        pairs = {(cells.pos[i], i) for i in range(cells.size()) if s in cells.seq[i]}
-        assert cells.seq_pos.get(s, set()) == pairs
+    """The module's invariants, from the arrays: pos == -1 <=> no seqs, seq_pos, the counts."""
+    used = cells.pos != -1
+    assert (used == cells.seq.any(axis=1)).all()
+    assert (cells.shift[~used] == 0).all()
+    assert cells.get_used() == int(used.sum())
+    assert cells.n_shifted == int(np.count_nonzero(cells.shift))
+    for s in range(LLAMA_MAX_SEQ):
+        pairs = sorted((int(cells.pos[i]), i) for i in np.flatnonzero(cells.seq[:, s]))
+        assert cells.seq_pos[s] == pairs
         positions = [p for p, _ in pairs]
         assert cells.seq_pos_min(s) == (min(positions) if positions else -1)
         assert cells.seq_pos_max(s) == (max(positions) if positions else -1)
-    assert cells.used_max_p1() == (max(cells.used) + 1 if cells.used else 0)
+    idxs = np.flatnonzero(used)
+    assert cells.used_max_p1() == (int(idxs[-1]) + 1 if idxs.size else 0)
+    assert cells.used_min() == (int(idxs[0]) if idxs.size else 0)
+
+
+def row(cells: KVCells, i: int) -> tuple[int, set[int], int]:
+    return int(cells.pos[i]), set(cells.seq_get_all(i)), int(cells.shift[i])
 
 
 seq_sets = st.sets(st.integers(0, N_SEQ - 1), min_size=1, max_size=N_SEQ)
@@ -100,7 +117,7 @@ def test_cells_match_brute_force(init, ops):
             if model[j] is None:
                 assert cells.is_empty(j)
             else:
-                assert (cells.pos[j], cells.seq[j], cells.shift[j]) == tuple(model[j])
+                assert row(cells, j) == tuple(model[j])
 
 
 @given(st.lists(cell_st, min_size=N_CELLS, max_size=N_CELLS),
@@ -109,14 +126,14 @@ def test_cells_match_brute_force(init, ops):
 def test_cp_then_set_restores(init, idxs, other_init):
     """The slot-search backup: cp(idxs), overwrite those cells, set(idxs, backup) restores."""
     cells, _ = build(init)
-    before = (list(cells.pos), [set(s) for s in cells.seq], set(cells.used))
+    before = cells.copy()
     backup = cells.cp(idxs)
     other, _ = build(other_init)
     cells.set(idxs, other.cp(idxs))
     check_invariants(cells)
     cells.set(idxs, backup)
     check_invariants(cells)
-    assert (cells.pos, cells.seq, cells.used) == before
+    assert cells == before
 
 
 def test_pos_add_records_shift_and_frees_below_zero():
@@ -152,3 +169,129 @@ def test_pos_add_and_div_accumulate():
 @pytest.mark.parametrize("d", [1, 2, 3, 7])
 def test_pos_div_shift_moves_to_new_position(p, d):
     assert p + pos_div_shift(p, d) == p // d
+
+
+# ---- array forms, the undo journal, the vectorized slot search ----------------------------
+
+
+@given(st.lists(cell_st, min_size=N_CELLS, max_size=N_CELLS), ops_st)
+def test_rollback_restores_everything(init, ops):
+    """begin, any operations, rollback: the cells equal their copy taken before (all fields)."""
+    cells, _ = build(init)
+    before = cells.copy()
+    cells.begin()
+    for op, i, s, d in ops:
+        if op == "seq_rm" and cells.seq_has(i, s):
+            cells.seq_rm(i, s)
+        elif op == "seq_keep":
+            cells.seq_keep(i, s)
+        elif op == "pos_add" and not cells.is_empty(i):
+            cells.pos_add(i, d)
+        elif op == "pos_div" and not cells.is_empty(i) and d >= 1:
+            cells.pos_div(i, d)
+        elif op == "seq_add" and not cells.is_empty(i) and not cells.seq_has(i, s):
+            cells.seq_add(i, s)
+        elif op == "rm" and not cells.is_empty(i):
+            cells.rm(i)
+        elif cells.is_empty(i):
+            cells.pos_set(i, abs(d))
+            cells.seq_add(i, s)
+        check_invariants(cells)
+    cells.rollback()
+    check_invariants(cells)
+    assert cells == before
+
+
+@given(st.lists(cell_st, min_size=N_CELLS, max_size=N_CELLS), st.integers(0, N_SEQ - 1),
+       st.integers(0, 20), st.integers(0, 21), st.integers(-8, 8))
+def test_array_forms_equal_the_per_cell_loop(init, s, p0, p1, d):
+    """The cache's range operations over ``seq_cells``: the same as llama.cpp's loop."""
+    for op in ["seq_rm", "seq_add", "pos_add", "pos_div", "seq_keep"]:
+        fast, _ = build(init)
+        slow, _ = build(init)
+        if op == "seq_keep":
+            freed = fast.seq_keep_cells(np.flatnonzero(fast.pos != -1), s).tolist()
+            expect = [i for i in range(N_CELLS) if slow.seq_keep(i, s)]
+        elif op == "seq_rm":
+            freed = fast.seq_rm_cells(fast.seq_cells(s, p0, p1), s).tolist()
+            expect = [i for i in range(N_CELLS)
+                      if slow.pos_in(i, p0, p1) and slow.seq_has(i, s) and slow.seq_rm(i, s)]
+        elif op == "seq_add":
+            t = (s + 1) % N_SEQ
+            idxs = fast.seq_cells(s, p0, p1)
+            freed = fast.seq_add_cells(idxs[~fast.seq[idxs, t]], t) or []
+            expect = []
+            for i in range(N_CELLS):
+                if slow.pos_in(i, p0, p1) and slow.seq_has(i, s) and not slow.seq_has(i, t):
+                    slow.seq_add(i, t)
+        elif op == "pos_add":
+            freed = fast.pos_add_cells(fast.seq_cells(s, p0, p1), d).tolist()
+            expect = [i for i in range(N_CELLS)
+                      if slow.pos_in(i, p0, p1) and slow.seq_has(i, s) and slow.pos_add(i, d)]
+        else:
+            freed = fast.pos_div_cells(fast.seq_cells(s, p0, p1), abs(d) + 1) or []
+            expect = []
+            for i in range(N_CELLS):
+                if slow.pos_in(i, p0, p1) and slow.seq_has(i, s):
+                    slow.pos_div(i, abs(d) + 1)
+        check_invariants(fast)
+        assert freed == expect, op
+        assert fast == slow, op
+
+
+def find_cells_loop(cache, stream: int, n_tokens: int, cont: bool) -> list[int] | None:
+    """llama.cpp's ``find_slot`` loop, one cell at a time (the pre-vectorized reference)."""
+    cells = cache.v_cells[stream]
+    size = cells.size()
+    head_cur = cache.v_heads[stream]
+    if head_cur > cells.get_used() + 2 * n_tokens:
+        head_cur = 0
+    if n_tokens > size:
+        return None
+
+    def can_use(idx):
+        if cells.is_empty(idx):
+            return True
+        if cells.seq_count(idx) == 1:
+            p_next = cells.seq_pos_max(cells.seq_get(idx)) + 1
+            return is_masked_swa(cache.n_swa, cache.swa_type, cells.pos_get(idx), p_next)
+        return False
+
+    n_tested, n_test, idxs = 0, (n_tokens if cont else 1), []
+    while True:
+        if head_cur + n_test > size:
+            n_tested += size - head_cur
+            head_cur = 0
+            continue
+        for _ in range(n_test):
+            idx = head_cur
+            head_cur += 1
+            n_tested += 1
+            if can_use(idx):
+                idxs.append(idx)
+            elif cont:
+                break
+        if len(idxs) == n_tokens:
+            return idxs
+        if cont:
+            idxs.clear()
+        if n_tested >= size:
+            return None
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 30), seq_sets)),
+                min_size=1, max_size=20),
+       st.integers(0, 20), st.integers(1, 8), st.booleans(),
+       st.sampled_from([SWA_TYPE_NONE, SWA_TYPE_STANDARD, SWA_TYPE_CHUNKED, SWA_TYPE_SYMMETRIC]),
+       st.integers(1, 8))
+def test_vectorized_slot_search_equals_the_loop(init, head, n_tokens, cont, swa_type, n_swa):
+    cache = KVCache(tiny_hparams(n_layer=1), kv_size=len(init), n_seq_max=N_SEQ)
+    cache.swa_type, cache.n_swa = swa_type, n_swa
+    cells = cache.v_cells[0]
+    for i, c in enumerate(init):
+        if c is not None:
+            cells.pos_set(i, c[0])
+            for s in sorted(c[1]):
+                cells.seq_add(i, s)
+    cache.v_heads[0] = min(head, len(init))
+    assert cache._find_cells(0, n_tokens, cont) == find_cells_loop(cache, 0, n_tokens, cont)

@@ -236,12 +236,16 @@ def set_input_kq_mask(
     sequence id is $s_i$ (``seq_id[i][0]``, as llama.cpp), sees cell $j$ of its stream iff
 
     $$
-    pos_j \ne -1 \;\wedge\; s_i \in seq_j \;\wedge\; pos_j \le p_i \;\wedge\;
-    \neg\,\mathrm{is\_masked\_swa}(pos_j, p_i).
+    \mathrm{visible}_{ij} = pos_j \ne -1 \;\wedge\; seq_{j, s_i} \;\wedge\; pos_j \le p_i
+    \;\wedge\; \neg\,\mathrm{is\_masked\_swa}(pos_j, p_i).
     $$
 
     The columns are the first ``n_kv`` cells of each stream of ``strm``, block after block
-    (one block when unified); a token sees nothing in another stream's block.
+    (one block when unified); a token sees nothing in another stream's block. Each block is
+    the formula above over the arrays of its cells, for all tokens at once
+    (:func:`is_masked_swa` is written with operators that work elementwise on arrays);
+    :func:`set_input_kq_mask_per_cell` is the same rule one cell at a time, and a property
+    test holds the two equal.
 
     Args:
         v_cells: the cells of every stream.
@@ -265,6 +269,51 @@ def set_input_kq_mask(
         array([[  0., -inf,   0.],
                [-inf,   0., -inf]], dtype=float32)
     """
+    s_tok = np.array([ids[0] for ids in seq_id], dtype=np.int64)  # (n_tokens,)
+    p_tok = np.asarray(pos, dtype=np.int64)[:, None]  # (n_tokens, 1)
+    stream_tok = np.asarray(seq_to_stream)[s_tok]  # (n_tokens,)
+    blocks = []
+    for stream in strm:
+        cells = v_cells[stream]
+        p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
+        visible = (
+            (stream_tok == stream)[:, None]  # the token's own stream
+            & (p_cell != -1)
+            & cells.seq[:n_kv, s_tok].T  # (n_tokens, n_kv): the cell holds s_i
+            & (p_cell <= p_tok)
+            & ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
+        )  # (n_tokens, n_kv)
+        blocks.append(np.where(visible, 0.0, -np.inf).astype(dtype))
+    return np.concatenate(blocks, axis=1)  # (n_tokens, len(strm) * n_kv)
+# --8<-- [end:set_input_kq_mask]
+
+
+# --8<-- [start:set_input_kq_mask_per_cell]
+def set_input_kq_mask_per_cell(
+    v_cells: list[KVCells],
+    seq_to_stream: list[int],
+    pos: np.ndarray,
+    seq_id: tuple[tuple[int, ...], ...],
+    strm: tuple[int, ...],
+    n_kv: int,
+    n_swa: int,
+    swa_type: int,
+    dtype: DTypeLike = np.float32,
+) -> np.ndarray:
+    """The rule of :func:`set_input_kq_mask`, one token and one cell at a time.
+
+    The readable definition (llama.cpp's loop without its reuse of a sequence's previous
+    row); :func:`set_input_kq_mask` must equal it on every cell state. Same arguments.
+
+    Examples:
+        >>> cells = KVCells(3)
+        >>> for i, (p, s) in enumerate([(0, 0), (0, 1), (1, 0)]):
+        ...     cells.pos_set(i, p); cells.seq_add(i, s)
+        >>> set_input_kq_mask_per_cell([cells], [0, 0], np.array([1, 1]), ((0,), (1,)), (0,),
+        ...                            3, 0, 0)
+        array([[  0., -inf,   0.],
+               [-inf,   0., -inf]], dtype=float32)
+    """
     n_tokens = len(pos)
     mask = np.full((n_tokens, len(strm) * n_kv), -np.inf, dtype=dtype)  # (n_tokens, ns * n_kv)
     for i in range(n_tokens):
@@ -280,7 +329,7 @@ def set_input_kq_mask(
                 continue
             mask[i, block * n_kv + j] = 0.0
     return mask
-# --8<-- [end:set_input_kq_mask]
+# --8<-- [end:set_input_kq_mask_per_cell]
 
 
 # --8<-- [start:KVCacheAttnInput]
@@ -330,6 +379,8 @@ class KVCacheAttnInput:
     def _view(self, t: np.ndarray, d: int) -> np.ndarray:
         n_head_kv = self.cache.hparams.n_head_kv
         blocks = [t[s, : self.n_kv] for s in self.sinfo.strm]  # each (n_kv, n_embd_gqa)
+        if len(blocks) == 1:  # one stream: a view of the cache, as llama.cpp's get_k
+            return blocks[0].reshape(-1, n_head_kv, d)  # (n_kv, n_head_kv, d)
         return np.concatenate(blocks).reshape(-1, n_head_kv, d)  # (ns * n_kv, n_head_kv, d)
 
     def get_k(self, il: int) -> np.ndarray:
@@ -425,9 +476,10 @@ class KVCache:
         shifted cells were freed since (moved below 0, removed) or their shifts cancelled:
         a K-shift that turns no key. Here such a flag does not count, so the answer depends
         only on the cells' positions and shifts, which a state blob saves: a restored memory
-        answers as the one it was saved from (:mod:`reference.memory.state`).
+        answers as the one it was saved from (:mod:`reference.memory.state`). O(1): the
+        cells count their non-zero shifts (``n_shifted``).
         """
-        return any(cells.get_has_shift() and any(cells.shift) for cells in self.v_cells)
+        return any(cells.n_shifted > 0 for cells in self.v_cells)
 
     def can_shift(self) -> bool:
         """Whether positions can be shifted (``get_can_shift``): True for this cache."""
@@ -472,19 +524,19 @@ class KVCache:
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream[seq_id]]
         for s in streams:
             cells = self.v_cells[s]
-            new_head = cells.size()
-            for i in range(cells.size()):
-                if not cells.pos_in(i, p0, p1):
-                    continue
-                if seq_id == -1:
-                    cells.rm(i)
-                elif not (cells.seq_has(i, seq_id) and cells.seq_rm(i, seq_id)):
-                    continue
-                new_head = min(new_head, i)
-            # a freed cell before the head: the next search starts there
-            if new_head != cells.size() and new_head < self.v_heads[s]:
-                self.v_heads[s] = new_head
+            idxs = cells.seq_cells(seq_id, p0, p1)  # the cells of seq_id in [p0, p1)
+            if seq_id == -1:
+                cells.rm_cells(idxs)
+                freed = idxs
+            else:
+                freed = cells.seq_rm_cells(idxs, seq_id)
+            self._lower_head(s, freed)
         return True
+
+    def _lower_head(self, stream: int, freed: np.ndarray) -> None:
+        """A freed cell before the head: the next search starts there."""
+        if freed.size and freed[0] < self.v_heads[stream]:
+            self.v_heads[stream] = int(freed[0])
     # --8<-- [end:seq_rm]
 
     # --8<-- [start:seq_cp]
@@ -510,11 +562,9 @@ class KVCache:
             p0 = max(p0, 0)
             p1 = POS_INF if p1 < 0 else p1
             cells = self.v_cells[s0]
-            for i in range(cells.size()):
-                if cells.pos_in(i, p0, p1) and cells.seq_has(i, seq_id_src):
-                    # llama.cpp asserts the cell lacks dst; a cell already shared keeps it
-                    if not cells.seq_has(i, seq_id_dst):
-                        cells.seq_add(i, seq_id_dst)
+            idxs = cells.seq_cells(seq_id_src, p0, p1)
+            # llama.cpp asserts the cell lacks dst; a cell already shared keeps it
+            cells.seq_add_cells(idxs[~cells.seq[idxs, seq_id_dst]], seq_id_dst)
             return
         size = self.get_size()
         if (0 < p0 and p0 + 1 < size) or (0 < p1 and p1 + 1 < size):
@@ -524,13 +574,11 @@ class KVCache:
         self.sc_info.append((s0, s1))  # the K/V copy happens at the next update()
         src, dst = self.v_cells[s0], self.v_cells[s1]
         dst.reset()
-        for i in range(src.size()):
-            if src.seq_has(i, seq_id_src):
-                shift = src.get_shift(i)
-                dst.pos_set(i, src.pos_get(i) - shift)
-                dst.seq_add(i, seq_id_dst)
-                if shift != 0:
-                    dst.pos_add(i, shift)
+        idxs = np.flatnonzero(src.seq[:, seq_id_src])  # every cell of seq_id_src
+        shift = src.shift[idxs]  # (n,)
+        dst.pos_set_cells(idxs, src.pos[idxs] - shift)
+        dst.seq_add_cells(idxs, seq_id_dst)
+        dst.pos_add_cells(idxs[shift != 0], shift[shift != 0])  # the same pending shifts
         self.v_heads[s1] = self.v_heads[s0]
     # --8<-- [end:seq_cp]
 
@@ -544,12 +592,8 @@ class KVCache:
         self._check_seq_id(seq_id)
         s = self.seq_to_stream[seq_id]
         cells = self.v_cells[s]
-        new_head = cells.size()
-        for i in range(cells.size()):
-            if cells.seq_keep(i, seq_id):
-                new_head = min(new_head, i)
-        if new_head != cells.size() and new_head < self.v_heads[s]:
-            self.v_heads[s] = new_head
+        freed = cells.seq_keep_cells(np.flatnonzero(cells.pos != -1), seq_id)
+        self._lower_head(s, freed)
     # --8<-- [end:seq_keep]
 
     # --8<-- [start:seq_add]
@@ -574,12 +618,8 @@ class KVCache:
         p1 = POS_INF if p1 < 0 else p1
         if p0 == p1:
             return
-        new_head = cells.size()
-        for i in range(cells.size()):
-            if cells.pos_in(i, p0, p1) and cells.seq_has(i, seq_id):
-                if cells.pos_add(i, shift):
-                    new_head = min(new_head, i)
-        self.v_heads[s] = new_head if new_head != cells.size() else 0
+        freed = cells.pos_add_cells(cells.seq_cells(seq_id, p0, p1), shift)
+        self.v_heads[s] = int(freed[0]) if freed.size else 0
     # --8<-- [end:seq_add]
 
     # --8<-- [start:seq_div]
@@ -603,9 +643,7 @@ class KVCache:
         p1 = POS_INF if p1 < 0 else p1
         if p0 == p1:
             return
-        for i in range(cells.size()):
-            if cells.pos_in(i, p0, p1) and cells.seq_has(i, seq_id):
-                cells.pos_div(i, d)
+        cells.pos_div_cells(cells.seq_cells(seq_id, p0, p1), d)
     # --8<-- [end:seq_div]
 
     # --8<-- [start:seq_pos_min]
@@ -674,47 +712,59 @@ class KVCache:
 
     # --8<-- [start:find_cells]
     def _find_cells(self, stream: int, n_tokens: int, cont: bool) -> list[int] | None:
-        """The search loop of ``find_slot`` in one stream."""
+        r"""The search of ``find_slot`` in one stream, over the array of usable cells.
+
+        llama.cpp tests the cells one at a time from the head, wrapping around once. Its
+        result is, with $u$ the usable cells (:meth:`_can_use`) and $h$ the head:
+
+        - ``cont=False``: the first ``n_tokens`` usable cells in the order
+          $h, h+1, \dots, size-1, 0, \dots, h-1$;
+        - ``cont=True``: the first window $[a, a + n_{tokens})$ of usable cells (not
+          wrapping past the end) with $a \ge h$, else the first one with $a < h$.
+
+        None when there are not enough usable cells (or ``n_tokens > size``).
+        """
         cells = self.v_cells[stream]
         size = cells.size()
-        head_cur = self.v_heads[stream]
+        head = self.v_heads[stream]
         # enough free cells before the head: better to fill the cache from the start
-        if head_cur > cells.get_used() + 2 * n_tokens:
-            head_cur = 0
+        if head > cells.get_used() + 2 * n_tokens:
+            head = 0
         if n_tokens > size:
             return None
-        n_tested = 0
-        n_test = n_tokens if cont else 1
-        idxs: list[int] = []
-        while True:
-            if head_cur + n_test > size:
-                n_tested += size - head_cur
-                head_cur = 0
-                continue
-            for _ in range(n_test):
-                idx = head_cur
-                head_cur += 1
-                n_tested += 1
-                if self._can_use(cells, idx):
-                    idxs.append(idx)
-                elif cont:
-                    break
-            if len(idxs) == n_tokens:
-                return idxs
-            if cont:
-                idxs.clear()
-            if n_tested >= size:
-                return None
+        usable = self._can_use(cells)  # (size,)
+        if not cont:
+            found = np.concatenate([head + np.flatnonzero(usable[head:]),  # head .. size-1
+                                    np.flatnonzero(usable[:head])])  # then 0 .. head-1
+            return found[:n_tokens].tolist() if len(found) >= n_tokens else None
+        n_usable = np.concatenate([[0], np.cumsum(usable)])  # (size + 1,) usable in [0, j)
+        starts = np.flatnonzero(n_usable[n_tokens:] - n_usable[:-n_tokens] == n_tokens)
+        if not starts.size:
+            return None
+        after = starts[starts >= head]
+        a = int(after[0] if after.size else starts[0])
+        return list(range(a, a + n_tokens))
 
-    def _can_use(self, cells: KVCells, idx: int) -> bool:
-        """Empty, or held by one sequence whose sliding window no longer reaches it."""
-        if cells.is_empty(idx):
-            return True
-        if cells.seq_count(idx) == 1:
-            seq_id_cell = cells.seq_get(idx)
-            p_next = cells.seq_pos_max(seq_id_cell) + 1
-            return is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(idx), p_next)
-        return False
+    def _can_use(self, cells: KVCells) -> np.ndarray:
+        r"""Per cell: empty, or held by one sequence whose sliding window no longer reaches it.
+
+        $$ u_i = pos_i = -1 \;\vee\; \big(|seq_i| = 1 \wedge
+           \mathrm{is\_masked\_swa}(pos_i,\ \mathrm{seq\_pos\_max}(s_i) + 1)\big) $$
+
+        with $s_i$ the only sequence of cell $i$. Returns ``(size,)`` bool.
+        """
+        usable = cells.pos == -1  # (size,)
+        if self.swa_type == SWA_TYPE_NONE:  # without a window no held cell is hidden
+            return usable
+        # the sequences that hold cells: a cell's row has its bits among them only
+        live = np.array([s for s, pairs in enumerate(cells.seq_pos) if pairs], dtype=np.int64)
+        if not live.size:
+            return usable
+        held = cells.seq[:, live]  # (size, n_live)
+        alone = held.sum(axis=1) == 1  # (size,) one sequence
+        s_only = np.argmax(held, axis=1)  # (size,) which one (among live)
+        p_next = np.array([cells.seq_pos_max(s) + 1 for s in live.tolist()])[s_only]  # (size,)
+        return usable | (alone & is_masked_swa(self.n_swa, self.swa_type, cells.pos, p_next))
     # --8<-- [end:find_cells]
 
     # --8<-- [start:apply_ubatch]
@@ -732,15 +782,17 @@ class KVCache:
         n = placement.size()
         for s, (stream, idxs) in enumerate(zip(placement.strm, placement.idxs, strict=True)):
             cells = self.v_cells[stream]
-            for ii, idx in enumerate(idxs):
-                i = s * n + ii
-                if not cells.is_empty(idx):
-                    seq_id = cells.seq_get(idx)
-                    seq_pos_max_rm[seq_id] = max(seq_pos_max_rm.get(seq_id, -1), cells.pos_get(idx))
-                    cells.rm(idx)
-                cells.pos_set(idx, int(ubatch.pos[i]))
-                for seq_id in ubatch.seq_id[i]:
-                    cells.seq_add(idx, seq_id)
+            idxs = np.array(idxs, dtype=np.int64)  # (n,) the set's cells
+            tokens = range(s * n, (s + 1) * n)  # the set's tokens in the ubatch
+            reused = idxs[cells.pos[idxs] != -1]  # each held by one sequence (find_slot)
+            for idx in reused.tolist():
+                seq_id = cells.seq_get(idx)
+                seq_pos_max_rm[seq_id] = max(seq_pos_max_rm.get(seq_id, -1), cells.pos_get(idx))
+            cells.rm_cells(reused)
+            cells.pos_set_cells(idxs, ubatch.pos[s * n: (s + 1) * n])
+            for seq_id in sorted({sid for i in tokens for sid in ubatch.seq_id[i]}):
+                has = np.array([seq_id in ubatch.seq_id[i] for i in tokens])  # (n,)
+                cells.seq_add_cells(idxs[has], seq_id)
         for seq_id, p_max in sorted(seq_pos_max_rm.items()):
             cells = self.v_cells[self.seq_to_stream[seq_id]]
             if cells.seq_pos_min(seq_id) <= p_max:
@@ -760,20 +812,36 @@ class KVCache:
         llama.cpp restores only the cells of the slots, so the SWA purge of
         :meth:`apply_ubatch` (which touches other cells) and the heads of streams other
         than stream 0 are not restored after a failure. Here the cells and heads are
-        restored exactly (a divergence; decode's "memory unchanged" holds).
+        restored exactly (a divergence; decode's "memory unchanged" holds), by the cells'
+        undo journal (:meth:`undone`): the cost is what the ubatches changed.
         """
-        backup = [cells.copy() for cells in self.v_cells], list(self.v_heads)
         res: list[SlotInfo] = []
-        try:
-            for ubatch in ubatches:
+        with self.undone():
+            for k, ubatch in enumerate(ubatches):
                 sinfo = self.find_slot(ubatch, cont=False)
                 if sinfo is None:
                     return None
                 res.append(sinfo)
-                self.apply_ubatch(sinfo, ubatch)
-        finally:
-            self.v_cells, self.v_heads = backup
+                if k + 1 < len(ubatches):  # only a next ubatch reads where this one went
+                    self.apply_ubatch(sinfo, ubatch)
         return res
+
+    @contextmanager
+    def undone(self) -> Iterator[None]:
+        """Whatever changes the cells and heads inside the ``with`` is undone on leaving it.
+
+        The journal of every stream's :class:`KVCells` (``begin`` / ``rollback``) and a
+        copy of the heads (one number per stream).
+        """
+        heads = list(self.v_heads)
+        for cells in self.v_cells:
+            cells.begin()
+        try:
+            yield
+        finally:
+            for cells in self.v_cells:
+                cells.rollback()
+            self.v_heads = heads
     # --8<-- [end:prepare]
 
     # --8<-- [start:init_batch]
@@ -888,10 +956,9 @@ class KVCache:
                     cells.reset_shift()
             return False
         for s, cells in enumerate(self.v_cells):
-            rows = [i for i in range(cells.size()) if not cells.is_empty(i) and cells.get_shift(i)]
-            if rows:
-                shift = np.array([cells.get_shift(i) for i in rows])  # (n_rows,)
-                self.apply_k_shift(s, rows, shift, rope_factors)
+            rows = np.flatnonzero(cells.shift)  # (n_rows,) the cells that owe a turn (non-empty)
+            if rows.size:
+                self.apply_k_shift(s, rows.tolist(), cells.shift[rows], rope_factors)
             cells.reset_shift()
         return True
     # --8<-- [end:update]

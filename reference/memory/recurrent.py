@@ -83,10 +83,9 @@ State save/restore uses the header, checksum and refusal rules of
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -556,7 +555,13 @@ class RecurrentMemory:
     # ---- placing ubatches -------------------------------------------------------------------
 
     def _snapshot(self) -> tuple:
-        return copy.deepcopy(self.cells), self.used, self.head, self.n, self.rs_z
+        """The cells and counters, for :meth:`_restore` (one small cell per sequence).
+
+        Field by field rather than ``copy.deepcopy``: a snapshot is taken twice per decode,
+        and a generic deep copy costs ten times more.
+        """
+        cells = [replace(cell, seq_id=set(cell.seq_id)) for cell in self.cells]
+        return cells, self.used, self.head, self.n, self.rs_z
 
     def _restore(self, snap: tuple) -> None:
         self.cells, self.used, self.head, self.n, self.rs_z = snap

@@ -301,15 +301,12 @@ def state_cells(memory: KVCache, stream: int, seq_id: int) -> list[int]:
         ([2, 3], [0, 1, 2, 3])
     """
     cells = memory.v_cells[stream]
-    out = []
-    for i in range(cells.size()):
-        if cells.is_empty(i) or (seq_id != -1 and not cells.seq_has(i, seq_id)):
-            continue
-        if seq_id != -1 and is_masked_swa(memory.n_swa, memory.swa_type, cells.pos_get(i),
-                                          cells.seq_pos_max(seq_id)):
-            continue
-        out.append(i)
-    return out
+    if seq_id == -1:
+        return np.flatnonzero(cells.pos != -1).tolist()
+    idxs = np.flatnonzero(cells.seq[:, seq_id])  # the cells of seq_id
+    hidden = is_masked_swa(memory.n_swa, memory.swa_type, cells.pos[idxs],
+                           cells.seq_pos_max(seq_id))  # (n,), or False without a window
+    return idxs[~np.broadcast_to(hidden, idxs.shape)].tolist()
 # --8<-- [end:state_cells]
 
 
@@ -614,13 +611,6 @@ def _check_stream(memory: KVCache, st: StreamState, s: int, seq_id: int, n_k: in
                                  f"{memory.seq_to_stream[sid]}")
 
 
-def _set_shift(cells: KVCells, i: int, shift: int) -> None:
-    """Give the non-empty cell ``i`` a pending K-shift (KVCells has no setter for it)."""
-    cells.shift[i] = shift
-    if shift:
-        cells.has_shift = True
-
-
 def _apply_pending_copies(memory: KVCache) -> None:
     """Do the K/V part of :meth:`KVCache.update` now: pending stream copies."""
     for ssrc, sdst in memory.sc_info:
@@ -636,11 +626,11 @@ def state_read_whole(memory: KVCache, state: KVState) -> None:
     memory.sc_info = []  # the restored rows are complete: no copy may overwrite them
     for s, st in enumerate(state.streams):
         cells = memory.v_cells[s]
-        for i in range(st.cell_count):
-            cells.pos_set(i, st.pos[i])
-            for sid in st.seq_ids[i]:
-                cells.seq_add(i, sid)
-            _set_shift(cells, i, st.shift[i])
+        idxs = np.arange(st.cell_count)
+        cells.pos_set_cells(idxs, st.pos)
+        for sid in sorted({sid for ids in st.seq_ids for sid in ids}):
+            cells.seq_add_cells(idxs[[sid in ids for ids in st.seq_ids]], sid)
+        cells.shift_set_cells(idxs, st.shift)
         for il in range(len(st.k)):
             memory.k_l[il][s, : st.cell_count] = st.k[il]
             memory.v_l[il][s, : st.cell_count] = st.v[il]
@@ -663,29 +653,31 @@ def state_read_seq(memory: KVCache, state: KVState, dest_seq_id: int) -> None:
 
     As ``state_read_meta``: ``seq_rm(dest_seq_id)``, then ``find_slot`` on a ubatch of the
     saved positions (any free cells, contiguous or not), then ``apply_ubatch``. If no slot
-    is found, the cells and head of the stream are put back and :class:`StateError` is
-    raised: the memory is unchanged.
+    is found, the cells and head of the stream are put back (the cells' undo journal) and
+    :class:`StateError` is raised: the memory is unchanged.
     """
     strm = memory.seq_to_stream[dest_seq_id]
-    backup = memory.v_cells[strm].copy(), memory.v_heads[strm]
-    n_replaced = len(memory.v_cells[strm].seq_pos.get(dest_seq_id, ()))
-    memory.seq_rm(dest_seq_id, -1, -1)
+    cells, head = memory.v_cells[strm], memory.v_heads[strm]
+    n_replaced = len(cells.seq_pos[dest_seq_id])
     st = next((st for st in state.streams if st.cell_count), None)
+    cells.begin()
+    memory.seq_rm(dest_seq_id, -1, -1)
     if st is None:  # an empty sequence
+        cells.commit()
         return
     ubatch = _seq_ubatch(st, dest_seq_id)
     sinfo = memory.find_slot(ubatch, cont=False)
     if sinfo is None:
-        memory.v_cells[strm], memory.v_heads[strm] = backup
-        free = memory.get_size() - memory.v_cells[strm].get_used()
+        cells.rollback()
+        memory.v_heads[strm] = head
+        free = memory.get_size() - cells.get_used()
         raise StateError(f"does not fit: sequence needs {st.cell_count} cells, stream {strm} has "
                          f"{free} free (+{n_replaced} of sequence {dest_seq_id} it replaces)")
+    cells.commit()
     _apply_pending_copies(memory)
     memory.apply_ubatch(sinfo, ubatch)
-    cells = memory.v_cells[strm]
     idxs = list(sinfo.idxs[0])
-    for j, i in enumerate(idxs):
-        _set_shift(cells, i, st.shift[j])
+    cells.shift_set_cells(idxs, st.shift)
     for il in range(len(st.k)):
         memory.k_l[il][strm, idxs] = st.k[il]
         memory.v_l[il][strm, idxs] = st.v[il]

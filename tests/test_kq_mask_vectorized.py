@@ -1,0 +1,79 @@
+"""The vectorized KQ mask equals its per-cell definition on random cell states.
+
+:func:`reference.memory.kv_cache.set_input_kq_mask` computes the mask of a ubatch as one
+array expression per stream; :func:`set_input_kq_mask_per_cell` is the same rule written
+one token and one cell at a time (the readable definition). They must agree exactly for
+every cell state, SWA type, multi-sequence token and stream layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.hparams import (
+    SWA_TYPE_CHUNKED,
+    SWA_TYPE_NONE,
+    SWA_TYPE_STANDARD,
+    SWA_TYPE_SYMMETRIC,
+    is_masked_swa,
+)
+from reference.memory.kv_cache import set_input_kq_mask, set_input_kq_mask_per_cell
+from reference.memory.kv_cells import KVCells
+
+N_SEQ = 4
+SWA_TYPES = [SWA_TYPE_NONE, SWA_TYPE_STANDARD, SWA_TYPE_CHUNKED, SWA_TYPE_SYMMETRIC]
+
+
+@st.composite
+def mask_case(draw):
+    """Streams of random cells, a ubatch of random tokens, the streams of its slot."""
+    unified = draw(st.booleans())
+    n_stream = 1 if unified else N_SEQ
+    size = draw(st.integers(1, 12))
+    seq_to_stream = [0] * N_SEQ if unified else list(range(N_SEQ))
+    v_cells = []
+    for stream in range(n_stream):
+        cells = KVCells(size)
+        seqs_here = list(range(N_SEQ)) if unified else [stream]
+        for i in range(size):
+            if draw(st.booleans()):
+                cells.pos_set(i, draw(st.integers(0, 20)))
+                for s in draw(st.sets(st.sampled_from(seqs_here), min_size=1)):
+                    cells.seq_add(i, s)
+        v_cells.append(cells)
+    n_tokens = draw(st.integers(1, 6))
+    seq_id = tuple(tuple(draw(st.lists(st.integers(0, N_SEQ - 1), min_size=1, max_size=3,
+                                       unique=True)))
+                   for _ in range(n_tokens))
+    pos = np.array([draw(st.integers(0, 24)) for _ in range(n_tokens)])
+    # the slot's streams: those of the tokens, maybe more, in any order
+    needed = {seq_to_stream[ids[0]] for ids in seq_id}
+    extra = draw(st.sets(st.integers(0, n_stream - 1)))
+    strm = tuple(draw(st.permutations(sorted(needed | extra))))
+    n_kv = draw(st.integers(1, size))
+    swa_type = draw(st.sampled_from(SWA_TYPES))
+    n_swa = 0 if swa_type == SWA_TYPE_NONE else draw(st.integers(1, 8))
+    return v_cells, seq_to_stream, pos, seq_id, strm, n_kv, n_swa, swa_type
+
+
+@given(mask_case(), st.sampled_from([np.float32, np.float64]))
+def test_vectorized_mask_equals_per_cell_rule(case, dtype):
+    fast = set_input_kq_mask(*case, dtype=dtype)
+    slow = set_input_kq_mask_per_cell(*case, dtype=dtype)
+    assert fast.dtype == slow.dtype == dtype
+    assert fast.shape == slow.shape
+    assert np.array_equal(fast, slow)
+
+
+@pytest.mark.parametrize("swa_type", SWA_TYPES)
+def test_is_masked_swa_is_elementwise(swa_type):
+    """The scalar rule of hparams applied to arrays gives the scalar answer at each entry."""
+    n_swa = 4
+    p0 = np.arange(12)[None, :]  # (1, 12) cells
+    p1 = np.arange(12)[:, None]  # (12, 1) tokens
+    masked = np.broadcast_to(is_masked_swa(n_swa, swa_type, p0, p1), (12, 12))
+    expected = [[is_masked_swa(n_swa, swa_type, a, b) for a in range(12)] for b in range(12)]
+    assert masked.tolist() == expected
