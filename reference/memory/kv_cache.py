@@ -55,6 +55,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from reference.batch import BatchAllocr
 from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
 from reference.hparams import SWA_TYPE_NONE, LlamaHParams, is_masked_swa, rope_cparams
+from reference.memory import state as state_io
 from reference.memory.interface import MemoryContext, MemoryStatus, batch_context
 from reference.memory.kv_cells import KVCells
 from reference.ops import rope_ext, set_rows
@@ -1003,32 +1004,24 @@ class KVCache:
 
     def state_write(self, hparams: LlamaHParams, seq_id: int = -1) -> bytes:
         """The memory, or one sequence, as bytes: :func:`reference.memory.state.state_write`."""
-        from reference.memory import state
-
         with self.on_host():
-            return state.state_write(self, hparams, seq_id)
+            return state_io.state_write(self, hparams, seq_id)
 
     def state_read(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1) -> None:
         """Restore a blob of :meth:`state_write`: :func:`reference.memory.state.state_read`."""
-        from reference.memory import state
-
         with self.on_host():
-            state.state_read(self, hparams, data, dest_seq_id)
+            state_io.state_read(self, hparams, data, dest_seq_id)
 
     def state_save_file(self, path: str | Path, hparams: LlamaHParams, tokens: ArrayLike,
                         seq_id: int = -1) -> int:
         """Save to a file (:func:`reference.memory.state.state_save_file`); its size."""
-        from reference.memory import state
-
         with self.on_host():
-            return state.state_save_file(path, self, hparams, tokens, seq_id)
+            return state_io.state_save_file(path, self, hparams, tokens, seq_id)
 
     def state_load_file(self, path: str | Path, hparams: LlamaHParams,
                         dest_seq_id: int = -1) -> np.ndarray:
         """Restore a file (:func:`reference.memory.state.state_load_file`); its tokens."""
-        from reference.memory import state
-
         with self.on_host():
-            return state.state_load_file(path, self, hparams, dest_seq_id)
+            return state_io.state_load_file(path, self, hparams, dest_seq_id)
     # --8<-- [end:state]
 # --8<-- [end:KVCache]

@@ -72,6 +72,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -80,8 +81,10 @@ from reference.batch import Ubatch
 from reference.common import DTYPE_OF_GGML_TYPE, GGML_TYPE_OF_DTYPE, LlamarefError
 from reference.hparams import LlamaHParams, is_masked_swa
 from reference.memory.interface import Memory
-from reference.memory.kv_cache import KVCache
 from reference.memory.kv_cells import KVCells
+
+if TYPE_CHECKING:  # the cache the functions below read and write; it imports this module
+    from reference.memory.kv_cache import KVCache
 
 # --8<-- [start:constants]
 STATE_MAGIC = b"LRKV"  # a memory blob (llama.cpp has no magic for it)
@@ -293,6 +296,7 @@ def state_cells(memory: KVCache, stream: int, seq_id: int) -> list[int]:
         Cell indices, ascending.
 
     Examples:
+        >>> from reference.memory.kv_cache import KVCache
         >>> from reference.testing import tiny_hparams
         >>> cache = KVCache(tiny_hparams(n_swa=2), kv_size=8)
         >>> for i in range(4):
@@ -411,6 +415,7 @@ def state_write(memory: KVCache, hparams: LlamaHParams, seq_id: int = -1) -> byt
             dtype with no ggml type.
 
     Examples:
+        >>> from reference.memory.kv_cache import KVCache
         >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> cache = KVCache(hp, kv_size=8)
@@ -494,6 +499,7 @@ def state_parse(data: bytes) -> KVState:
             header, bytes left over.
 
     Examples:
+        >>> from reference.memory.kv_cache import KVCache
         >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> state_parse(state_write(KVCache(hp, kv_size=8), hp)).streams[0].cell_count
@@ -703,6 +709,7 @@ def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id:
             the sequence). The memory is then exactly as before the call.
 
     Examples:
+        >>> from reference.memory.kv_cache import KVCache
         >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> a, b = KVCache(hp, kv_size=8, n_seq_max=2), KVCache(hp, kv_size=8, n_seq_max=2)
@@ -814,6 +821,7 @@ def state_load_file(
         StateError: a refused file or blob (memory unchanged). OSError: the file cannot be read.
 
     Examples:
+        >>> from reference.memory.kv_cache import KVCache
         >>> import tempfile, pathlib
         >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
@@ -916,6 +924,7 @@ def context_state_read(
         StateError: any refusal (memory unchanged).
 
     Examples:
+        >>> from reference.memory.kv_cache import KVCache
         >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_layer=1)
         >>> cache = KVCache(hp, kv_size=8)
