@@ -1,8 +1,12 @@
-"""Fail when a built page still shows a raw code fence or a snippet marker.
+"""Fail when a built page still shows a raw code fence or a snippet marker, and more.
 
 A raw fence means a block did not render (a bad fence attribute); a snippet marker means an
-include did not resolve. Both would be silent in ``mkdocs build``. Run after the build:
-``python tests/check_site.py site``.
+include did not resolve. Both would be silent in ``mkdocs build``. Two more static checks:
+no page is built from a file under ``assets/`` (an include such as a bench table must be
+excluded with ``exclude_docs``, or it becomes an untitled page in the search), and a page
+shows the text it exists to show (``EXPECTED``). Run after the build:
+``python tests/check_site.py site``; ``tests/check_site_browser.py`` then looks at the pages
+in a browser.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ PATTERNS = {
 }
 
 
+# Text (as in the HTML) that a page must show: the conventions page's example of the two
+# snippet markers, which the snippets extension strips unless each is escaped with a ";".
+EXPECTED = {
+    "conventions/index.html": ["# --8&lt;-- [start:rms_norm]", "# --8&lt;-- [end:rms_norm]"],
+}
+
+
 def problems(site: Path) -> list[str]:
     """Every (page, kind) where the built HTML shows something that should have rendered."""
     found = []
@@ -27,6 +38,11 @@ def problems(site: Path) -> list[str]:
         for kind, pattern in PATTERNS.items():
             if pattern.search(prose):
                 found.append(f"{page.relative_to(site)}: {kind}")
+    for page in sorted((site / "assets").rglob("*.html")):
+        found.append(f"{page.relative_to(site)}: a page built from an asset (exclude_docs)")
+    for name, texts in EXPECTED.items():
+        text = (site / name).read_text(encoding="utf-8") if (site / name).exists() else ""
+        found += [f"{name}: does not show {t!r}" for t in texts if t not in text]
     return found
 
 
