@@ -25,11 +25,21 @@ differs:
   ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
   llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
   bit the same (``tests/test_twin_reuse.py``);
-- a Mamba ubatch runs :func:`accelerated.models.mamba.mamba_forward` (not compiled: its
-  graph reads the states of cells that move from ubatch to ubatch);
-- the logits are evaluated and brought back as NumPy rows, so :meth:`Context.get_logits`
-  returns NumPy as the reference does; :meth:`Context.get_logits_ith_device` gives the same
-  row as an ``mx.array`` without a host copy, for a sampler that runs on the device;
+- a Mamba ubatch runs :func:`accelerated.models.mamba.llm_build_mamba` as a graph too,
+  ``(tokens, out_ids, r_0 \dots r_{L-1}, s_0 \dots s_{L-1}) \mapsto (\text{logits}, r', s')``
+  on the state rows of the ubatch's cells (read and written back through the memory's
+  input, outside the graph), compiled per ubatch shape (the key's ``n_kv`` is then the
+  number of sequence sets); ``graph_reuse=False`` runs
+  :func:`accelerated.models.mamba.mamba_forward` op by op, with the same bits;
+- nothing waits for the device: a decode *launches* its ubatches (``mx.async_eval``) and
+  returns, and its logits rows stay on the device (:meth:`Context.output_set`). They are
+  copied to the host the first time they are read, so :meth:`Context.get_logits` returns
+  NumPy as the reference does; :meth:`Context.get_logits_ith_device` gives the same row as
+  an ``mx.array`` without a host copy, for a sampler that runs on the device, and
+  :meth:`Context.decode_token` decodes a token that a device sampler picked *before* it is
+  read back: the generation loop (:class:`reference.generate.Generator`) launches step
+  $t + 1$ and only then reads token $t$, as mlx-lm's ``generate_step`` does;
+  :meth:`Context.synchronize` waits (``llama_synchronize``);
 - the state methods are inherited: each memory runs the reference's state functions on
   NumPy copies of its tensors and puts the (possibly restored) tensors back as MLX arrays
   (its ``on_host``). Blobs are interchangeable between the two contexts.
@@ -48,11 +58,11 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.memory import KVCache, create_memory
-from accelerated.memory.kv_cache import GraphAttnInput
+from accelerated.memory.kv_cache import GraphAttnInput, kq_mask_device
 from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
-from accelerated.models.mamba import mamba_forward
+from accelerated.models.mamba import check_mamba_inputs, llm_build_mamba, mamba_forward
 from reference import context as ref
-from reference.batch import Batch, output_order
+from reference.batch import Batch, output_order  # noqa: F401 (Batch: the examples)
 from reference.context import (
     ContextError,
     PerfContextData,
@@ -145,19 +155,56 @@ def kv_view(memory: KVCache, sinfo, n_kv: int) -> int:
 
 
 def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.array,
-                 pos: mx.array, out_ids: mx.array, kq_mask: mx.array, k_idxs: mx.array,
-                 *kv: mx.array) -> tuple[mx.array, ...]:
+                 pos: mx.array, out_ids: mx.array, p_cell: mx.array, member: mx.array,
+                 k_idxs: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
     """The ubatch's forward as a pure function: ``(logits, *K', *V')`` from the inputs and caches.
 
     ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``;
-    ``kv`` the ``n_layer`` K tensors then the ``n_layer`` V tensors.
+    ``p_cell`` and ``member`` what the KQ mask is built from, in the graph
+    (:func:`accelerated.memory.kv_cache.kq_mask_device`); ``kv`` the ``n_layer`` K tensors
+    then the ``n_layer`` V tensors.
     """
     n_layer = hparams.n_layer
+    kq_mask = kq_mask_device(p_cell, member, pos, hparams.n_swa, hparams.swa_type)
     inp = GraphAttnInput(kv[:n_layer], kv[n_layer:], k_idxs, kq_mask, key.n_kv, key.strm,
                          hparams.n_head_kv)
     tokens, embd = (None, x) if key.embd else (x, None)
     logits = llm_build_llama(weights, hparams, tokens, pos, inp, out_ids, embd)
     return (logits, *inp.k_l, *inp.v_l)
+
+
+class _RowsInput:
+    """A recurrent input on its own state rows, for a traced graph (as :class:`GraphAttnInput`).
+
+    ``get_r``/``get_s`` return the rows given (placeholders when traced); ``cpy_r``/``cpy_s``
+    replace them, so after the forward ``r``/``s`` are the written rows.
+    """
+
+    def __init__(self, r: list, s: list):
+        self.r, self.s = list(r), list(s)
+
+    def get_r(self, il: int) -> mx.array:
+        return self.r[il]
+
+    def get_s(self, il: int) -> mx.array:
+        return self.s[il]
+
+    def cpy_r(self, il: int, r: mx.array) -> None:
+        self.r[il] = r
+
+    def cpy_s(self, il: int, s: mx.array) -> None:
+        self.s[il] = s
+
+
+def _mamba_graph(weights: dict, hparams: MambaHParams, key: GraphKey, tokens: mx.array,
+                 out_ids: mx.array, *rows: mx.array) -> tuple[mx.array, ...]:
+    """A Mamba ubatch as a pure function: ``(logits, *r', *s')`` from the tokens and the
+    conv and SSM state rows of its ``key.n_kv`` sequence sets (``rows``: the ``n_layer``
+    conv rows, then the ``n_layer`` SSM rows)."""
+    n_layer = hparams.n_layer
+    inp = _RowsInput(rows[:n_layer], rows[n_layer:])
+    logits = llm_build_mamba(weights, hparams, tokens, key.n_kv, inp, out_ids)
+    return (logits, *inp.r, *inp.s)
 
 
 # --8<-- [start:Context]
@@ -220,30 +267,87 @@ class Context(ref.Context):
         self.graph_cache_size = graph_cache_size
         self._graphs: OrderedDict[GraphKey, Callable] = OrderedDict()
         self._prev_key: GraphKey | None = None
-        self._pending: list[tuple[np.ndarray, mx.array]] = []
+        self._no_logits = self._logits  # (0, n_vocab): no outputs, in the logits' dtype
+        self._device_rows: tuple[list[mx.array], np.ndarray] | None = None  # rows, out_ids
         self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
-        self._device_rows: list[tuple[np.ndarray, mx.array]] = []
+        self._host_stale = False  # the host copy (self._logits) lags the device rows
+        self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
 
     create_memory = staticmethod(create_memory)
     """The memory factory: :func:`accelerated.memory.create_memory` (MLX tensors)."""
 # --8<-- [end:Context]
 
     # --8<-- [start:decode]
-    def decode(self, batch: Batch) -> int:
-        """Twin of :meth:`reference.context.Context.decode`: the same, keeping device logits.
+    def output_reserve(self, n_tokens: int) -> None:
+        """Twin of :meth:`reference.context.Context.output_reserve`; the device rows go too.
 
-        The logits rows of the ubatches stay on the device too; a successful decode makes
-        them the rows :meth:`get_logits_ith_device` reads (an abort leaves none; a refused
-        batch keeps the previous ones, as it keeps the NumPy logits).
+        The previous outputs are dropped without being read: the device may still be
+        computing them.
         """
-        self._pending = []
-        ret = super().decode(batch)
-        if ret == 0:
-            self._device_rows, self._logits_device = self._pending, None
-        elif ret == 2:
-            self._device_rows, self._logits_device = [], None
-        self._pending = []
-        return ret
+        self._device_rows, self._logits_device, self._host_stale = None, None, False
+        self._logits = self._no_logits
+        self._output_ids = np.full(n_tokens, -1, dtype=np.int64)  # (n_tokens,)
+
+    def output_set(self, rows: list[mx.array], out_ids) -> None:
+        """Twin of :meth:`reference.context.Context.output_set`: the rows stay on the device.
+
+        ``rows`` are the ubatches' lazy ``mx.array`` rows (:meth:`process_ubatch`); they are
+        put in batch order on the device when :meth:`get_logits_ith_device` first asks,
+        and copied to the host when :meth:`get_logits` (or a state write) first asks.
+        """
+        out_ids = np.asarray(out_ids, np.int64)  # (n_outputs,)
+        self._device_rows, self._logits_device, self._host_stale = (list(rows), out_ids), None, True
+        self._output_ids[np.sort(out_ids)] = np.arange(len(out_ids))
+
+    def decode_token(self, token: int | mx.array, seq_id: int = 0) -> int:
+        """Twin of :meth:`reference.context.Context.decode_token`: ``token`` may be on the device.
+
+        A scalar ``mx.array`` token is not read back: the batch is validated with the id 0
+        in its place (positions and sequences are what validation reads; a token picked by
+        a sampler over this model's ``n_vocab`` logits is in range by construction), and the
+        graph reads the device token. A recurrent model's forward takes host ids: there the
+        token is read back first.
+        """
+        if not isinstance(token, mx.array):
+            return super().decode_token(token, seq_id)
+        if self.recurrent:
+            return super().decode_token(token.item(), seq_id)
+        self._token_on_device = token.reshape(1).astype(mx.int32)  # (1,)
+        try:
+            return super().decode_token(0, seq_id)
+        finally:
+            self._token_on_device = None
+
+    def synchronize(self) -> None:
+        """Twin of :meth:`reference.context.Context.synchronize`: wait for the last decode.
+
+        Its outputs and everything it wrote into the memory are computed when this returns.
+        """
+        rows = self._device_rows[0] if self._device_rows is not None else []
+        mem = self._memory  # the K/V tensors, or a recurrent memory's state rows
+        tensors = [t for name in ("k_l", "v_l", "r_l", "s_l") for t in getattr(mem, name, [])]
+        mx.eval(*rows, *tensors)
+
+    @property
+    def n_outputs(self) -> int:
+        """Rows of logits the last successful decode produced (read without a host copy)."""
+        if self._host_stale:
+            return len(self._device_rows[1])
+        return len(self._logits)
+
+    def get_logits(self) -> np.ndarray:
+        """Twin of :meth:`reference.context.Context.get_logits`: the device rows, on the host.
+
+        The first call after a decode waits for it and copies its rows.
+        """
+        self._sync_host()
+        return super().get_logits()
+
+    def _sync_host(self) -> None:
+        if self._host_stale:
+            self._logits = np.array(self._device_logits()).astype(self._no_logits.dtype,
+                                                                   copy=False)
+            self._host_stale = False
     # --8<-- [end:decode]
 
     # --8<-- [start:process_ubatch]
@@ -251,24 +355,47 @@ class Context(ref.Context):
         """Twin of :meth:`reference.context.Context.process_ubatch`: the MLX forward.
 
         Llama/Qwen2: the ubatch's graph (:meth:`graph`) on its inputs and the cache tensors;
-        the written tensors replace the cache's. Mamba: :func:`mamba_forward` on the
-        memory's rows. Everything is evaluated here (one ``mx.eval``).
+        the written tensors replace the cache's. Mamba: its graph on the state rows of the
+        ubatch's cells (:meth:`_mamba_ubatch`). The work is launched (``mx.async_eval``),
+        not waited for.
 
         Returns:
-            The ubatch's logits rows ``(n_outputs_ubatch, n_vocab)`` as NumPy.
+            The ubatch's logits rows ``(n_outputs_ubatch, n_vocab)``, a lazy ``mx.array``.
         """
         ubatch = mctx.get_ubatch()
         out_ids = np.flatnonzero(ubatch.output)  # (n_outputs_ubatch,)
         if self.hparams.arch in MAMBA_ARCHS:
-            mem = self._memory
-            logits = mamba_forward(self.mlx_weights, self.hparams, ubatch.token,
-                                   mctx.graph_input(), out_ids, n_seqs=ubatch.n_seqs)
-            mx.eval(logits, *mem.r_l, *mem.s_l)
-        else:
-            logits = self._llama_ubatch(mctx, out_ids)
-        self._pending.append((np.asarray(ubatch.idx)[out_ids], logits))
-        return np.array(logits).astype(self._logits.dtype, copy=False)
+            return self._mamba_ubatch(mctx, out_ids)
+        return self._llama_ubatch(mctx, out_ids)
     # --8<-- [end:process_ubatch]
+
+    def _mamba_ubatch(self, mctx: MemoryContext, out_ids: np.ndarray) -> mx.array:
+        """Run one Mamba ubatch through its graph; the memory takes the written state rows.
+
+        The graph reads the rows of the ubatch's cells (``inp.get_r``: lazy slices) and
+        returns the new ones, which the memory's input writes back (``inp.cpy_r``). The key
+        is the ubatch's shape: tokens, outputs, and the sequence sets as ``n_kv``.
+        """
+        ubatch, inp, n_layer = mctx.get_ubatch(), mctx.graph_input(), self.hparams.n_layer
+        if not self.graph_reuse:
+            logits = mamba_forward(self.mlx_weights, self.hparams, ubatch.token, inp, out_ids,
+                                   n_seqs=ubatch.n_seqs)
+        else:
+            # mamba_forward's checks, then the traced graph
+            check_mamba_inputs(self.hparams, ubatch.token, out_ids, ubatch.n_seqs)
+            key = GraphKey(False, len(ubatch.token), len(out_ids), ubatch.n_seqs, ())
+            rows = [inp.get_r(il) for il in range(n_layer)] + [
+                inp.get_s(il) for il in range(n_layer)]
+            outs = self.graph(key)(mx.array(np.asarray(ubatch.token, np.int32)),
+                                   mx.array(out_ids.astype(np.int32)), *rows)
+            del rows
+            for il in range(n_layer):
+                inp.cpy_r(il, outs[1 + il])
+                inp.cpy_s(il, outs[1 + n_layer + il])
+            logits = outs[0]
+        mem = self._memory
+        mx.async_eval(logits, *mem.r_l, *mem.s_l)
+        return logits
 
     # --8<-- [start:graph]
     def graph(self, key: GraphKey) -> Callable:
@@ -277,14 +404,15 @@ class Context(ref.Context):
         A key equal to the previous ubatch's counts as a reuse (``n_reused``). The cache
         holds at most ``graph_cache_size`` compiled graphs, least recently used out.
         """
+        build = _mamba_graph if self.hparams.arch in MAMBA_ARCHS else _llama_graph
         if not self.graph_reuse:
-            return partial(_llama_graph, self.mlx_weights, self.hparams, key)
+            return partial(build, self.mlx_weights, self.hparams, key)
         if key == self._prev_key and key in self._graphs:
             self._n_reused += 1
         self._prev_key = key
         fn = self._graphs.get(key)
         if fn is None:
-            fn = mx.compile(partial(_llama_graph, self.mlx_weights, self.hparams, key))
+            fn = mx.compile(partial(build, self.mlx_weights, self.hparams, key))
             self._graphs[key] = fn
             while len(self._graphs) > self.graph_cache_size:
                 self._graphs.popitem(last=False)
@@ -295,27 +423,29 @@ class Context(ref.Context):
     def _llama_ubatch(self, mctx: MemoryContext, out_ids: np.ndarray) -> mx.array:
         """Run one Llama/Qwen2 ubatch through its graph; the cache takes the written tensors."""
         mem, ubatch, sinfo = self._memory, mctx.get_ubatch(), mctx.get_placement()
-        inp = mctx.graph_input()  # host bookkeeping: k_idxs, the KQ mask
+        inp = mctx.graph_input()  # host bookkeeping: k_idxs, n_kv
         tokens, pos, out_ids, embd = check_forward_inputs(self.hparams, ubatch.token, ubatch.pos,
                                                           out_ids, ubatch.embd)
-        n_view = kv_view(mem, sinfo, inp.n_kv)
-        mask = inp.kq_mask  # (n_tokens, ns * n_kv)
-        if n_view < inp.n_kv:  # the columns past each stream's used range: all masked
-            ns = len(sinfo.strm)
-            mask = mask.reshape(len(pos), ns, inp.n_kv)[:, :, :n_view].reshape(len(pos), -1)
+        n_view = kv_view(mem, sinfo, inp.n_kv)  # the columns past it would all be masked
+        p_cell, member = inp.kq_mask_inputs(n_view)  # the mask is built in the graph
         key = GraphKey(embd is not None, len(pos), len(out_ids), n_view, tuple(sinfo.strm))
-        x = mx.array(tokens.astype(np.int32)) if embd is None else mx.array(embd, mx.float32)
+        if embd is not None:
+            x = mx.array(embd, mx.float32)  # (n_tokens, n_embd)
+        elif self._token_on_device is not None:  # decode_token's, not read back
+            x = self._token_on_device  # (1,)
+        else:
+            x = mx.array(tokens.astype(np.int32))  # (n_tokens,)
         kv = [*mem.k_l, *mem.v_l]
         outs = self.graph(key)(x, mx.array(pos.astype(np.int32)),
-                               mx.array(out_ids.astype(np.int32)), mask,
-                               mx.array(inp.k_idxs.astype(np.int32)), *kv)
+                               mx.array(out_ids.astype(np.int32)), mx.array(p_cell),
+                               mx.array(member), mx.array(inp.k_idxs.astype(np.int32)), *kv)
         n_layer = self.hparams.n_layer
         # the graph holds the old tensors now: with no other reference left, the writes into
         # them can reuse their buffers (MLX donates an input that nothing else holds)
         del kv
         mem.k_l[:] = outs[1:1 + n_layer]
         mem.v_l[:] = outs[1 + n_layer:]
-        mx.eval(outs)
+        mx.async_eval(outs)
         return outs[0]
 
     # --8<-- [start:get_logits_ith_device]
@@ -341,26 +471,29 @@ class Context(ref.Context):
             >>> bool((np.array(row) == ctx.get_logits_ith(2)).all())
             True
         """
-        super().get_logits_ith(i)  # the index checks, with the reference's errors
-        j = self.n_outputs + i if i < 0 else int(self._output_ids[i])
+        j = self.output_row(i)  # the index checks, with the reference's errors
         if self._logits_device is None:
             self._logits_device = self._device_logits()
         return self._logits_device[j]
 
     def _device_logits(self) -> mx.array:
         """The last decode's rows on the device in batch order (from NumPy after a restore)."""
-        if not self._device_rows:  # restored by state_set_data: only the host copy exists
+        if self._device_rows is None:  # restored by state_set_data: only the host copy exists
             return mx.array(self._logits)
-        idx = np.concatenate([ids for ids, _ in self._device_rows])  # (n_outputs,)
-        rows = [r for _, r in self._device_rows]
+        rows, out_ids = self._device_rows
         stacked = rows[0] if len(rows) == 1 else mx.concatenate(rows)  # (n_outputs, n_vocab)
-        order = output_order(idx)
+        order = output_order(out_ids)
         if (order == np.arange(len(order))).all():
             return stacked
         return mx.take(stacked, mx.array(order.astype(np.int32)), axis=0)
     # --8<-- [end:get_logits_ith_device]
 
     # --8<-- [start:state]
+    def state_get_data(self) -> bytes:
+        """:meth:`reference.context.Context.state_get_data`, the device rows copied first."""
+        self._sync_host()
+        return super().state_get_data()
+
     def state_set_data(self, data: bytes) -> int:
         """:meth:`reference.context.Context.state_set_data`; the device logits then follow.
 
@@ -368,6 +501,6 @@ class Context(ref.Context):
         logits exist on the host only until :meth:`get_logits_ith_device` asks for them.
         """
         n = super().state_set_data(data)
-        self._device_rows, self._logits_device = [], None
+        self._device_rows, self._logits_device, self._host_stale = None, None, False
         return n
     # --8<-- [end:state]

@@ -40,9 +40,21 @@ finite logits, the device chain picks exactly the reference's token, every step;
 the guarantee is a rare host step, counted in :attr:`SamplerChain.fallbacks`. The law assumes
 the device's float32 ``+ - * /`` are correctly rounded (MLX's CPU backend; Metal's precise
 math). Tied logits at a cut are ordered by id in the reference and arbitrarily here.
+
+**Leaving the token on the device.** :meth:`SamplerChain.sample_async` takes the step's
+draw and launches the step, but does not read the token: it returns a
+:class:`PendingToken` whose ``token`` the MLX Context can decode at once
+(:meth:`accelerated.context.Context.decode_token`); :meth:`SamplerChain.resolve` reads it
+back later (and redoes a step whose margin failed on the host, as :meth:`SamplerChain.sample`
+does). The generation loop (:class:`reference.generate.Generator`) uses this to launch step
+$t + 1$ before it reads token $t$. It can only do so when the next step does not depend on
+the token: a chain whose penalties are active reads the history, which needs token $t$
+on the host, so :attr:`SamplerChain.pipelined` is False there.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -78,7 +90,8 @@ from reference.sampling import (
 from reference.sampling import SamplerChain as _ReferenceChain
 
 __all__ = [
-    "DEFAULT_SAMPLERS", "F32", "LLAMA_DEFAULT_SEED", "Mt19937", "SamplerChain", "SamplerParams",
+    "DEFAULT_SAMPLERS", "F32", "LLAMA_DEFAULT_SEED", "Mt19937", "PendingToken", "SamplerChain",
+    "SamplerParams",
     "SamplingError", "TokenDataArray", "discrete_distribution", "dist", "dry",
     "dry_sequence_breakers", "get_rng_seed", "greedy", "logit_bias", "min_p", "mirostat",
     "mirostat_v2", "penalties", "softmax", "temp", "temp_ext", "top_k", "top_n_sigma", "top_p",
@@ -232,6 +245,30 @@ def _device_dist(c: _Cands, u: float) -> tuple[mx.array, mx.array]:
 # --8<-- [end:device_stages]
 
 
+# --8<-- [start:PendingToken]
+@dataclass
+class PendingToken:
+    """A sampled token that may still be on the device (:meth:`SamplerChain.sample_async`).
+
+    Attributes:
+        token: ``(1,)`` int32 ``mx.array``: the device's pick, or 0 when a margin failed
+            (a valid id, so that a decode launched with it reads in range; that decode is
+            undone when the token resolves otherwise).
+        chosen: ``(1,)`` int32: the pick, or -1 when the step must be redone on the host.
+        logits: ``(n_vocab,)`` the logits it was sampled from (for the host redo).
+        rewind: the draw generator before this step's draw.
+        fell_back: set by :meth:`SamplerChain.resolve`: the step was redone on the host, so
+            ``token`` was not the token.
+    """
+
+    token: mx.array
+    chosen: mx.array
+    logits: mx.array | None = None
+    rewind: Mt19937 | None = None
+    fell_back: bool = False
+# --8<-- [end:PendingToken]
+
+
 class SamplerChain(_ReferenceChain):
     """Twin of :class:`reference.sampling.SamplerChain`: the same chain, sampled on the device.
 
@@ -294,6 +331,58 @@ class SamplerChain(_ReferenceChain):
         return super().sample(np.asarray(logits, dtype=np.float32))
 
     # --8<-- [end:sample]
+
+    # --8<-- [start:sample_async]
+    @property
+    def pipelined(self) -> bool:
+        """Whether a step can be launched before the previous token is read back.
+
+        True when the chain runs on the device and no stage reads the history (the
+        penalties do: they need the previous token on the host).
+        """
+        return self.device_stages is not None and "penalties" not in self.device_stages
+
+    def sample_async(self, logits: mx.array) -> PendingToken:
+        """Launch :meth:`sample` on the device; read nothing back (see :attr:`pipelined`).
+
+        The step's uniform draw is taken now, in the same order as :meth:`sample` takes it.
+
+        Examples:
+            >>> chain = SamplerChain.from_params(SamplerParams(seed=42), 4)
+            >>> p = chain.sample_async(mx.array([0.5, 2.0, 1.0, -1.0]))
+            >>> chain.resolve(p), p.fell_back  # the token sample() gives with this seed
+            (2, False)
+        """
+        if not self.pipelined:
+            raise SamplingError("this chain cannot sample ahead: it runs on the host or reads "
+                                "the history (penalties); use sample()")
+        z = mx.array(logits, dtype=mx.float32)  # (n_vocab,)
+        rewind = self.rng_dist.copy()
+        token, ok = self._device_step(z, self.rng_dist.uniform_double())
+        chosen = mx.where(ok, token, -1).astype(mx.int32).reshape(1)  # (1,)
+        # nothing is launched here: the decode that reads the token computes it
+        return PendingToken(mx.maximum(chosen, 0), chosen, z, rewind)
+
+    def resolve(self, pending: PendingToken) -> int:
+        """The token of a :meth:`sample_async` step: read back, or redone on the host.
+
+        A redo rewinds the draws to the step's, as :meth:`sample` does, so every later draw
+        is the reference's; ``pending.fell_back`` then says that ``pending.token`` was not the
+        token. The history is not touched: call :meth:`accept`.
+        """
+        chosen = int(pending.chosen.item())  # the one transfer
+        if chosen >= 0:
+            self.cur = None
+            return chosen
+        self.fallbacks += 1
+        pending.fell_back = True
+        self.rng_dist = pending.rewind
+        return _ReferenceChain.sample(self, np.asarray(pending.logits, dtype=np.float32))
+
+    def cancel(self, pending: PendingToken) -> None:
+        """Forget a launched step that the loop will not use: its draw is taken back."""
+        self.rng_dist = pending.rewind
+    # --8<-- [end:sample_async]
 
     def _device_step(self, z: mx.array, u: float) -> tuple[mx.array, mx.array]:
         p = self.params

@@ -435,9 +435,8 @@ class Context:
         if mctx.get_status() is not MemoryStatus.SUCCESS:
             self.last_error = mctx.error
             return 1
-        # output_reserve: the previous outputs are gone from here on
-        self._logits = self._logits[:0]
-        self._output_ids = np.full(balloc.n_tokens, -1, dtype=np.int64)  # (n_tokens,)
+        # the previous outputs are gone from here on
+        self.output_reserve(balloc.n_tokens)
         # 4. one forward per ubatch
         rows = []
         while True:
@@ -450,12 +449,62 @@ class Context:
             if not mctx.next():
                 break
         # 5. outputs in batch order
-        self._logits = np.concatenate(rows)[output_order(balloc.out_ids)]  # (n_outputs, n_vocab)
-        self._output_ids[np.sort(np.asarray(balloc.out_ids, np.int64))] = np.arange(
-            balloc.n_outputs)
+        self.output_set(rows, balloc.out_ids)
         self._perf_add(balloc.n_tokens, t_start)
         return 0
     # --8<-- [end:decode]
+
+    # --8<-- [start:outputs]
+    def output_reserve(self, n_tokens: int) -> None:
+        """Forget the previous outputs: a batch of ``n_tokens`` is about to run.
+
+        ``llama_context::output_reserve``. :meth:`decode` calls it once the batch has a
+        place in the memory; a batch refused before (-1, 1) keeps the previous outputs.
+        """
+        self._logits = self._logits[:0]
+        self._output_ids = np.full(n_tokens, -1, dtype=np.int64)  # (n_tokens,)
+
+    def output_set(self, rows: list, out_ids) -> None:
+        """Keep the ubatches' logits rows in batch order, and map batch index to row.
+
+        Args:
+            rows: what :meth:`process_ubatch` returned, ubatch after ubatch.
+            out_ids: the batch indices of the output tokens in that order
+                (:attr:`~reference.batch.BatchAllocr.out_ids`).
+
+        The MLX twin keeps the rows on the device here and copies them to the host only
+        when they are read (llama.cpp too reorders them lazily, in ``output_reorder``).
+        """
+        self._logits = np.concatenate(rows)[output_order(out_ids)]  # (n_outputs, n_vocab)
+        self._output_ids[np.sort(np.asarray(out_ids, np.int64))] = np.arange(len(out_ids))
+    # --8<-- [end:outputs]
+
+    # --8<-- [start:decode_token]
+    def decode_token(self, token, seq_id: int = 0) -> int:
+        """Decode one sampled token after the end of sequence ``seq_id``: the generation step.
+
+        ``decode(Batch(token=[token], seq_id=[[seq_id]]))``, with the same return codes.
+        The MLX twin also takes a token that is still on the device (a scalar ``mx.array``
+        from its sampler): it launches the step without reading the token back, so the
+        generation loop can read token $t$ while step $t + 1$ computes
+        (:class:`~reference.generate.Generator`).
+
+        Examples:
+            >>> from reference.testing import tiny_hparams, random_weights
+            >>> hp = tiny_hparams()
+            >>> ctx = Context(hp, random_weights(hp), n_ctx=64)
+            >>> ctx.decode(Batch(token=[1, 2])), ctx.decode_token(3), ctx.memory.seq_pos_max(0)
+            (0, 0, 2)
+        """
+        return self.decode(Batch(token=[int(token)], seq_id=[[seq_id]]))
+
+    def synchronize(self) -> None:
+        """Wait until the last decode is computed (``llama_synchronize``).
+
+        NumPy computes as it goes: when :meth:`decode` returns, its work is done, so here
+        there is nothing to wait for. The MLX twin's decode only launches its work.
+        """
+    # --8<-- [end:decode_token]
 
     # --8<-- [start:process_ubatch]
     def process_ubatch(self, mctx: MemoryContext) -> np.ndarray:
@@ -583,6 +632,11 @@ class Context:
             ...
             reference.context.ContextError: invalid logits id 1: batch.logits[1] != true
         """
+        return self.get_logits()[self.output_row(i)]
+
+    def output_row(self, i: int) -> int:
+        """The row of :meth:`get_logits` that holds batch token ``i``, or the errors of
+        :meth:`get_logits_ith` (which reads that row)."""
         n_outputs = self.n_outputs
         if n_outputs == 0:
             raise ContextError(f"invalid logits id {i}: no logits (no successful decode with "
@@ -599,7 +653,7 @@ class Context:
             j = int(self._output_ids[i])
             if j < 0:
                 raise ContextError(f"invalid logits id {i}: batch.logits[{i}] != true")
-        return self.get_logits()[j]
+        return j
     # --8<-- [end:get_logits_ith]
 
 

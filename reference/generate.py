@@ -30,6 +30,18 @@ differently). Turn $n$ then costs the new user message, not the whole history.
 
 The loop is written once against the Context protocol: either twin's Context runs it. Which
 twin runs it is the application's choice (:mod:`llamaref.backends`).
+
+**Pipelined, on a device.** When the sampler runs on the device and can sample ahead (the MLX
+sampler chain's ``pipelined``: no stage reads the history), :meth:`Generator.generate` keeps
+the token on the device, as mlx-lm's ``generate_step`` does: it decodes token $t$ before
+reading it back (:meth:`~reference.context.Context.decode_token`), launches the sample of
+token $t + 1$ behind it, and only then waits for token $t$. The device computes step
+$t + 1$ while the host reads token $t$, yields it, and does the next step's bookkeeping. The
+tokens, the cache and the sampler's state are the sequential loop's: a step decoded ahead is
+undone (``seq_rm`` of its position, its draw taken back) when generation stops at token $t$
+(an end-of-generation token, ``n_predict``, the caller closing the generator) or when the
+device's token was redone on the host; no step is taken ahead when the next decode would
+need a context shift or the memory is recurrent (a recurrent state cannot drop a position).
 """
 
 from __future__ import annotations
@@ -148,6 +160,8 @@ class Generator:
                  perf: Perf | None = None, on_device: bool = False):
         self.ctx = ctx
         self.on_device = on_device and hasattr(ctx, "get_logits_ith_device")
+        # the token can stay on the device: decode it before reading it back
+        self.pipelined = self.on_device and getattr(sampler, "pipelined", False)
         self.sampler = sampler
         self.n_keep = n_keep
         self.shift = shift
@@ -160,15 +174,27 @@ class Generator:
         """How many positions of the sequence are in the cache."""
         return len(self.tokens)
 
-    def _decode(self, tokens: list[int]) -> None:
+    def _decode(self, tokens: list[int], sync: bool = True) -> float:
+        """Decode ``tokens`` after the cache; count the time (``sync``: wait for the work).
+
+        Returns:
+            When it started (``time.perf_counter``): without ``sync`` the caller counts the
+            time once it has waited.
+        """
         t0 = time.perf_counter()
         ret = self.ctx.decode(Batch(token=tokens))
         if ret != 0:
-            reason = getattr(self.ctx, "last_error", None) or "no reason given"
-            raise GenerateError(f"decode of {len(tokens)} tokens at position {self.n_past} "
-                                f"returned {ret}: {reason}")
-        self.perf.add(len(tokens), time.perf_counter() - t0)
+            raise self._error(len(tokens), ret)
         self.tokens.extend(tokens)
+        if sync:
+            self.ctx.synchronize()  # the time counted is the computation's, as llama.cpp's
+            self.perf.add(len(tokens), time.perf_counter() - t0)
+        return t0
+
+    def _error(self, n_tokens: int, ret: int) -> GenerateError:
+        reason = getattr(self.ctx, "last_error", None) or "no reason given"
+        return GenerateError(f"decode of {n_tokens} tokens at position {self.n_past} "
+                             f"returned {ret}: {reason}")
     # --8<-- [end:Generator]
 
     # --8<-- [start:eval_prompt]
@@ -230,8 +256,14 @@ class Generator:
         Stops after an end-of-generation token (yielded, never decoded), after
         ``n_predict`` tokens, or when the context is full and cannot shift
         (:attr:`stopped` then says so). Call :meth:`eval_prompt` first.
+
+        With a pipelined sampler on a device (:attr:`pipelined`) the steps run ahead
+        (:meth:`_generate_pipelined`): the same tokens, cache and sampler state.
         """
         self.stopped = None
+        if self.pipelined:
+            yield from self._generate_pipelined(n_predict, is_eog)
+            return
         n = 0
         while n_predict < 0 or n < n_predict:
             token = self.sample()
@@ -247,6 +279,77 @@ class Generator:
                 return
             self._decode([token])
     # --8<-- [end:generate]
+
+    # --8<-- [start:generate_pipelined]
+    def _generate_pipelined(self, n_predict: int, is_eog: Callable[[int], bool]) -> Iterator[int]:
+        """:meth:`generate` with token $t$ decoded, and token $t + 1$ sampled, before $t$ is read.
+
+        ``cur`` is the step being read back, ``ahead`` the step launched behind it (or None).
+        Every way out undoes ``ahead`` (:meth:`_undo`), so what stays is what the sequential
+        loop leaves.
+        """
+        n = 0
+        cur, ahead = self._sample_async(), None
+        t_cur = None  # when the decode that cur is sampled from started (None: counted)
+        try:
+            while True:
+                n += 1
+                more = n_predict < 0 or n < n_predict
+                t0 = time.perf_counter()
+                if more and self._can_run_ahead():
+                    ahead = self._decode_ahead(cur)  # None if that decode failed
+                token = self.sampler.resolve(cur)  # waits for token n
+                if t_cur is not None:  # a sequential decode: its time ends with its token
+                    self.perf.add(1, time.perf_counter() - t_cur)
+                    t_cur = None
+                if ahead is not None and cur.fell_back:  # the decode read another token
+                    self._undo(ahead, draw_taken_back=True)  # resolve rewound the draws
+                    ahead = None
+                if ahead is not None:
+                    self.tokens[-1] = token
+                    self.perf.add(1, time.perf_counter() - t0)
+                self.sampler.accept(token)
+                yield token
+                if is_eog(token) or not more:
+                    return
+                if ahead is None:  # not decoded yet: the sequential loop's step
+                    if not self.shift_if_full(1):
+                        self.stopped = (f"context full (n_ctx = {self.ctx.n_ctx}) and context "
+                                        "shift is disabled => stopping")
+                        return
+                    t_cur = self._decode([token], sync=False)
+                    cur = self._sample_async()
+                else:
+                    cur, ahead = ahead, None
+        finally:
+            if ahead is not None:
+                self._undo(ahead)
+
+    def _sample_async(self):
+        return self.sampler.sample_async(self.ctx.get_logits_ith_device(-1))
+
+    def _can_run_ahead(self) -> bool:
+        """A step can be undone, and needs no context shift first."""
+        return not self.ctx.recurrent and self.n_past + 1 < self.ctx.n_ctx
+
+    def _decode_ahead(self, cur):
+        """Decode ``cur``'s token while it is on the device; launch the next sample behind it.
+
+        A failed decode changes nothing: the sequential step after the yield meets the same
+        failure and raises it there.
+        """
+        if self.ctx.decode_token(cur.token) != 0:
+            return None
+        self.tokens.append(-1)  # known once cur resolves
+        return self._sample_async()
+
+    def _undo(self, ahead, draw_taken_back: bool = False) -> None:
+        """Take back a step decoded ahead: its position leaves the cache, its draw the RNG."""
+        if not draw_taken_back:
+            self.sampler.cancel(ahead)
+        self.ctx.memory.seq_rm(0, self.n_past - 1, -1)
+        self.tokens.pop()
+    # --8<-- [end:generate_pipelined]
 
     # --8<-- [start:sync_prefix]
     def sync_prefix(self, tokens: list[int]) -> list[int]:

@@ -155,7 +155,12 @@ def test_profile_counts_an_op_called_inside_another_once():
 
 @pytest.mark.parametrize("argv, message", [
     (["--backend", "cuda"], "unknown backend cuda"),
-    (["--vs", "llama.cpp"], "--vs llama.cpp: the peers are mlx-lm"),
+    (["--vs", "vllm"], "--vs vllm: the peers are mlx-lm, llama.cpp"),
+    (["-d", "0,x"], "-d '0,x': give depths like"),
+    (["-d", "-5"], "depths must be distinct and >= 0"),
+    (["-d", "4,4"], "depths must be distinct and >= 0"),
+    (["-d", "200", "-c", "100"], "-c 100 holds no depth of 200 tokens"),
+    (["--threads", "2"], "--threads sets llama.cpp's threads"),
     (["--parallel", "1,x"], "--parallel '1,x'"),
     (["--parallel", "0"], "--parallel counts"),
     (["-p", "0", "-n", "0"], "nothing to run"),
@@ -171,10 +176,85 @@ def test_a_model_the_peer_cannot_run_is_refused(tmp_path, capsys):
     hp = tiny_hparams("qwen2", n_layer=1)
     path = write_tiny_gguf(tmp_path / "q.gguf", hp, random_weights(hp))
     assert main(["bench", "-m", str(path), "-p", "8", "-n", "2", "--vs", "mlx-lm"]) == 1
-    assert "runs arch 'llama' only" in capsys.readouterr().err
+    assert "runs arch llama, mamba or mamba2" in capsys.readouterr().err
     hp = tiny_hparams(n_layer=1, n_swa=4)
     with pytest.raises(PeerError, match="sliding window"):
         mlx_lm_model(hp, random_weights(hp))
+
+
+# ---- depth, the tiny models, the failed decode, llama.cpp -----------------------------------
+
+
+def test_depth_rows_continue_after_the_depth_and_make_a_depth_table(tiny_gguf, capsys):
+    argv = ["bench", "-m", str(tiny_gguf), "-p", "4", "-n", "3", "-d", "0,20", "-r", "1",
+            "--backend", "reference,accelerated", "--vs", "mlx-lm", "--failed-decode"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    tests = [line.split("|")[4].strip() for line in out.splitlines()
+             if line.startswith("| m.gguf |")]
+    assert tests == [t for t in ("pp4", "tg3", "pp4 @ d20", "tg3 @ d20") for _ in range(3)]
+    table = out[out.index("| ms / token |"):].splitlines()
+    assert table[0] == "| ms / token | d0 | d20 | d20 / d0 | failed decode (ms) |"
+    assert [line.split("|")[1].strip() for line in table[2:5]] == [
+        "reference", "accelerated", "mlx-lm"]
+    assert "×)" in table[3] and "×)" not in table[4]  # ours against the peer, in time
+
+
+def test_a_runner_puts_the_cache_back_to_its_depth_before_each_run():
+    from accelerated.context import Context as AccContext
+
+    hp = tiny_hparams(n_layer=1)
+    runner = ContextRunner(AccContext, hp, random_weights(hp), n_ctx=64, n_batch=8)
+    runner.set_depth(random_tokens(20, hp.n_vocab))
+    for _ in range(2):
+        runner.tg(1, 5)  # the first decoded at 20, then 4 more: 5 forwards
+        assert runner.ctx.memory.seq_pos_max(0) == 24 and len(runner.last_tokens) == 5
+    runner.pp(random_tokens(6, hp.n_vocab))
+    assert runner.ctx.memory.seq_pos_max(0) == 25
+    assert runner.failed_decode() > 0  # fills the cache, fails, comes back to the depth
+    assert runner.ctx.memory.seq_pos_max(0) == 19
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-mamba", "tiny-mamba2"])
+def test_the_tiny_models_against_mlx_lm(model, capsys):
+    argv = ["bench", "-m", model, "-p", "4", "-n", "3", "-d", "0,8", "-r", "1", "--vs",
+            "mlx-lm", "-o", "json"]
+    assert main(argv) == 0
+    rows = _json_rows(capsys)
+    assert [(r["backend"], r["test"]) for r in rows] == [
+        (b, t) for t in ("pp4", "tg3", "pp4 @ d8", "tg3 @ d8") for b in ("accelerated", "mlx-lm")]
+    assert all(r["model"] == model and r["dtype"] == "F32" for r in rows)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_the_peer_on_a_tiny_mamba_is_our_model(arch):
+    """mlx-lm's Mamba / Mamba-2 on our weights gives our logits (A_log = log(-A) rounds once)."""
+    from accelerated.context import Context
+    from llamaref.bench.tiny import tiny_model
+
+    hp, w = tiny_model(f"tiny-{arch}" if arch == "mamba2" else "tiny-mamba")
+    tokens = [1, 5, 7, 2, 30, 11, 200, 3]
+    ctx = Context(hp, w, n_ctx=16)
+    assert ctx.decode(Batch(token=tokens, logits=[True] * len(tokens))) == 0
+    ours = ctx.get_logits()
+    theirs = _mlx_lm_logits(mlx_lm_model(hp, w), tokens)
+    assert nmse(ours, theirs) < 1e-8
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+@pytest.mark.oracle
+def test_llama_cpp_as_a_peer(tiny_gguf, capsys):
+    pytest.importorskip("llama_cpp")
+    argv = ["bench", "-m", str(tiny_gguf), "-p", "8", "-n", "3", "-d", "0,16", "-r", "1",
+            "--backend", "reference", "--vs", "llama.cpp", "--threads", "1", "--parallel", "2",
+            "--pl-prompt", "2", "--pl-gen", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| m.gguf |")]
+    assert [(r[2].strip(), r[4].strip()) for r in rows] == [
+        (b, t) for t in ("pp8", "tg3", "pp8 @ d16", "tg3 @ d16", "pl2")
+        for b in ("reference", "llama.cpp")]
+    assert "llama.cpp: n_threads 1, n_ctx 24" in out
 
 
 # ---- the peer runs the same model -----------------------------------------------------------

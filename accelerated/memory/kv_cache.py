@@ -8,9 +8,11 @@ is the array steps they call:
 - ``k_l[il]`` / ``v_l[il]`` are ``mx.array`` of the reference's shapes
   ``(n_stream, kv_size, n_embd_k_gqa)``; MLX arrays are values, so a write replaces the
   list entry (``k_l[il] = ...``) instead of writing through a NumPy view;
-- :class:`KVCacheAttnInput` builds the KQ mask with the reference's
-  :func:`reference.memory.kv_cache.set_input_kq_mask` (host bookkeeping, NumPy) and hands
-  it to the graph as an ``mx.array``; ``get_k``/``get_v`` slice the MLX tensors;
+- the KQ mask is built on the device (:func:`kq_mask_device`): the host gathers what the
+  formula reads, the positions of the cells in view and whether each holds the token's
+  sequence (:meth:`KVCacheAttnInput.kq_mask_inputs`), and MLX evaluates the formula of
+  :func:`reference.memory.kv_cache.set_input_kq_mask` on them, inside the Context's
+  compiled graph; ``get_k``/``get_v`` slice the MLX tensors;
 - :class:`GraphAttnInput` is the same input as a *value*: it holds its own list of K/V
   tensors (graph placeholders when the forward is traced), so a compiled forward takes the
   cache tensors in and gives the written ones back (:mod:`accelerated.context`);
@@ -34,7 +36,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.ops import rope_ext, set_rows
-from reference.hparams import LlamaHParams
+from reference.hparams import LlamaHParams, is_masked_swa
 from reference.memory import kv_cache as ref
 from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     POS_INF,
@@ -45,6 +47,7 @@ from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     kv_size_swa,
     n_ctx_seq,
     set_input_kq_mask,
+    set_input_kq_mask_per_cell,
 )
 
 __all__ = [
@@ -56,11 +59,13 @@ __all__ = [
     "SlotInfo",
     "build_rope_shift",
     "ggml_pad",
+    "kq_mask_device",
     "k_shift_rope_params",
     "kv_size_swa",
     "mx_dtype",
     "n_ctx_seq",
     "set_input_kq_mask",
+    "set_input_kq_mask_per_cell",
 ]
 
 _MX_DTYPES = {
@@ -114,14 +119,59 @@ def build_rope_shift(
 # --8<-- [end:build_rope_shift]
 
 
+# --8<-- [start:kq_mask_device]
+def kq_mask_device(p_cell: mx.array, member: mx.array, pos: mx.array, n_swa: int,
+                   swa_type: int) -> mx.array:
+    r"""The KQ mask of :func:`reference.memory.kv_cache.set_input_kq_mask`, computed by MLX.
+
+    The same formula, term for term, on what the host gathered
+    (:meth:`KVCacheAttnInput.kq_mask_inputs`):
+
+    $$
+    \mathrm{visible}_{ij} = member_{ij} \;\wedge\; pos_j \ne -1 \;\wedge\; pos_j \le p_i
+    \;\wedge\; \neg\,\mathrm{is\_masked\_swa}(pos_j, p_i),
+    $$
+
+    where $member_{ij}$ says that column $j$'s cell is in token $i$'s stream and holds its
+    (first) sequence. Its inputs are placeholders of the Context's compiled graph: on a GPU
+    the mask never exists on the host. Positions are int32 here (llama.cpp's
+    ``llama_pos``). A test holds it equal to the reference's mask on random cell states.
+
+    Args:
+        p_cell: ``(n_cols,)`` int32, the position of each column's cell (-1: empty).
+        member: ``(n_tokens, n_cols)`` bool.
+        pos: ``(n_tokens,)`` int32, the tokens' positions.
+        n_swa: sliding window (0: none).
+        swa_type: one of ``SWA_TYPE_*``.
+
+    Returns:
+        ``(n_tokens, n_cols)`` float32: 0 where visible, $-\infty$ elsewhere.
+
+    Examples:
+        >>> p_cell = mx.array([0, 0, 1, -1])
+        >>> member = mx.array([[True, False, True, False]])
+        >>> kq_mask_device(p_cell, member, mx.array([1]), 0, 0).tolist()
+        [[0.0, -inf, 0.0, -inf]]
+    """
+    p_c = p_cell[None, :]  # (1, n_cols)
+    p_t = pos[:, None]  # (n_tokens, 1)
+    swa = mx.array(is_masked_swa(n_swa, swa_type, p_c, p_t))  # (n_tokens, n_cols) or ()
+    visible = member & (p_c != -1) & (p_c <= p_t) & mx.logical_not(swa)
+    return mx.where(visible, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+# --8<-- [end:kq_mask_device]
+
+
 # --8<-- [start:KVCacheAttnInput]
 class KVCacheAttnInput(ref.KVCacheAttnInput):
     """Twin of :class:`reference.memory.kv_cache.KVCacheAttnInput` on MLX tensors.
 
-    ``k_idxs`` and the mask are computed by the reference constructor (host bookkeeping);
-    the mask is converted once to an ``mx.array``. ``cpy_k``/``cpy_v`` scatter into the
-    flattened ``(n_stream * kv_size, n_embd_gqa)`` tensor and store the result back in the
-    cache's list; ``get_k``/``get_v`` are MLX slices (lazy).
+    ``n_kv`` and ``k_idxs`` are the reference's (host bookkeeping). The mask is built on the
+    device (:func:`kq_mask_device`) from :meth:`kq_mask_inputs`, when it is first asked for:
+    the Context's graph builds its own from those inputs for the narrower view it reads
+    (:func:`accelerated.context.kv_view`), so then the full-width mask is never made.
+    ``cpy_k``/``cpy_v`` scatter into the flattened ``(n_stream * kv_size, n_embd_gqa)``
+    tensor and store the result back in the cache's list; ``get_k``/``get_v`` are MLX
+    slices (lazy).
 
     Examples:
         >>> from reference.testing import tiny_hparams
@@ -138,9 +188,44 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
     """
 
     def __init__(self, cache: KVCache, ubatch, sinfo: SlotInfo):
-        super().__init__(cache, ubatch, sinfo)
-        self.kq_mask = mx.array(self.kq_mask.astype(np.float32))  # (n_tokens, ns * n_kv)
-        self._k_idxs = mx.array(self.k_idxs.astype(np.int32))  # (n_tokens,)
+        # the reference's constructor without its NumPy mask (the one array step replaced)
+        self.cache, self.sinfo, self.ubatch = cache, sinfo, ubatch
+        self.n_kv = cache.get_n_kv(sinfo)
+        kv_size = cache.get_size()
+        self.k_idxs = np.array(
+            [s * kv_size + i for s, idxs in zip(sinfo.strm, sinfo.idxs, strict=True) for i in idxs],
+            dtype=np.int64,
+        )  # (n_tokens,)
+        self._kq_mask: mx.array | None = None
+
+    def kq_mask_inputs(self, n_cols: int) -> tuple[np.ndarray, np.ndarray]:
+        """What :func:`kq_mask_device` reads, for the first ``n_cols`` cells of each stream.
+
+        Returns:
+            ``p_cell`` ``(ns * n_cols,)`` int32 and ``member`` ``(n_tokens, ns * n_cols)``
+            bool, the streams of the slot block after block (as the mask's columns).
+        """
+        cache, seq_id = self.cache, self.ubatch.seq_id
+        s_tok = np.array([ids[0] for ids in seq_id], dtype=np.int64)  # (n_tokens,)
+        stream_tok = np.asarray(cache.seq_to_stream)[s_tok]  # (n_tokens,)
+        p_cell, member = [], []
+        for stream in self.sinfo.strm:
+            cells = cache.v_cells[stream]
+            p_cell.append(cells.pos[:n_cols])  # (n_cols,)
+            member.append(cells.seq[:n_cols, s_tok].T & (stream_tok == stream)[:, None])
+        return (np.concatenate(p_cell).astype(np.int32),  # (ns * n_cols,)
+                np.concatenate(member, axis=1))  # (n_tokens, ns * n_cols)
+
+    @property
+    def kq_mask(self) -> mx.array:
+        """The KQ mask ``(n_tokens, ns * n_kv)``, built on the device the first time."""
+        if self._kq_mask is None:
+            p_cell, member = self.kq_mask_inputs(self.n_kv)
+            pos = mx.array(np.asarray(self.ubatch.pos, dtype=np.int32))  # (n_tokens,)
+            cache = self.cache
+            self._kq_mask = kq_mask_device(mx.array(p_cell), mx.array(member), pos,
+                                           cache.n_swa, cache.swa_type)
+        return self._kq_mask
 
     def _store(self, tensors: list, il: int, cur: mx.array) -> None:
         t = tensors[il]

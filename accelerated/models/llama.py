@@ -22,6 +22,10 @@ The same graph, function for function, on ``accelerated.ops``. What differs:
   host validation (:func:`rope_in_graph`, ``mx.take``);
 - on the CPU device the attention is :func:`attn_grouped` (bit for bit what MLX's CPU
   fallback of the fused kernel computes, in fewer and larger matmuls);
+- those two choices by device (the matmul form and the attention form) are made by one
+  function, :func:`gpu_paths`: the environment variable ``LLAMAREF_MLX_GPU_PATHS=1`` makes
+  the CPU device take the GPU forms too, so that CI, which has no GPU, runs the code that
+  Metal and CUDA run;
 - the result is a lazy ``mx.array`` (the caller evaluates it, e.g. ``np.array(logits)``).
 
 Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
@@ -30,16 +34,18 @@ Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
-from accelerated.memory.kv_cache import mx_dtype
+from accelerated.memory.kv_cache import KVCache, mx_dtype
 from accelerated.ops import add, build_attn_mha, mul, mul_mat, rms_norm, swiglu
 from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rope_fused, rotate_pairs
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
+from reference.batch import Batch, BatchAllocr
 from reference.hparams import LlamaHParams
 from reference.models.llama import (  # host-side pieces, imported as they are
     LLAMA_LAYER_TENSORS,
@@ -72,6 +78,7 @@ __all__ = [
     "llm_build_llama",
     "model_dtype",
     "default_matmul",
+    "gpu_paths",
     "prepare_weights",
     "rope_cparams",
     "rope_in_graph",
@@ -106,9 +113,40 @@ LINEAR_TENSORS = frozenset({
 })
 
 
+GPU_PATHS_ENV = "LLAMAREF_MLX_GPU_PATHS"
+"""The environment variable that makes the CPU device take the GPU code paths (``1``)."""
+
+
+# --8<-- [start:gpu_paths]
+def gpu_paths() -> bool:
+    """Whether the twin takes its GPU code paths: on a GPU device, or when asked to.
+
+    The twin picks a form by device in two places, both through this function: the matmul
+    weights (:func:`default_matmul`: quantized on a GPU, dense and transposed on the CPU)
+    and the attention (:func:`build_attn`: MLX's fused kernel on a GPU,
+    :func:`attn_grouped` on the CPU). With ``LLAMAREF_MLX_GPU_PATHS=1`` (any non-zero
+    integer) the CPU device takes the GPU forms as well: MLX runs them there too (the fused
+    attention as its CPU fallback), so CI, which has no GPU, executes the code that Metal
+    and CUDA execute (``.ci/run`` runs the twin's tests once that way). Read at each call,
+    so a test can set it.
+
+    Examples:
+        >>> import os
+        >>> os.environ[GPU_PATHS_ENV] = "1"
+        >>> gpu_paths(), default_matmul()
+        (True, 'quantized')
+        >>> del os.environ[GPU_PATHS_ENV]
+        >>> gpu_paths() == (mx.default_device() != mx.cpu)
+        True
+    """
+    forced = os.environ.get(GPU_PATHS_ENV, "0").strip() or "0"
+    return mx.default_device() != mx.cpu or bool(int(forced))
+# --8<-- [end:gpu_paths]
+
+
 # --8<-- [start:default_matmul]
 def default_matmul() -> str:
-    """``"dense"`` on the CPU device, ``"quantized"`` on a GPU (Metal).
+    """``"quantized"`` on a GPU (Metal, CUDA), ``"dense"`` on the CPU device (:func:`gpu_paths`).
 
     On Linux MLX's CPU backend multiplies with a reference BLAS, where float32 ``x @ W^T``
     with ``W^T`` stored contiguous beats ``mx.quantized_matmul`` by 25-35% at every size
@@ -118,7 +156,7 @@ def default_matmul() -> str:
         >>> default_matmul() in ("dense", "quantized")
         True
     """
-    return "dense" if mx.default_device() == mx.cpu else "quantized"
+    return "quantized" if gpu_paths() else "dense"
 # --8<-- [end:default_matmul]
 
 
@@ -360,7 +398,8 @@ def build_attn(
     """Twin of :func:`reference.models.llama.build_attn`. ``inp`` holds MLX tensors.
 
     The attention is MLX's fused kernel (:func:`accelerated.ops.build_attn_mha`) on a GPU and
-    :func:`attn_grouped` on the CPU device, where the fused kernel is a fallback.
+    :func:`attn_grouped` on the CPU device, where the fused kernel is a fallback
+    (:func:`gpu_paths` chooses).
 
     Returns:
         ``(n_tokens, n_embd)``.
@@ -370,7 +409,7 @@ def build_attn(
     k = inp.get_k(il)  # (n_kv, n_head_kv, d_k)
     v = inp.get_v(il)  # (n_kv, n_head_kv, d_v)
     kq_mask = inp.get_kq_mask(il)  # (n_tokens, n_kv)
-    mha = attn_grouped if mx.default_device() == mx.cpu else build_attn_mha
+    mha = build_attn_mha if gpu_paths() else attn_grouped
     cur = mha(q_cur, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
     return _bias(linear(wo, cur), wo_b)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn]
@@ -593,9 +632,6 @@ def greedy(
         >>> greedy(w, hp, [1], n_predict=5) == ref_greedy(w, hp, [1], n_predict=5)
         True
     """
-    from accelerated.memory import KVCache
-    from reference.batch import Batch, BatchAllocr
-
     weights = prepare_weights(weights)
     cache = KVCache(hparams, kv_size=n_ctx or len(prompt) + n_predict)
     tokens = [int(t) for t in prompt]

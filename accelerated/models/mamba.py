@@ -37,6 +37,7 @@ __all__ = [
     "build_mamba_layer",
     "build_rs_conv",
     "build_rs_scan",
+    "check_mamba_inputs",
     "llm_build_mamba",
     "mamba_forward",
     "mamba_layer_weights",
@@ -229,15 +230,19 @@ def llm_build_mamba(
 ) -> mx.array:
     """Twin of :func:`reference.models.mamba.llm_build_mamba`.
 
-    Returns lazy float32 logits ``(n_outputs, n_vocab)``; ``tokens`` and ``out_ids`` are
-    host (NumPy) indices.
+    Returns lazy float32 logits ``(n_outputs, n_vocab)``. ``tokens`` and ``out_ids`` are
+    host (NumPy) indices, checked by ``get_rows``; or ``mx.array`` placeholders of a traced
+    graph, already checked on the host (:func:`mamba_forward`'s checks, or the Context's),
+    gathered with a plain ``mx.take``: :class:`accelerated.context.Context` traces this
+    function once with ``mx.compile`` and reuses it, as it does the Llama graph.
     """
-    n_tokens = len(tokens)
+    n_tokens = tokens.shape[0] if isinstance(tokens, mx.array) else len(tokens)
     n_seq_tokens = n_tokens // n_seqs
     build_layer = build_mamba2_layer if hparams.arch == "mamba2" else build_mamba_layer
+    rows = _take if isinstance(tokens, mx.array) else get_rows
 
     token_embd = get_weight(weights, "token_embd.weight", np.float32)
-    inpL = get_rows(_dense(token_embd), tokens)  # (n_tokens, n_embd)
+    inpL = rows(_dense(token_embd), tokens)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
         layer = mamba_layer_weights(weights, il, hparams, mx.float32)
         cur = build_norm(inpL, layer["attn_norm"], hparams.f_norm_rms_eps)
@@ -246,8 +251,8 @@ def llm_build_mamba(
         cur = cur.reshape(n_tokens, hparams.n_embd)  # (n_tokens, n_embd)
         if il == hparams.n_layer - 1:
             # only the output rows go on: llama.cpp's inp_out_ids
-            cur = get_rows(cur, out_ids)  # (n_outputs, n_embd)
-            inpL = get_rows(inpL, out_ids)  # (n_outputs, n_embd)
+            cur = rows(cur, out_ids)  # (n_outputs, n_embd)
+            inpL = rows(inpL, out_ids)  # (n_outputs, n_embd)
         inpL = add(cur, inpL)  # the residual
 
     output_norm = get_weight(weights, "output_norm.weight", np.float32)
@@ -257,6 +262,11 @@ def llm_build_mamba(
         output = token_embd
     return linear(output, cur)  # (n_outputs, n_vocab)
 # --8<-- [end:llm_build_mamba]
+
+
+def _take(a: mx.array, idx: mx.array) -> mx.array:
+    """``get_rows`` without its host check, for a traced graph: ``a[idx]``."""
+    return mx.take(a, idx.astype(mx.int32), axis=0)
 
 
 # --8<-- [start:mamba_forward]
@@ -286,6 +296,19 @@ def mamba_forward(
         ...
         reference.models.mamba.MambaForwardError: 3 tokens do not split into 2 equal sequence sets
     """
+    tokens, out_ids, n_seqs = check_mamba_inputs(hparams, tokens, out_ids, n_seqs)
+    logits = llm_build_mamba(weights, hparams, tokens, n_seqs, inp_rs, out_ids)
+    mx.eval(logits)
+    return logits
+# --8<-- [end:mamba_forward]
+
+
+def check_mamba_inputs(hparams: MambaHParams, tokens, out_ids=None, n_seqs: int | None = None):
+    """:func:`mamba_forward`'s checks on the host: ``(tokens, out_ids, n_seqs)`` normalized.
+
+    Raises:
+        MambaForwardError: see :func:`mamba_forward`.
+    """
     if hparams.arch not in MAMBA_ARCHS:
         raise MambaForwardError(f"arch {hparams.arch!r} is not one of {MAMBA_ARCHS}")
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -309,10 +332,7 @@ def mamba_forward(
     out_ids = np.arange(n_tokens) if out_ids is None else np.asarray(out_ids, dtype=np.int64)
     if out_ids.ndim != 1 or ((out_ids < 0) | (out_ids >= n_tokens)).any():
         raise MambaForwardError(f"out_ids {out_ids.tolist()} out of range [0, {n_tokens})")
-    logits = llm_build_mamba(weights, hparams, tokens, n_seqs, inp_rs, out_ids)
-    mx.eval(logits)
-    return logits
-# --8<-- [end:mamba_forward]
+    return tokens, out_ids, n_seqs
 
 
 # --8<-- [start:SimpleRecurrentState]

@@ -3,30 +3,42 @@ r"""``llamaref bench``: prompt processing and generation speed, in the spirit of
 Three tests, named as llama-bench and llama-batched-bench name them:
 
 - ``pp{n}``: ``n`` random prompt tokens decoded in one batch (``n_batch = n_ubatch >= n``)
-  into an empty cache; only the last token gets logits (``llama_batch_get_one``'s default),
-  so the lm_head runs once. The memory is cleared before every run.
-- ``tg{n}``: ``n`` one-token decodes into a growing cache, the first into an empty one
-  (llama-bench's ``test_gen``); each next token is the greedy argmax of the last logits
-  (on the device when the context offers ``get_logits_ith_device``).
+  into the cache; only the last token gets logits (``llama_batch_get_one``'s default),
+  so the lm_head runs once.
+- ``tg{n}``: ``n`` one-token decodes into a growing cache, each next token the greedy argmax
+  of the last logits (llama-bench's ``test_gen``). Ours run the generation loop of
+  ``llamaref generate`` (:class:`reference.generate.Generator`) with a greedy sampler: on
+  the MLX twin the argmax stays on the device and the loop runs ahead (token $t + 1$
+  launched before token $t$ is read back), as mlx-lm's ``generate_step`` does.
 - ``pl{n}`` (``--parallel``): ``n`` sequences decoded together, one token each per step, in
   one batch of ``n`` tokens, after a short prompt per sequence (not timed). The row reports
   the aggregate speed $n \cdot n_{\text{steps}} / t$.
 
-Method: every test runs once to warm up (not timed), then ``repetitions`` times. When several
-backends are asked for, their runs *alternate* (ours, mlx-lm, ours, mlx-lm, ...), so a drift
-of the machine's load hits them alike. A row reports the median tokens per second over the
-runs and their spread as the slowest and the fastest run (min – max). The time is measured
-around the decode calls by :func:`time.perf_counter`, whatever the context reports itself.
+**Depth** (``-d``, llama-bench's ``-d``/``--n-depth``): ``pp`` and ``tg`` run after $d$ random
+tokens already in the cache, the row named ``tg64 @ d4096``. The cache is filled once per
+depth and backend (not timed), and put back to that depth before every run (the later
+positions removed; a recurrent state restored from a copy). Several depths
+(``-d 0,1000,4000``) make a **depth table** too (:func:`depth_table`): milliseconds per
+generated token at each depth, its growth $t(d_{\max}) / t(0)$, and the ratio to the peer.
 
-``--vs mlx-lm`` adds the peer: mlx-lm's own Llama (``mlx_lm.models.llama``), its KV cache
-(``make_prompt_cache``) and its generation loop (``generate_step``, greedy), built on *the
-same weights at the same precision*, held in the same form as the twin holds them
-(:func:`mlx_lm_model`; ``--matmul``): quantized, the MLX affine groups of
-:func:`accelerated.quants.to_mlx` go into ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
-unchanged; dense, both dequantize them exactly to float32. A row then also gives the ratio
-ours / mlx-lm of the medians. Only that ratio
-means something across machines: absolute numbers depend on the machine and on the BLAS
-that MLX was built with.
+**Models.** ``-m`` takes a GGUF file or a HF folder (default: SmolLM2), or the name of a
+shipped tiny model (``tiny``, ``tiny-mamba``, ``tiny-mamba2``: :mod:`llamaref.bench.tiny`),
+whose forward is so small that the table measures the work around it.
+
+Method: every test runs once to warm up (not timed), then ``repetitions`` times. When several
+backends are asked for, their runs *alternate* (ours, the peer, ours, the peer, ...), so a
+drift of the machine's load hits them alike. A row reports the median tokens per second over
+the runs and their spread as the slowest and the fastest run (min – max). The time is
+measured around the calls by :func:`time.perf_counter`, whatever the context reports itself.
+
+``--vs`` adds a peer on the same weights (:mod:`llamaref.bench.peers`): ``mlx-lm`` (its own
+model, cache and loop, holding our tensors in the form the twin holds them, ``--matmul``:
+quantized, the MLX affine groups of :func:`accelerated.quants.to_mlx` go into
+``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` unchanged; dense, both dequantize them
+exactly to float32) or ``llama.cpp`` (through llama-cpp-python, on the same GGUF, with
+``--threads`` CPU threads). A row then also gives the ratio ours / peer of the medians. Only
+that ratio means something across machines: absolute numbers depend on the machine and on
+the BLAS that MLX was built with.
 
 ``--profile`` says where the accelerated forward spends its time (:func:`profile_ops`).
 """
@@ -41,12 +53,12 @@ import io
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -54,25 +66,41 @@ import accelerated.ops as accelerated_ops
 import accelerated.quants as quants
 from accelerated.context import Context as AccContext
 from accelerated.models import llama as accelerated_llama
-from accelerated.quants import MLXQuantized, load_weight
+from accelerated.sampling import PendingToken
+from llamaref.bench.peers import (
+    LlamaCppRunner,
+    MLXLMRunner,
+    PeerError,
+    check_mlx_lm_model,
+    mlx_lm_model,
+)
+from llamaref.bench.tiny import TINY_MODELS, tiny_model
 from llamaref.common import CLIError
 from reference.batch import Batch
-from reference.common import LlamarefError
 from reference.context import Context
+from reference.generate import Generator
 from reference.hparams import LlamaHParams
 from reference.model import default_model_path, load_model
+from reference.testing import write_tiny_gguf, write_tiny_mamba_gguf
 
-if TYPE_CHECKING:
-    import mlx.nn as nn
+__all__ = [
+    "BACKENDS", "PEERS", "Backend", "BenchRow", "ContextRunner", "LlamaCppRunner",
+    "MLXLMRunner", "PeerError", "add_bench_command", "alternate", "check_mlx_lm_model",
+    "dense_weights", "depth_table", "format_rows", "mlx_lm_model", "model_info",
+    "profile_ops", "random_tokens", "run_bench", "twin_kwargs", "twin_matmul",
+]
 
 BACKENDS = ("reference", "accelerated")
 """Our backends: the NumPy specification and its MLX twin."""
 
-PEERS = ("mlx-lm",)
+PEERS = ("mlx-lm", "llama.cpp")
 """The peers ``--vs`` accepts."""
 
 SEED = 1234
 """Seed of the random prompt tokens (the same tokens for every backend)."""
+
+N_BATCH_MIN = 512
+"""The smallest ``n_batch`` of a runner's context: a depth is filled this many at a time."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +115,7 @@ class BenchRow:
 
     Attributes:
         model: the model's file or folder name.
-        backend: ``reference``, ``accelerated`` or ``mlx-lm``.
+        backend: ``reference``, ``accelerated``, ``mlx-lm`` or ``llama.cpp``.
         dtype: the type the forward's matmuls read (``Q4_1``, ``f32``, ...).
         test: ``pp512``, ``tg128``, ``pl8``, ...
         seconds: the wall time of each timed run.
@@ -148,7 +176,7 @@ class BenchRow:
 
 HEADER = (
     "| model | backend | dtype | test | t/s (median) | t/s (min – max) | runs "
-    "| ours / mlx-lm | size | params |\n"
+    "| ours / peer | size | params |\n"
     "|-------|---------|-------|------|-------------:|----------------:|-----:"
     "|--------------:|-----:|-------:|"
 )
@@ -195,36 +223,93 @@ def random_tokens(n: int, n_vocab: int, seed: int = SEED) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)  # (n,)
 
 
+# --8<-- [start:greedy]
+class GreedyHost:
+    """The greedy sampler of the ``tg`` test on the host: the argmax of the NumPy row."""
+
+    pipelined = False
+
+    def sample(self, logits: np.ndarray) -> int:
+        return int(np.argmax(logits))
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+class GreedyDevice(GreedyHost):
+    """The greedy sampler on the MLX device: ``mx.argmax``, and only the token comes back.
+
+    It can sample ahead (:meth:`sample_async`), so :class:`reference.generate.Generator` runs
+    its pipelined loop with it, as mlx-lm's ``generate_step`` with its greedy sampler.
+
+    Examples:
+        >>> import mlx.core as mx
+        >>> g = GreedyDevice()
+        >>> g.resolve(g.sample_async(mx.array([0.1, 3.0, -1.0]))), g.sample(mx.array([2.0, 1.0]))
+        (1, 0)
+    """
+
+    pipelined = True
+
+    def sample(self, logits) -> int:
+        import mlx.core as mx
+
+        return int(mx.argmax(logits).item())
+
+    def sample_async(self, logits) -> PendingToken:
+        import mlx.core as mx
+
+        token = mx.argmax(logits).astype(mx.int32).reshape(1)  # (1,)
+        return PendingToken(token, token)  # computed with the decode that reads it
+
+    def resolve(self, pending: PendingToken) -> int:
+        return int(pending.chosen.item())
+
+    def cancel(self, pending: PendingToken) -> None:
+        pass
+# --8<-- [end:greedy]
+
+
 # --8<-- [start:ContextRunner]
 class ContextRunner:
     """Times a :class:`reference.context.Context` (or its MLX twin) on the three tests.
+
+    ``tg`` runs :class:`reference.generate.Generator` with a greedy sampler
+    (:class:`GreedyHost`; on the twin :class:`GreedyDevice`, pipelined).
 
     Args:
         context_cls: ``reference.context.Context`` or ``accelerated.context.Context``.
         hparams: the model's hyperparameters.
         weights: the weights as the context takes them.
-        n_ctx: cells for ``pp``/``tg`` (padded by the context).
-        n_batch: the largest ``pp`` batch (``n_ubatch`` is the same: one forward per test).
+        n_ctx: cells for ``pp``/``tg`` after the depth (padded by the context).
+        n_batch: the largest ``pp`` batch (``n_ubatch`` is the same: one forward per test;
+            at least :data:`N_BATCH_MIN`, to fill a depth in few forwards).
         **context_kwargs: more arguments of the context (the twin's ``matmul``, ...).
 
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.context import Context
         >>> hp = tiny_hparams(n_layer=1)
-        >>> runner = ContextRunner(Context, hp, random_weights(hp), n_ctx=16, n_batch=8)
+        >>> runner = ContextRunner(Context, hp, random_weights(hp), n_ctx=64, n_batch=8)
         >>> runner.pp(random_tokens(8, hp.n_vocab)) > 0, len(runner.last_tokens)
         (True, 0)
         >>> runner.tg(1, 4) > 0, len(runner.last_tokens)
         (True, 4)
+        >>> runner.set_depth(random_tokens(20, hp.n_vocab))
+        >>> runner.tg(1, 4) > 0, runner.ctx.memory.seq_pos_max(0)
+        (True, 23)
     """
 
     def __init__(self, context_cls: type[Context], hparams: LlamaHParams, weights: dict,
                  n_ctx: int, n_batch: int, **context_kwargs: object):
         self.context_cls, self.hparams, self.weights = context_cls, hparams, weights
         self.context_kwargs = context_kwargs
-        n_batch = max(1, n_batch)
+        n_batch = max(N_BATCH_MIN, n_batch)
         self.ctx = context_cls(hparams, weights, n_ctx=max(n_ctx, n_batch), n_batch=n_batch,
                                n_ubatch=n_batch, **context_kwargs)
+        self.on_device = hasattr(self.ctx, "get_logits_ith_device")
+        self.depth_tokens: list[int] = []
+        self._depth_state: bytes | None = None  # a recurrent memory's state at the depth
         self.last_tokens: list[int] = []  # what the last tg run generated
 
     def _decode(self, ctx, batch: Batch) -> None:
@@ -232,16 +317,39 @@ class ContextRunner:
         if rc != 0:
             raise RuntimeError(f"decode returned {rc}: {ctx.last_error}")
 
-    def _argmax(self, ctx, i: int) -> int:
-        if hasattr(ctx, "get_logits_ith_device"):  # the MLX twin: argmax on the device
+    def _argmax(self, ctx, idxs: list[int]) -> list[int]:
+        """The greedy tokens of batch indices ``idxs`` (on the device for the twin: one read)."""
+        if self.on_device:
             import mlx.core as mx
 
-            return int(mx.argmax(ctx.get_logits_ith_device(i)).item())
-        return int(np.argmax(ctx.get_logits_ith(i)))
+            rows = mx.stack([ctx.get_logits_ith_device(i) for i in idxs])  # (n, n_vocab)
+            return mx.argmax(rows, axis=-1).tolist()
+        return [int(np.argmax(ctx.get_logits_ith(i))) for i in idxs]
+
+    def set_depth(self, tokens: np.ndarray) -> None:
+        """Fill the cache with ``tokens`` (not timed): ``pp`` and ``tg`` then start there."""
+        ctx = self.ctx
+        ctx.memory.clear(data=False)
+        for i in range(0, len(tokens), ctx.n_batch):
+            self._decode(ctx, Batch(token=tokens[i:i + ctx.n_batch]))
+        ctx.synchronize()
+        self.depth_tokens = [int(t) for t in tokens]
+        recurrent = ctx.recurrent and len(tokens) > 0
+        self._depth_state = ctx.state_seq_get_data(0) if recurrent else None
+
+    def _rewind(self) -> None:
+        """Back to the cache :meth:`set_depth` left: later positions removed (a recurrent
+        memory, which cannot remove a position, gets its state back)."""
+        memory = self.ctx.memory
+        if self._depth_state is not None:
+            memory.clear(data=False)
+            self.ctx.state_seq_set_data(self._depth_state, 0)
+        elif not memory.seq_rm(0, len(self.depth_tokens), -1):
+            memory.clear(data=False)  # a recurrent memory at depth 0
 
     def pp(self, tokens: np.ndarray) -> float:
-        """Seconds to decode ``tokens`` in one batch into an empty cache (last logits only)."""
-        self.ctx.memory.clear(data=False)
+        """Seconds to decode ``tokens`` in one batch after the depth (last logits only)."""
+        self._rewind()
         batch = Batch(token=tokens)
         t0 = time.perf_counter()
         self._decode(self.ctx, batch)
@@ -249,16 +357,41 @@ class ContextRunner:
         return time.perf_counter() - t0
 
     def tg(self, first_token: int, n_gen: int) -> float:
-        """Seconds of ``n_gen`` one-token decodes from an empty cache, greedy."""
-        self.ctx.memory.clear(data=False)
-        token, out = int(first_token), []
+        """Seconds of ``n_gen`` greedy decodes after the depth: ``llamaref generate``'s loop.
+
+        The first token is decoded as a one-token prompt, then ``n_gen`` tokens are
+        generated, of which the last is not decoded: ``n_gen`` forwards, as llama-bench's
+        ``tg`` and mlx-lm's ``generate_step`` count them.
+        """
+        self._rewind()
+        sampler = GreedyDevice() if self.on_device else GreedyHost()
+        gen = Generator(self.ctx, sampler, shift=False, on_device=self.on_device)
+        gen.tokens = list(self.depth_tokens)  # what the cache holds
         t0 = time.perf_counter()
-        for _ in range(n_gen):
-            self._decode(self.ctx, Batch(token=[token]))
-            token = self._argmax(self.ctx, -1)
-            out.append(token)
+        gen.eval_prompt([int(first_token)])
+        out = list(gen.generate(n_gen, is_eog=lambda token: False))
         seconds = time.perf_counter() - t0
         self.last_tokens = out
+        return seconds
+
+    def failed_decode(self) -> float:
+        """Seconds of a decode that finds no slot (returns 1) in a full cache; then rewound.
+
+        The cache is filled to its last cell first (not timed).
+        """
+        ctx = self.ctx
+        self._rewind()
+        n_free = ctx.memory.get_size() - len(self.depth_tokens)
+        filler = random_tokens(n_free, self.hparams.n_vocab, seed=SEED + 1)
+        for i in range(0, n_free, ctx.n_batch):
+            self._decode(ctx, Batch(token=filler[i:i + ctx.n_batch]))
+        ctx.synchronize()
+        t0 = time.perf_counter()
+        rc = ctx.decode(Batch(token=[1]))
+        seconds = time.perf_counter() - t0
+        if rc != 1:
+            raise RuntimeError(f"a decode into a full cache returned {rc}, not 1")
+        self._rewind()
         return seconds
 
     def parallel_context(self, n_seq: int, n_prompt: int, n_steps: int) -> Context:
@@ -281,207 +414,14 @@ class ContextRunner:
         seq_id = [[s] for s in range(n_seq) for _ in range(n_prompt)]
         last = [i % n_prompt == n_prompt - 1 for i in range(n_seq * n_prompt)]
         self._decode(ctx, Batch(token=prompts.reshape(-1), seq_id=seq_id, logits=last))
-        tokens = [self._argmax(ctx, (s + 1) * n_prompt - 1) for s in range(n_seq)]
+        tokens = self._argmax(ctx, [(s + 1) * n_prompt - 1 for s in range(n_seq)])
         seq_id = [[s] for s in range(n_seq)]
         t0 = time.perf_counter()
         for _ in range(n_steps):
             self._decode(ctx, Batch(token=tokens, seq_id=seq_id, logits=[True] * n_seq))
-            tokens = [self._argmax(ctx, s) for s in range(n_seq)]
+            tokens = self._argmax(ctx, list(range(n_seq)))
         return time.perf_counter() - t0
 # --8<-- [end:ContextRunner]
-
-
-# ---------------------------------------------------------------------------------------------
-# The peer: mlx-lm on the same weights
-# ---------------------------------------------------------------------------------------------
-
-
-class PeerError(LlamarefError, ValueError):
-    """The peer cannot run this model from these weights (or is not installed)."""
-
-
-def check_mlx_lm_model(hparams) -> None:
-    """Refuse a model that ``mlx_lm.models.llama`` cannot run exactly from GGUF weights.
-
-    Raises:
-        PeerError: not ``llama``; sliding window, RoPE scaling or a custom attention scale.
-
-    Examples:
-        >>> from reference.testing import tiny_hparams
-        >>> check_mlx_lm_model(tiny_hparams("qwen2"))
-        Traceback (most recent call last):
-        ...
-        llamaref.bench.PeerError: --vs mlx-lm runs arch 'llama' only; this model is 'qwen2'
-    """
-    arch = getattr(hparams, "arch", None)
-    if arch != "llama":
-        raise PeerError(f"--vs mlx-lm runs arch 'llama' only; this model is {arch!r}")
-    if hparams.n_swa or hparams.rope_freq_scale_train != 1.0 or hparams.f_attention_scale:
-        raise PeerError("--vs mlx-lm: this llama uses a sliding window, RoPE scaling or a "
-                        "custom attention scale, which the peer's llama does not build the same")
-    if hparams.n_rot != hparams.n_embd_head_k:
-        raise PeerError("--vs mlx-lm: partial RoPE (n_rot < head_dim) is not mlx-lm's llama")
-
-
-# --8<-- [start:mlx_lm_model]
-def mlx_lm_model(hparams: LlamaHParams, weights: dict, matmul: str = "quantized") -> nn.Module:
-    """mlx-lm's Llama holding *our* weights, in the form our MLX twin holds them.
-
-    ``rope_traditional=True``: GGUF stores Q and K permuted for the interleaved RoPE
-    (llama.cpp's "normal" mode), which is MLX's ``traditional`` RoPE. Each weight goes
-    through :func:`accelerated.quants.load_weight`: with ``matmul="quantized"`` a Q4_0, Q4_1
-    or Q8_0 tensor becomes :class:`accelerated.quants.MLXQuantized` (lossless) and its layer
-    ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` with that ``w_q``, ``scales`` and
-    ``biases``; with ``matmul="dense"`` every weight is dequantized (exactly) to float32 and
-    the layers stay ``nn.Linear`` / ``nn.Embedding``. Other weights are float32 either way.
-
-    Args:
-        hparams: a llama (:func:`check_mlx_lm_model`).
-        weights: GGUF-named weights (NumPy arrays or quantized tensors).
-        matmul: ``"quantized"`` or ``"dense"``, as the twin's ``matmul``.
-
-    Returns:
-        ``mlx_lm.models.llama.Model``, parameters evaluated.
-
-    Raises:
-        PeerError: see :func:`check_mlx_lm_model`; a weight with a bias.
-    """
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models import llama
-
-    check_mlx_lm_model(hparams)
-    w = {name: load_weight(t, mx.float32, keep_quantized=matmul == "quantized")
-         for name, t in weights.items()}
-    if any(name.endswith(".bias") for name in w):
-        raise PeerError("--vs mlx-lm: this llama has biases; mlx-lm's llama has none")
-    tied = "output.weight" not in w
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=hparams.n_embd, num_hidden_layers=hparams.n_layer,
-        intermediate_size=hparams.n_ff, num_attention_heads=hparams.n_head,
-        num_key_value_heads=hparams.n_head_kv, head_dim=hparams.n_embd_head_k,
-        rms_norm_eps=hparams.f_norm_rms_eps, vocab_size=hparams.n_vocab,
-        rope_theta=hparams.rope_freq_base_train, rope_traditional=True,
-        tie_word_embeddings=tied, max_position_embeddings=hparams.n_ctx_train,
-    )
-    model = llama.Model(args)
-    gguf_names = _mlx_lm_names(hparams.n_layer, tied)
-    by_path = {path: w[name] for path, name in gguf_names.items()}
-
-    def quantize_as_ours(path, module):  # nn.quantize's predicate: our bits per layer
-        q = by_path.get(path + ".weight")
-        return {"group_size": q.group_size, "bits": q.bits} if isinstance(q, MLXQuantized) \
-            else False
-
-    nn.quantize(model, class_predicate=quantize_as_ours)
-    params = []
-    for path, value in by_path.items():
-        if isinstance(value, MLXQuantized):
-            prefix = path.removesuffix(".weight")
-            params += [(path, value.w_q), (prefix + ".scales", value.scales),
-                       (prefix + ".biases", value.biases)]
-        else:
-            params.append((path, value.astype(mx.float32)))
-    model.load_weights(params, strict=True)
-    mx.eval(model.parameters())
-    return model
-# --8<-- [end:mlx_lm_model]
-
-
-def _mlx_lm_names(n_layer: int, tied: bool) -> dict[str, str]:
-    """mlx-lm parameter path -> GGUF tensor name."""
-    names = {"model.embed_tokens.weight": "token_embd.weight",
-             "model.norm.weight": "output_norm.weight"}
-    if not tied:
-        names["lm_head.weight"] = "output.weight"
-    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                 "post_attention_layernorm": "ffn_norm"}
-    for il in range(n_layer):
-        for ours, gguf in per_layer.items():
-            names[f"model.layers.{il}.{ours}.weight"] = f"blk.{il}.{gguf}.weight"
-    return names
-
-
-class MLXLMRunner:
-    """Times mlx-lm on the three tests: its model, its KV cache, its ``generate_step``.
-
-    Args:
-        model: from :func:`mlx_lm_model`.
-    """
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.last_tokens: list[int] = []
-
-    def pp(self, tokens: np.ndarray) -> float:
-        """Seconds of mlx-lm's prompt processing into a fresh cache.
-
-        ``generate_step(max_tokens=0)`` is mlx-lm's prefill: the prompt but its last token
-        (cache only: the lm_head is never evaluated for those rows), then the last token with
-        logits and its greedy token, evaluated.
-        """
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step, generation_stream
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        prompt = mx.array(tokens)
-        t0 = time.perf_counter()
-        for _ in generate_step(prompt, self.model, max_tokens=0, prompt_cache=cache):
-            pass
-        mx.synchronize(generation_stream)
-        return time.perf_counter() - t0
-
-    def tg(self, first_token: int, n_gen: int) -> float:
-        """Seconds of ``n_gen`` one-token forwards from a fresh cache, greedy.
-
-        ``generate_step`` with a one-token prompt and ``max_tokens = n_gen - 1`` runs
-        ``n_gen`` forwards (the prompt's, then one per token yielded; its next step is
-        launched before a token is yielded); the last is waited for.
-        """
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step, generation_stream
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        prompt = mx.array([int(first_token)], dtype=mx.int32)
-        t0 = time.perf_counter()
-        out = [int(t) for t, _ in generate_step(prompt, self.model, max_tokens=n_gen - 1,
-                                                prompt_cache=cache)]
-        mx.synchronize(generation_stream)  # the last forward was launched, not waited for
-        seconds = time.perf_counter() - t0
-        self.last_tokens = out
-        return seconds
-
-    def parallel_context(self, n_seq: int, n_prompt: int, n_steps: int) -> None:
-        """Nothing to build: mlx-lm's cache is made per run (see :meth:`pl`)."""
-        return None
-
-    def pl(self, ctx: None, prompts: np.ndarray, n_steps: int) -> float:
-        """Seconds of ``n_steps`` batched steps (batch ``n_seq``), after the prompts.
-
-        The model is called on ``(n_seq, 1)`` tokens with mlx-lm's cache, and the greedy
-        tokens are taken on the device; as ``generate_step``, the next step is launched
-        (``mx.async_eval``) before the previous tokens are read back.
-        """
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        logits = self.model(mx.array(prompts), cache=cache)  # (n_seq, n_prompt, n_vocab)
-        y = mx.argmax(logits[:, -1, :], axis=-1)  # (n_seq,)
-        mx.eval(y)
-        t0 = time.perf_counter()
-        for _ in range(n_steps):
-            y_next = mx.argmax(self.model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-            mx.async_eval(y_next)
-            y.tolist()
-            y = y_next
-        y.tolist()
-        return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +464,7 @@ def model_info(name: str, weights: dict) -> ModelInfo:
 
 @dataclass
 class Backend:
-    """A runner with the labels of its rows."""
+    """A runner with the labels of its rows (and a note printed under the table)."""
 
     name: str
     runner: object
@@ -532,6 +472,7 @@ class Backend:
     size: int = 0
     peer: bool = False
     contexts: dict = field(default_factory=dict)
+    note: str = ""
 
 
 def alternate(backends: list[Backend], run: Callable[[Backend], float],
@@ -563,11 +504,22 @@ def _rows(info: ModelInfo, backends: list[Backend], test: str, n_tokens: int,
                      info.n_params, None if b.peer else baseline) for b in backends]
 
 
+def test_name(kind: str, n: int, depth: int = 0) -> str:
+    """llama-bench's test names: ``pp512``, ``tg128``, and ``tg128 @ d4096`` after a depth.
+
+    Examples:
+        >>> test_name("tg", 64), test_name("tg", 64, 4096)
+        ('tg64', 'tg64 @ d4096')
+    """
+    return f"{kind}{n}" if depth == 0 else f"{kind}{n} @ d{depth}"
+
+
 # --8<-- [start:run_bench]
 def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n_prompt: int,
               n_gen: int, repetitions: int, parallel: tuple[int, ...] = (),
               pl_prompt: int = 16, pl_gen: int = 32,
-              log: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
+              log: Callable[[BenchRow], None] | None = None,
+              depths: tuple[int, ...] = (0,)) -> list[BenchRow]:
     """The ``pp``, ``tg`` and ``pl`` rows of every backend, runs alternating.
 
     Args:
@@ -581,19 +533,21 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
         pl_prompt: prompt tokens per sequence before the ``pl`` steps.
         pl_gen: timed steps of a ``pl`` run.
         log: called with each finished row (e.g. to print it at once).
+        depths: tokens in the cache before ``pp`` and ``tg`` (``-d``), each in turn.
 
     Returns:
-        The rows, test by test, backend by backend.
+        The rows, depth by depth and test by test, backend by backend.
 
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights
         >>> from reference.context import Context
         >>> hp = tiny_hparams(n_layer=1)
         >>> w = random_weights(hp)
-        >>> b = [Backend("reference", ContextRunner(Context, hp, w, 8, 8), "f32", 0)]
-        >>> rows = run_bench(model_info("m", w), hp, b, 8, 4, 2, parallel=(2,), pl_gen=3)
+        >>> b = [Backend("reference", ContextRunner(Context, hp, w, 32, 8), "f32", 0)]
+        >>> rows = run_bench(model_info("m", w), hp, b, 8, 4, 2, parallel=(2,), pl_gen=3,
+        ...                  depths=(0, 16))
         >>> [(r.test, r.n_tokens, len(r.seconds)) for r in rows]
-        [('pp8', 8, 2), ('tg4', 4, 2), ('pl2', 6, 2)]
+        [('pp8', 8, 2), ('tg4', 4, 2), ('pp8 @ d16', 8, 2), ('tg4 @ d16', 4, 2), ('pl2', 6, 2)]
     """
     log = log or (lambda row: None)
     rows: list[BenchRow] = []
@@ -603,14 +557,20 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
             rows.append(row)
             log(row)
 
-    if n_prompt > 0:
-        tokens = random_tokens(n_prompt, hparams.n_vocab)  # (n_prompt,)
-        add(f"pp{n_prompt}", n_prompt,
-            alternate(backends, lambda b: b.runner.pp(tokens), repetitions))
-    if n_gen > 0:
-        first = int(random_tokens(1, hparams.n_vocab)[0])
-        add(f"tg{n_gen}", n_gen,
-            alternate(backends, lambda b: b.runner.tg(first, n_gen), repetitions))
+    for depth in depths:
+        if n_prompt == 0 and n_gen == 0:
+            break
+        filler = random_tokens(depth, hparams.n_vocab, seed=SEED + 2)  # (depth,)
+        for b in backends:
+            b.runner.set_depth(filler)
+        if n_prompt > 0:
+            tokens = random_tokens(n_prompt, hparams.n_vocab)  # (n_prompt,)
+            add(test_name("pp", n_prompt, depth), n_prompt,
+                alternate(backends, lambda b, t=tokens: b.runner.pp(t), repetitions))
+        if n_gen > 0:
+            first = int(random_tokens(1, hparams.n_vocab)[0])
+            add(test_name("tg", n_gen, depth), n_gen,
+                alternate(backends, lambda b, f=first: b.runner.tg(f, n_gen), repetitions))
     for n_seq in parallel:
         prompts = random_tokens(n_seq * pl_prompt, hparams.n_vocab).reshape(n_seq, pl_prompt)
         for b in backends:
@@ -804,7 +764,7 @@ def _plot_bars(ax, rows: list[BenchRow]) -> None:
                 ax.annotate(f"{r.ratio:.2f}×", (x, hi), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(tests)), tests)
     ax.set_ylabel("tokens / s (median; bars: min – max)")
-    ax.set_title("pp and tg (label: ours / mlx-lm)", fontsize=10)
+    ax.set_title("pp and tg (label: ours / peer)", fontsize=10)
     ax.legend(fontsize=8)
 
 
@@ -833,13 +793,24 @@ def add_bench_command(subparsers) -> None:
     """Register ``llamaref bench`` on the CLI's subparsers (the CLI calls this)."""
     bench = subparsers.add_parser(
         "bench", help="prompt processing (pp), generation (tg) and parallel (pl) speed")
-    bench.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
+    bench.add_argument("--model", "-m",
+                       help="a GGUF file, a HF directory, or a shipped tiny model: "
+                            f"{', '.join(TINY_MODELS)} (default: SmolLM2)")
     bench.add_argument("-p", "--n-prompt", type=int, default=512, help="pp test size (0: skip)")
     bench.add_argument("-n", "--n-gen", type=int, default=128, help="tg test size (0: skip)")
+    bench.add_argument("-d", "--n-depth", default="0",
+                       help="comma-separated tokens in the cache before pp and tg, e.g. "
+                            "0,1000,4000 (several: a depth table too)")
+    bench.add_argument("-c", "--n-ctx", type=int, default=0,
+                       help="cache size for pp and tg (default: the deepest depth + the "
+                            "larger of -p and -n)")
     bench.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test")
     bench.add_argument("--backend", default="accelerated",
                        help="comma-separated: reference, accelerated (default: accelerated)")
-    bench.add_argument("--vs", help="a peer to run alternately on the same weights: mlx-lm")
+    bench.add_argument("--vs", help="a peer to run alternately on the same weights: "
+                                    f"{' or '.join(PEERS)}")
+    bench.add_argument("--threads", type=int, default=0,
+                       help="llama.cpp's CPU threads (default: every core)")
     bench.add_argument("--matmul", choices=("dense", "quantized"),
                        help="matmul weights of the twin and the peer (default: quantized, "
                             "4-bit groups in both)")
@@ -847,6 +818,8 @@ def add_bench_command(subparsers) -> None:
                        help="comma-separated sequence counts for the pl test, e.g. 1,2,4,8")
     bench.add_argument("--pl-prompt", type=int, default=16, help="pl prompt per sequence")
     bench.add_argument("--pl-gen", type=int, default=32, help="pl timed steps")
+    bench.add_argument("--failed-decode", action="store_true",
+                       help="also time, for ours, a decode that finds no slot in a full cache")
     bench.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     bench.add_argument("--plot", help="write a PNG here (and the Markdown table as .md)")
     bench.add_argument("--profile", action="store_true",
@@ -856,10 +829,12 @@ def add_bench_command(subparsers) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the tests on every backend asked for; print the table (and plot, profile)."""
-    path, backends_asked, parallel = _check_args(args)
+    path, backends_asked, parallel, depths = _check_args(args)
     try:
-        hparams, weights, backends, info = _build(path, backends_asked, args.vs,
-                                                  args.n_prompt, args.n_gen, args.matmul)
+        hparams, weights, backends, info = _build(
+            path, backends_asked, args.vs, args.n_prompt, args.n_gen, args.matmul,
+            n_ctx=args.n_ctx or max(depths) + max(args.n_prompt, args.n_gen, 1),
+            threads=args.threads)
     except PeerError as e:
         raise CLIError(str(e)) from e
     streaming = args.output == "md" and not args.plot
@@ -867,13 +842,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(HEADER, flush=True)
     rows = run_bench(info, hparams, backends, args.n_prompt, args.n_gen, args.repetitions,
                      parallel, args.pl_prompt, args.pl_gen,
-                     log=(lambda r: print(r.markdown(), flush=True)) if streaming else None)
+                     log=(lambda r: print(r.markdown(), flush=True)) if streaming else None,
+                     depths=depths)
     if not streaming:
         print(format_rows(rows, args.output))
+    failed = {}
+    if args.failed_decode:
+        failed = {b.name: [b.runner.failed_decode() for _ in range(args.repetitions)]
+                  for b in backends if hasattr(b.runner, "failed_decode")}
+    extra = []
+    if args.output == "md":
+        if len(depths) > 1 or failed:
+            extra.append(depth_table(rows, failed))
+        extra += [f"{b.name}: {b.note}" for b in backends if b.note]
+        print("\n" + "\n\n".join(extra) if extra else "", end="\n" if extra else "")
     if args.plot:
         plot = Path(args.plot)
         plot_rows(rows, plot, title=f"{info.name}: llamaref bench")
-        plot.with_suffix(".md").write_text(format_rows(rows, "md") + "\n")
+        plot.with_suffix(".md").write_text("\n\n".join([format_rows(rows, "md"), *extra])
+                                           + "\n")
     if args.profile:
         _cmd_profile(args, hparams, weights, backends)
     return 0
@@ -881,9 +868,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _check_args(args):
-    """Validate before loading anything; returns (path, backends, parallel sizes)."""
-    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
-        raise CLIError("-r must be >= 1, -p and -n must be >= 0")
+    """Validate before loading anything; returns (path, backends, parallel sizes, depths)."""
+    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0 or args.n_ctx < 0:
+        raise CLIError("-r must be >= 1, -p, -n and -c must be >= 0")
     if args.n_prompt == 0 and args.n_gen == 0 and not args.parallel:
         raise CLIError("nothing to run: -p and -n are 0 and no --parallel")
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
@@ -894,23 +881,90 @@ def _check_args(args):
     if args.vs is not None:
         if args.vs not in PEERS:
             raise CLIError(f"--vs {args.vs}: the peers are {', '.join(PEERS)}")
-        if importlib.util.find_spec("mlx_lm") is None:
-            raise CLIError("--vs mlx-lm needs mlx-lm: pip install 'llamaref[bench]'")
-    try:
-        parallel = tuple(int(n) for n in args.parallel.split(",") if n.strip())
-    except ValueError:
-        raise CLIError(f"--parallel {args.parallel!r}: give sequence counts like 1,2,4,8") \
-            from None
+        needs = {"mlx-lm": ("mlx_lm", "bench"), "llama.cpp": ("llama_cpp", "oracles")}
+        module, extra = needs[args.vs]
+        if importlib.util.find_spec(module) is None:
+            raise CLIError(f"--vs {args.vs} needs {module}: pip install 'llamaref[{extra}]'")
+    if args.threads < 0 or (args.threads and args.vs != "llama.cpp"):
+        raise CLIError("--threads sets llama.cpp's threads: a count >= 1 with --vs llama.cpp")
+    parallel = _counts("--parallel", args.parallel, "sequence counts like 1,2,4,8")
+    depths = _counts("-d", args.n_depth, "depths like 0,1000,4000") or (0,)
     if any(n < 1 for n in parallel) or (parallel and (args.pl_prompt < 1 or args.pl_gen < 1)):
         raise CLIError("--parallel counts, --pl-prompt and --pl-gen must be >= 1")
+    if any(d < 0 for d in depths) or len(set(depths)) != len(depths):
+        raise CLIError(f"-d {args.n_depth}: depths must be distinct and >= 0")
+    if args.n_ctx and max(depths) + max(args.n_prompt, args.n_gen) > args.n_ctx:
+        raise CLIError(f"-c {args.n_ctx} holds no depth of {max(depths)} tokens and "
+                       f"{max(args.n_prompt, args.n_gen)} more")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise CLIError("--plot needs matplotlib: pip install 'llamaref[bench]'")
     if args.profile and "accelerated" not in backends:
         raise CLIError("--profile profiles the accelerated backend: add it to --backend")
+    if args.model in TINY_MODELS:
+        return args.model, backends, parallel, depths
     path = Path(args.model) if args.model else default_model_path()
     if not path.exists():
         raise CLIError(f"model not found: {path}")
-    return path, backends, parallel
+    return path, backends, parallel, depths
+
+
+def _counts(flag: str, text: str, example: str) -> tuple[int, ...]:
+    """A comma-separated list of integers, or a one-line CLIError.
+
+    Examples:
+        >>> _counts("-d", "0, 1000", "depths")
+        (0, 1000)
+    """
+    try:
+        return tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise CLIError(f"{flag} {text!r}: give {example}") from None
+
+
+# --8<-- [start:depth_table]
+def depth_table(rows: list[BenchRow], failed: dict[str, list[float]] | None = None) -> str:
+    r"""Milliseconds per generated token at each depth, per backend, from the ``tg`` rows.
+
+    Each cell is the median ms per token; for ours, the ratio to the peer's at the same
+    depth follows in brackets (ours / peer, in *time*: below 1 is faster than the peer). The
+    last columns: the growth $t(d_{\max}) / t(d_0)$ from the shallowest to the deepest depth,
+    and, with ``failed`` (``--failed-decode``), the median ms of a decode that found no slot
+    in the full cache.
+
+    Examples:
+        >>> rows = [BenchRow("m", b, "F32", t, (s,), 10) for b, t, s in [
+        ...     ("accelerated", "tg10", 0.02), ("mlx-lm", "tg10", 0.025),
+        ...     ("accelerated", "tg10 @ d4000", 0.03), ("mlx-lm", "tg10 @ d4000", 0.03)]]
+        >>> print(depth_table(rows, {"accelerated": [0.004]}))
+        | ms / token | d0 | d4000 | d4000 / d0 | failed decode (ms) |
+        |---|---:|---:|---:|---:|
+        | accelerated | 2.00 (0.80×) | 3.00 (1.00×) | 1.50 | 4.0 |
+        | mlx-lm | 2.50 | 3.00 | 1.20 |  |
+    """
+    failed = failed or {}
+    tg = [r for r in rows if r.test.startswith("tg")]
+    depth = {r.test: int(r.test.split(" @ d")[1]) if " @ d" in r.test else 0 for r in tg}
+    depths = sorted(set(depth.values()))
+    peer = {depth[r.test]: r for r in tg if r.backend in PEERS}
+    lines = ["| ms / token | " + " | ".join(f"d{d}" for d in depths)
+             + f" | d{depths[-1]} / d{depths[0]} |" + (" failed decode (ms) |" if failed else ""),
+             "|---|" + "---:|" * (len(depths) + 1) + ("---:|" if failed else "")]
+    for backend in dict.fromkeys(r.backend for r in tg):
+        ms = {depth[r.test]: 1e3 / r.tokens_per_second for r in tg if r.backend == backend}
+        cells = []
+        for d in depths:
+            ratio = ""
+            if d in peer and peer[d].backend != backend and d in ms:
+                ratio = f" ({ms[d] / (1e3 / peer[d].tokens_per_second):.2f}×)"
+            cells.append(f"{ms[d]:.2f}{ratio}" if d in ms else "")
+        growth = f"{ms[depths[-1]] / ms[depths[0]]:.2f}" if len(ms) == len(depths) else ""
+        line = f"| {backend} | " + " | ".join(cells) + f" | {growth} |"
+        if failed:
+            f = failed.get(backend)
+            line += f" {1e3 * statistics.median(f):.1f} |" if f else "  |"
+        lines.append(line)
+    return "\n".join(lines)
+# --8<-- [end:depth_table]
 
 
 def twin_matmul(matmul: str | None) -> str:
@@ -944,14 +998,17 @@ def _dtype_label(dtype: str, dense: bool) -> str:
     return f"{dtype}→F32" if dense and dtype not in ("F32", "F64") else dtype
 
 
-def _build(path: Path, names: list[str], vs: str | None, n_prompt: int, n_gen: int,
-           matmul: str | None = None):
+def _build(path: Path | str, names: list[str], vs: str | None, n_prompt: int, n_gen: int,
+           matmul: str | None = None, n_ctx: int | None = None, threads: int = 0):
     """Load the model and make a runner per backend (and the peer's, last)."""
-    hparams, weights = load_model(path)
-    if vs is not None:
+    if isinstance(path, str):  # a shipped tiny model
+        hparams, weights = tiny_model(path)
+    else:
+        hparams, weights = load_model(path)
+    if vs == "mlx-lm":
         check_mlx_lm_model(hparams)  # before building anything
-    info = model_info(path.name, weights)
-    n_ctx = max(n_prompt, n_gen, 1)
+    info = model_info(path if isinstance(path, str) else path.name, weights)
+    n_ctx = n_ctx or max(n_prompt, n_gen, 1)
     matmul = twin_matmul(matmul)
     backends = []
     for name in names:
@@ -964,11 +1021,28 @@ def _build(path: Path, names: list[str], vs: str | None, n_prompt: int, n_gen: i
                                    **twin_kwargs(matmul))
             backends.append(Backend(name, runner, _dtype_label(info.dtype, matmul == "dense"),
                                     _mlx_size(runner.ctx)))
-    if vs is not None:
+    if vs == "mlx-lm":
         model = mlx_lm_model(hparams, weights, matmul)
         backends.append(Backend(vs, MLXLMRunner(model), _dtype_label(info.dtype,
                                 matmul == "dense"), _mlx_lm_size(model), peer=True))
+    elif vs == "llama.cpp":
+        gguf = _gguf_of(path, hparams, weights)
+        runner = LlamaCppRunner(gguf, n_ctx, max(N_BATCH_MIN, n_prompt), threads or None)
+        backends.append(Backend(vs, runner, info.dtype, info.size, peer=True, note=(
+            f"n_threads {runner.n_threads}, n_ctx {n_ctx} and n_batch "
+            f"{max(N_BATCH_MIN, n_prompt)} as ours, KV cache f16 (llama.cpp's default)")))
     return hparams, weights, backends, info
+
+
+def _gguf_of(path: Path | str, hparams, weights: dict) -> Path:
+    """The GGUF file llama.cpp reads: the model's own, or a tiny model written once (float32)."""
+    if not isinstance(path, str):
+        if path.suffix != ".gguf":
+            raise PeerError("--vs llama.cpp reads a GGUF file; this model is a directory")
+        return path
+    out = Path(tempfile.mkdtemp(prefix="llamaref-bench-")) / f"{path}.gguf"
+    write = write_tiny_mamba_gguf if hparams.arch in ("mamba", "mamba2") else write_tiny_gguf
+    return write(out, hparams, weights)
 
 
 def _size(weights: dict) -> int:

@@ -1,0 +1,145 @@
+"""The pipelined generation loop on MLX leaves what the sequential loop leaves.
+
+:meth:`reference.generate.Generator.generate` runs ahead on the MLX twin when the sampler can
+(``SamplerChain.pipelined``): token $t$ is decoded from the device before it is read back,
+and token $t + 1$ sampled behind it. The law: the same tokens, the same cells in the cache,
+the same sampler state (history and draws) as the sequential loop on the same Context kind,
+for every way generation stops (``n_predict``, an end-of-generation token, the caller
+closing the generator, a full context with or without a shift) and when a device step is
+redone on the host. Also: the twin's lazy outputs read as the reference's, and a device
+token decodes as its host id.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from accelerated import sampling as A
+from accelerated.context import Context as MLXContext
+from reference.batch import Batch
+from reference.generate import Generator
+from reference.sampling import SamplerParams
+from tests.helpers import cells_of as cells
+from tests.tiny_models import random_weights, tiny_hparams
+
+HP = tiny_hparams(n_layer=2, n_vocab=64)
+W = random_weights(HP, seed=5)
+PROMPT = [1, 7, 3, 9]
+
+
+def run(pipelined: bool, params: SamplerParams, n_predict: int, n_ctx: int = 256,
+        eog=(), stop_after: int | None = None, shift: bool = True, prompt=PROMPT):
+    ctx = MLXContext(HP, W, n_ctx=n_ctx)
+    chain = A.SamplerChain.from_params(params, HP.n_vocab)
+    gen = Generator(ctx, chain, shift=shift, on_device=True)
+    assert gen.pipelined == chain.pipelined
+    gen.pipelined = pipelined and gen.pipelined
+    gen.eval_prompt(prompt)
+    out = []
+    it = gen.generate(n_predict, is_eog=lambda t: t in eog)
+    for token in it:
+        out.append(token)
+        if stop_after is not None and len(out) == stop_after:
+            it.close()
+            break
+    return out, gen, ctx, chain
+
+
+def assert_same_run(a, b) -> None:
+    (toks_a, gen_a, ctx_a, ch_a), (toks_b, gen_b, ctx_b, ch_b) = a, b
+    assert toks_a == toks_b
+    assert gen_a.tokens == gen_b.tokens
+    assert gen_a.stopped == gen_b.stopped
+    assert cells(ctx_a) == cells(ctx_b)
+    assert list(ch_a.history) == list(ch_b.history)
+    assert ch_a.rng_dist.uniform_double() == ch_b.rng_dist.uniform_double()  # same draws next
+
+
+SEEDED = SamplerParams(seed=11, temp=0.8, top_k=20)
+GREEDY = SamplerParams(seed=3, temp=0.0)
+
+
+@pytest.mark.parametrize("params", [SEEDED, GREEDY], ids=["seeded", "greedy"])
+def test_pipelined_equals_sequential_to_n_predict(params):
+    a, b = run(True, params, 12), run(False, params, 12)
+    assert_same_run(a, b)
+    assert len(a[0]) == 12 and len(a[1].tokens) == len(PROMPT) + 11
+    assert ctx_perf_counts(a) == ctx_perf_counts(b)
+
+
+def ctx_perf_counts(run_):
+    return run_[1].perf.n_eval, run_[1].perf.n_p_eval
+
+
+def test_an_end_of_generation_token_undoes_the_step_decoded_ahead():
+    toks, *_ = run(False, SEEDED, 10)
+    eog = (toks[4],)
+    a, b = run(True, SEEDED, 10, eog=eog), run(False, SEEDED, 10, eog=eog)
+    assert_same_run(a, b)
+    assert a[0][-1] == toks[4] and len(a[1].tokens) == len(PROMPT) + len(a[0]) - 1
+
+
+def test_closing_the_generator_undoes_the_step_decoded_ahead():
+    a, b = run(True, SEEDED, 20, stop_after=5), run(False, SEEDED, 20, stop_after=5)
+    assert_same_run(a, b)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_full_context_shifts_or_stops_as_the_sequential_loop(shift):
+    prompt = list(range(1, 60)) * 4  # 236 tokens: the context (256) fills after 16 more
+    a = run(True, SEEDED, 30, n_ctx=256, shift=shift, prompt=prompt)
+    b = run(False, SEEDED, 30, n_ctx=256, shift=shift, prompt=prompt)
+    assert_same_run(a, b)
+    assert (len(a[0]) == 30) == shift
+
+
+def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch):
+    """Every third device step claims a failed margin: the loop undoes the decode that read
+    the device's guess and goes on from the host's token."""
+    calls = [0]
+    real = A.SamplerChain._device_step
+
+    def flaky(self, z, u):
+        token, ok = real(self, z, u)
+        calls[0] += 1
+        return token, ok & mx.array(calls[0] % 3 != 0)
+
+    monkeypatch.setattr(A.SamplerChain, "_device_step", flaky)
+    a = run(True, SEEDED, 12)
+    calls[0] = 0
+    b = run(False, SEEDED, 12)
+    assert a[3].fallbacks >= 3
+    assert_same_run(a, b)
+
+
+def test_chains_that_read_the_history_do_not_run_ahead():
+    chain = A.SamplerChain.from_params(SamplerParams(penalty_last_n=8, penalty_repeat=1.3), 64)
+    assert not chain.pipelined
+    with pytest.raises(A.SamplingError, match="cannot sample ahead"):
+        chain.sample_async(mx.zeros((64,)))
+    assert A.SamplerChain.from_params(SEEDED, 64).pipelined
+
+
+def test_a_device_token_decodes_as_its_host_id():
+    host, dev = MLXContext(HP, W, n_ctx=64), MLXContext(HP, W, n_ctx=64)
+    for ctx in (host, dev):
+        assert ctx.decode(Batch(token=PROMPT)) == 0
+    assert host.decode_token(5) == 0
+    assert dev.decode_token(mx.array([5], dtype=mx.int32)) == 0
+    assert np.array_equal(host.get_logits(), dev.get_logits())
+    assert cells(host) == cells(dev)
+
+
+def test_lazy_outputs_read_as_the_reference_rules():
+    """n_outputs, the row index rules and a refused batch read without a host copy; a
+    refused batch keeps the previous (lazy) outputs; the host copy is made once."""
+    ctx = MLXContext(HP, W, n_ctx=64, n_seq_max=2)
+    assert ctx.decode(Batch(token=[1, 2, 3], logits=[True, False, True])) == 0
+    assert ctx.n_outputs == 2 and ctx._host_stale
+    row = np.array(ctx.get_logits_ith_device(-1))
+    assert ctx._host_stale  # the device row did not copy the host logits
+    assert ctx.decode(Batch(token=[4], pos=[9])) == -1  # refused: outputs kept
+    assert np.array_equal(ctx.get_logits_ith(2), row)
+    assert not ctx._host_stale and ctx.get_logits().shape == (2, HP.n_vocab)
