@@ -48,6 +48,7 @@ differs:
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -323,6 +324,10 @@ class Context(ref.Context):
 
         Its outputs and everything it wrote into the memory are computed when this returns.
         """
+        self._wait()
+        self._perf_flush(wait=False)
+
+    def _wait(self) -> None:
         rows = self._device_rows[0] if self._device_rows is not None else []
         mem = self._memory  # the K/V tensors, or a recurrent memory's state rows
         tensors = [t for name in ("k_l", "v_l", "r_l", "s_l") for t in getattr(mem, name, [])]
@@ -348,6 +353,7 @@ class Context(ref.Context):
             self._logits = np.array(self._device_logits()).astype(self._no_logits.dtype,
                                                                    copy=False)
             self._host_stale = False
+            self._perf_flush(wait=False)  # the rows are computed: the decode is done
     # --8<-- [end:decode]
 
     # --8<-- [start:process_ubatch]
@@ -447,6 +453,50 @@ class Context(ref.Context):
         mem.v_l[:] = outs[1 + n_layer:]
         mx.async_eval(outs)
         return outs[0]
+
+    # --8<-- [start:perf]
+    def decode(self, batch) -> int:
+        """Twin of :meth:`reference.context.Context.decode`; first accounts the previous decode.
+
+        A decode here only launches its work, so its time cannot be taken when it returns
+        (:meth:`_perf_add`). It ends, at the latest, when the next decode starts: a generation
+        loop reads the sampled token (which waits for the work) before it decodes it.
+        """
+        self._perf_flush(wait=False)
+        return super().decode(batch)
+
+    def _perf_add(self, n_tokens: int, t_start: float, t_end: float | None = None) -> None:
+        """Twin of :meth:`reference.context.Context._perf_add`: keep the decode pending.
+
+        llama.cpp accounts a decode in ``llama_synchronize``, from its start to the end of its
+        compute. The same here: the pending decode is accounted when the host next waits for
+        it (:meth:`synchronize`, a host read of the logits, :meth:`perf`), or when the next
+        decode starts, whichever comes first.
+        """
+        if t_end is not None:
+            return super()._perf_add(n_tokens, t_start, t_end)
+        self._perf_flush(wait=False)
+        self._perf_pending = (n_tokens, t_start)
+
+    def _perf_flush(self, wait: bool) -> None:
+        """Account the pending decode now (after waiting for its work when ``wait``)."""
+        pending, self._perf_pending = getattr(self, "_perf_pending", None), None
+        if pending is None:
+            return
+        if wait:
+            self._wait()
+        super()._perf_add(*pending, time.perf_counter())
+
+    def perf(self):
+        """Twin of :meth:`reference.context.Context.perf`: waits for the pending decode."""
+        self._perf_flush(wait=True)
+        return super().perf()
+
+    def perf_reset(self) -> None:
+        """Twin of :meth:`reference.context.Context.perf_reset`: a pending decode is dropped."""
+        self._perf_pending = None
+        super().perf_reset()
+    # --8<-- [end:perf]
 
     # --8<-- [start:get_logits_ith_device]
     def get_logits_ith_device(self, i: int) -> mx.array:

@@ -539,13 +539,14 @@ class Context:
     # ---- performance (llama_perf_context) -----------------------------------------------------
 
     # --8<-- [start:perf]
-    def _perf_add(self, n_tokens: int, t_start: float) -> None:
-        """Account a successful decode of ``n_tokens`` that started at ``t_start`` (seconds).
+    def _perf_add(self, n_tokens: int, t_start: float, t_end: float | None = None) -> None:
+        """Account a successful decode of ``n_tokens`` that started at ``t_start`` (seconds)
+        and whose work was done at ``t_end`` (None: now).
 
         ``llama_context::synchronize``: one token is *eval*, more is *prompt eval*; the first
         decode also fixes ``t_load_ms``.
         """
-        t_end = time.perf_counter()
+        t_end = time.perf_counter() if t_end is None else t_end
         dt_ms = (t_end - t_start) * 1e3
         if n_tokens == 1:
             self._t_eval_ms += dt_ms
