@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -289,7 +289,7 @@ class Context(ref.Context):
         self._logits = self._no_logits
         self._output_ids = np.full(n_tokens, -1, dtype=np.int64)  # (n_tokens,)
 
-    def output_set(self, rows: list[mx.array], out_ids) -> None:
+    def output_set(self, rows: list[mx.array], out_ids: Sequence[int]) -> None:
         """Twin of :meth:`reference.context.Context.output_set`: the rows stay on the device.
 
         ``rows`` are the ubatches' lazy ``mx.array`` rows (:meth:`process_ubatch`); they are

@@ -69,7 +69,7 @@ when not unified, :func:`~reference.memory.n_ctx_seq`); ``n_batch`` is capped by
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -464,7 +464,7 @@ class Context:
         self._logits = self._logits[:0]
         self._output_ids = np.full(n_tokens, -1, dtype=np.int64)  # (n_tokens,)
 
-    def output_set(self, rows: list, out_ids) -> None:
+    def output_set(self, rows: list, out_ids: Sequence[int]) -> None:
         """Keep the ubatches' logits rows in batch order, and map batch index to row.
 
         Args:

@@ -29,6 +29,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from reference.gguf import write_gguf
 from reference.hparams import (
@@ -282,7 +283,7 @@ def mamba_reference_logits(weights: dict, hp, tokens, chunks=None, dtype=None) -
 
 
 # --8<-- [start:nmse]
-def nmse(ref, out) -> float:
+def nmse(ref: ArrayLike, out: ArrayLike) -> float:
     """test-backend-ops' error: NaN or mismatched infinities give ``inf``, else the NMSE.
 
     Examples:
@@ -307,7 +308,7 @@ def nmse(ref, out) -> float:
 
 
 # --8<-- [start:nmse_check]
-def nmse_check(ref, out, max_nmse: float) -> float:
+def nmse_check(ref: ArrayLike, out: ArrayLike, max_nmse: float) -> float:
     """test-backend-ops' verdict: NaN fails, infinities match, then NMSE <= ``max_nmse``.
 
     Args:
