@@ -187,15 +187,8 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         ((2, 16), (2, 4))
     """
 
-    def __init__(self, cache: KVCache, ubatch, sinfo: SlotInfo):
-        # the reference's constructor without its NumPy mask (the one array step replaced)
-        self.cache, self.sinfo, self.ubatch = cache, sinfo, ubatch
-        self.n_kv = cache.get_n_kv(sinfo)
-        kv_size = cache.get_size()
-        self.k_idxs = np.array(
-            [s * kv_size + i for s, idxs in zip(sinfo.strm, sinfo.idxs, strict=True) for i in idxs],
-            dtype=np.int64,
-        )  # (n_tokens,)
+    def set_kq_mask(self) -> None:
+        """Twin of the reference's step: no NumPy mask; :attr:`kq_mask` builds it on demand."""
         self._kq_mask: mx.array | None = None
 
     def kq_mask_inputs(self, n_cols: int) -> tuple[np.ndarray, np.ndarray]:

@@ -353,14 +353,21 @@ class KVCacheAttnInput:
     """
 
     def __init__(self, cache: KVCache, ubatch, sinfo: SlotInfo):
-        self.cache = cache
-        self.sinfo = sinfo
+        self.cache, self.sinfo, self.ubatch = cache, sinfo, ubatch
         self.n_kv = cache.get_n_kv(sinfo)
         kv_size = cache.get_size()
         self.k_idxs = np.array(
             [s * kv_size + i for s, idxs in zip(sinfo.strm, sinfo.idxs, strict=True) for i in idxs],
             dtype=np.int64,
         )  # (n_tokens,)
+        self.set_kq_mask()
+
+    def set_kq_mask(self) -> None:
+        """Build the ubatch's KQ mask (:func:`set_input_kq_mask`): the array step of the input.
+
+        The MLX twin replaces only this step (it builds the mask on the device, lazily).
+        """
+        cache, ubatch, sinfo = self.cache, self.ubatch, self.sinfo
         self.kq_mask = set_input_kq_mask(
             cache.v_cells, cache.seq_to_stream, np.asarray(ubatch.pos), ubatch.seq_id,
             sinfo.strm, self.n_kv, cache.n_swa, cache.swa_type, cache.dtype,
