@@ -1,45 +1,52 @@
-r"""Twin of :mod:`reference.context`: ``llama_context`` with MLX memory, forwards and graphs.
+r"""Twin of [`reference.context`][reference.context]: ``llama_context`` with MLX memory, forwards
+and graphs.
 
-:class:`Context` *is* the reference's context (a subclass): batch validation, splitting,
+[`Context`][] *is* the reference's context (a subclass): batch validation, splitting,
 slot search, return codes, output ordering and the state layout are inherited. What
 differs:
 
-- the memory is made by :func:`accelerated.memory.create_memory`, the factory the twin
-  puts in place of the reference's: :class:`accelerated.memory.KVCache` (MLX K/V
-  tensors, the same cells), or for a recurrent model (Mamba, Mamba-2)
-  :class:`accelerated.memory.recurrent.RecurrentMemory` (MLX state rows, the same cells).
-  Both present the reference's memory interface, so ``decode`` is inherited;
-- the weights are prepared once (:func:`accelerated.models.llama.prepare_weights`: dense and
+- the memory is made by [`accelerated.memory.create_memory`][accelerated.memory.create_memory], the
+  factory the twin puts in place of the reference's:
+  [`accelerated.memory.KVCache`][accelerated.memory.kv_cache.KVCache] (MLX K/V tensors, the same
+  cells), or for a recurrent model (Mamba, Mamba-2)
+  [`accelerated.memory.recurrent.RecurrentMemory`][accelerated.memory.recurrent.RecurrentMemory]
+  (MLX state rows, the same cells). Both present the reference's memory interface, so ``decode`` is
+  inherited;
+- the weights are prepared once
+  ([`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights]: dense and
   transposed on the CPU device, Q4_0/Q4_1/Q8_0 quantized on a GPU; ``matmul`` chooses);
-- each Llama/Qwen2 ubatch runs one **graph**: :func:`accelerated.models.llama.llm_build_llama`
-  as a pure function of the ubatch's inputs and the cache tensors,
+- each Llama/Qwen2 ubatch runs one **graph**:
+  [`accelerated.models.llama.llm_build_llama`][accelerated.models.llama.llm_build_llama] as a pure
+  function of the ubatch's inputs and the cache tensors,
 
-  $$ (\text{tokens}, \text{pos}, \text{out\_ids}, \text{kq\_mask}, \text{k\_idxs},
-     K_0 \dots K_{L-1}, V_0 \dots V_{L-1}) \mapsto
-     (\text{logits}, K'_0 \dots K'_{L-1}, V'_0 \dots V'_{L-1}), $$
+    $$ (\text{tokens}, \text{pos}, \text{out\_ids}, \text{kq\_mask}, \text{k\_idxs},
+       K_0 \dots K_{L-1}, V_0 \dots V_{L-1}) \mapsto
+       (\text{logits}, K'_0 \dots K'_{L-1}, V'_0 \dots V'_{L-1}), $$
 
-  traced once by ``mx.compile`` for each :class:`GraphKey` (the shapes: tokens or
-  embeddings, ``n_tokens``, ``n_outputs``, ``n_kv``, the slot's streams) and kept in a small
-  LRU cache. A ubatch whose key equals the previous ubatch's reuses its graph, the rule of
-  llama.cpp's ``llm_graph_result::can_reuse``, and counts in ``perf().n_reused``.
-  ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
-  llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
-  bit the same (``tests/test_twin_reuse.py``);
-- a Mamba ubatch runs :func:`accelerated.models.mamba.llm_build_mamba` as a graph too,
-  ``(tokens, out_ids, r_0 \dots r_{L-1}, s_0 \dots s_{L-1}) \mapsto (\text{logits}, r', s')``
-  on the state rows of the ubatch's cells (read and written back through the memory's
-  input, outside the graph), compiled per ubatch shape (the key's ``n_kv`` is then the
-  number of sequence sets); ``graph_reuse=False`` runs
-  :func:`accelerated.models.mamba.mamba_forward` op by op, with the same bits;
+    traced once by ``mx.compile`` for each [`GraphKey`][] (the shapes: tokens or
+    embeddings, ``n_tokens``, ``n_outputs``, ``n_kv``, the slot's streams) and kept in a small
+    LRU cache. A ubatch whose key equals the previous ubatch's reuses its graph, the rule of
+    llama.cpp's ``llm_graph_result::can_reuse``, and counts in ``perf().n_reused``.
+    ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
+    llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
+    bit the same (``tests/test_twin_reuse.py``);
+- a Mamba ubatch runs
+  [`accelerated.models.mamba.llm_build_mamba`][accelerated.models.mamba.llm_build_mamba] as a graph
+  too, ``(tokens, out_ids, r_0 \dots r_{L-1}, s_0 \dots s_{L-1}) \mapsto (\text{logits}, r', s')``
+  on the state rows of the ubatch's cells (read and written back through the memory's input, outside
+  the graph), compiled per ubatch shape (the key's ``n_kv`` is then the number of sequence sets);
+  ``graph_reuse=False`` runs
+  [`accelerated.models.mamba.mamba_forward`][accelerated.models.mamba.mamba_forward] op by op, with
+  the same bits;
 - nothing waits for the device: a decode *launches* its ubatches (``mx.async_eval``) and
-  returns, and its logits rows stay on the device (:meth:`Context.output_set`). They are
-  copied to the host the first time they are read, so :meth:`Context.get_logits` returns
-  NumPy as the reference does; :meth:`Context.get_logits_ith_device` gives the same row as
+  returns, and its logits rows stay on the device ([`Context.output_set`][]). They are
+  copied to the host the first time they are read, so [`Context.get_logits`][] returns
+  NumPy as the reference does; [`Context.get_logits_ith_device`][] gives the same row as
   an ``mx.array`` without a host copy, for a sampler that runs on the device, and
-  :meth:`Context.decode_token` decodes a token that a device sampler picked *before* it is
-  read back: the generation loop (:class:`reference.generate.Generator`) launches step
-  $t + 1$ and only then reads token $t$, as mlx-lm's ``generate_step`` does;
-  :meth:`Context.synchronize` waits (``llama_synchronize``);
+  [`Context.decode_token`][] decodes a token that a device sampler picked *before* it is
+  read back: the generation loop ([`reference.generate.Generator`][reference.generate.Generator])
+  launches step $t + 1$ and only then reads token $t$, as mlx-lm's ``generate_step`` does;
+  [`Context.synchronize`][] waits (``llama_synchronize``);
 - the state methods are inherited: each memory runs the reference's state functions on
   NumPy copies of its tensors and puts the (possibly restored) tensors back as MLX arrays
   (its ``on_host``). Blobs are interchangeable between the two contexts.
@@ -109,7 +116,7 @@ class GraphKey:
         embd: the ubatch carries embeddings instead of token ids.
         n_tokens: tokens of the ubatch.
         n_outputs: tokens that get logits.
-        n_kv: cells of each stream the graph reads (:func:`kv_view`: the used range padded
+        n_kv: cells of each stream the graph reads ([`kv_view`][]: the used range padded
             to ``KV_VIEW_PAD``, at most llama.cpp's ``get_n_kv``).
         strm: the streams of the slot.
 
@@ -132,12 +139,13 @@ class GraphKey:
 def kv_view(memory: KVCache, sinfo, n_kv: int) -> int:
     """How many cells of each stream the twin's graph reads: a narrower view than ``n_kv``.
 
-    llama.cpp reads ``n_kv`` cells (:meth:`reference.memory.KVCache.get_n_kv`: the used range
-    padded to 256), and masks the unused ones. Every cell at or past a stream's
-    ``used_max_p1`` is empty, so masked for every token: reading only the used range padded
-    to ``KV_VIEW_PAD`` gives the same attention (the dropped columns add ``exp(-inf) = 0``)
-    for a quarter of the work early in a generation. The price is a new graph every
-    ``KV_VIEW_PAD`` cells instead of every 256.
+    llama.cpp reads ``n_kv`` cells
+    ([`reference.memory.KVCache.get_n_kv`][reference.memory.kv_cache.KVCache.get_n_kv]: the used
+    range padded to 256), and masks the unused ones. Every cell at or past a stream's
+    ``used_max_p1`` is empty, so masked for every token: reading only the used range padded to
+    ``KV_VIEW_PAD`` gives the same attention (the dropped columns add ``exp(-inf) = 0``) for a
+    quarter of the work early in a generation. The price is a new graph every ``KV_VIEW_PAD`` cells
+    instead of every 256.
 
     Examples:
         >>> from reference.testing import tiny_hparams
@@ -162,8 +170,8 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.arra
 
     ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``;
     ``p_cell`` and ``member`` what the KQ mask is built from, in the graph
-    (:func:`accelerated.memory.kv_cache.kq_mask_device`); ``kv`` the ``n_layer`` K tensors
-    then the ``n_layer`` V tensors.
+    ([`accelerated.memory.kv_cache.kq_mask_device`][accelerated.memory.kv_cache.kq_mask_device]);
+    ``kv`` the ``n_layer`` K tensors then the ``n_layer`` V tensors.
     """
     n_layer = hparams.n_layer
     kq_mask = kq_mask_device(p_cell, member, pos, hparams.n_swa, hparams.swa_type)
@@ -175,7 +183,7 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.arra
 
 
 class _RowsInput:
-    """A recurrent input on its own state rows, for a traced graph (as :class:`GraphAttnInput`).
+    """A recurrent input on its own state rows, for a traced graph (as [`GraphAttnInput`][]).
 
     ``get_r``/``get_s`` return the rows given (placeholders when traced); ``cpy_r``/``cpy_s``
     replace them, so after the forward ``r``/``s`` are the written rows.
@@ -210,7 +218,8 @@ def _mamba_graph(weights: dict, hparams: MambaHParams, key: GraphKey, tokens: mx
 
 # --8<-- [start:Context]
 class Context(ref.Context):
-    """Twin of :class:`reference.context.Context` on MLX: Llama/Qwen2 and Mamba/Mamba-2.
+    """Twin of [`reference.context.Context`][reference.context.Context] on MLX: Llama/Qwen2 and
+    Mamba/Mamba-2.
 
     Same constructor arguments, and three of its own. ``dtype`` sets the reference
     bookkeeping's dtype (state blobs, logits); the MLX tensors and the forward compute in
@@ -222,8 +231,10 @@ class Context(ref.Context):
             ``graph_reuse_disable``). Results are bit for bit the same. The environment
             variable ``LLAMA_GRAPH_REUSE_DISABLE`` set to a non-zero integer turns it off.
         matmul: ``"dense"`` or ``"quantized"`` matmul weights
-            (:func:`accelerated.models.llama.prepare_weights`); None:
-            :func:`accelerated.models.llama.default_matmul` (dense on the CPU device).
+            ([`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights]);
+            None:
+            [`accelerated.models.llama.default_matmul`][accelerated.models.llama.default_matmul]
+            (dense on the CPU device).
         graph_cache_size: how many compiled graphs to keep (least recently used out).
 
     Raises:
@@ -275,12 +286,15 @@ class Context(ref.Context):
         self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
 
     create_memory = staticmethod(create_memory)
-    """The memory factory: :func:`accelerated.memory.create_memory` (MLX tensors)."""
+    """The memory factory: [`accelerated.memory.create_memory`][accelerated.memory.create_memory]
+    (MLX tensors)."""
 # --8<-- [end:Context]
 
     # --8<-- [start:decode]
     def output_reserve(self, n_tokens: int) -> None:
-        """Twin of :meth:`reference.context.Context.output_reserve`; the device rows go too.
+        """Twin of
+        [`reference.context.Context.output_reserve`][reference.context.Context.output_reserve]; the
+        device rows go too.
 
         The previous outputs are dropped without being read: the device may still be
         computing them.
@@ -290,18 +304,21 @@ class Context(ref.Context):
         self._output_ids = np.full(n_tokens, -1, dtype=np.int64)  # (n_tokens,)
 
     def output_set(self, rows: list[mx.array], out_ids: Sequence[int]) -> None:
-        """Twin of :meth:`reference.context.Context.output_set`: the rows stay on the device.
+        """Twin of [`reference.context.Context.output_set`][reference.context.Context.output_set]:
+        the rows stay on the device.
 
-        ``rows`` are the ubatches' lazy ``mx.array`` rows (:meth:`process_ubatch`); they are
-        put in batch order on the device when :meth:`get_logits_ith_device` first asks,
-        and copied to the host when :meth:`get_logits` (or a state write) first asks.
+        ``rows`` are the ubatches' lazy ``mx.array`` rows ([`process_ubatch`][]); they are
+        put in batch order on the device when [`get_logits_ith_device`][] first asks,
+        and copied to the host when [`get_logits`][] (or a state write) first asks.
         """
         out_ids = np.asarray(out_ids, np.int64)  # (n_outputs,)
         self._device_rows, self._logits_device, self._host_stale = (list(rows), out_ids), None, True
         self._output_ids[np.sort(out_ids)] = np.arange(len(out_ids))
 
     def decode_token(self, token: int | mx.array, seq_id: int = 0) -> int:
-        """Twin of :meth:`reference.context.Context.decode_token`: ``token`` may be on the device.
+        """Twin of
+        [`reference.context.Context.decode_token`][reference.context.Context.decode_token]:
+        ``token`` may be on the device.
 
         A scalar ``mx.array`` token is not read back: the batch is validated with the id 0
         in its place (positions and sequences are what validation reads; a token picked by
@@ -320,7 +337,8 @@ class Context(ref.Context):
             self._token_on_device = None
 
     def synchronize(self) -> None:
-        """Twin of :meth:`reference.context.Context.synchronize`: wait for the last decode.
+        """Twin of [`reference.context.Context.synchronize`][reference.context.Context.synchronize]:
+        wait for the last decode.
 
         Its outputs and everything it wrote into the memory are computed when this returns.
         """
@@ -341,7 +359,8 @@ class Context(ref.Context):
         return len(self._logits)
 
     def get_logits(self) -> np.ndarray:
-        """Twin of :meth:`reference.context.Context.get_logits`: the device rows, on the host.
+        """Twin of [`reference.context.Context.get_logits`][reference.context.Context.get_logits]:
+        the device rows, on the host.
 
         The first call after a decode waits for it and copies its rows.
         """
@@ -358,11 +377,13 @@ class Context(ref.Context):
 
     # --8<-- [start:process_ubatch]
     def process_ubatch(self, mctx: MemoryContext) -> np.ndarray:
-        """Twin of :meth:`reference.context.Context.process_ubatch`: the MLX forward.
+        """Twin of
+        [`reference.context.Context.process_ubatch`][reference.context.Context.process_ubatch]: the
+        MLX forward.
 
-        Llama/Qwen2: the ubatch's graph (:meth:`graph`) on its inputs and the cache tensors;
+        Llama/Qwen2: the ubatch's graph ([`graph`][]) on its inputs and the cache tensors;
         the written tensors replace the cache's. Mamba: its graph on the state rows of the
-        ubatch's cells (:meth:`_mamba_ubatch`). The work is launched (``mx.async_eval``),
+        ubatch's cells (`_mamba_ubatch`). The work is launched (``mx.async_eval``),
         not waited for.
 
         Returns:
@@ -456,21 +477,22 @@ class Context(ref.Context):
 
     # --8<-- [start:perf]
     def decode(self, batch) -> int:
-        """Twin of :meth:`reference.context.Context.decode`; first accounts the previous decode.
+        """Twin of [`reference.context.Context.decode`][reference.context.Context.decode]; first
+        accounts the previous decode.
 
         A decode here only launches its work, so its time cannot be taken when it returns
-        (:meth:`_perf_add`). It ends, at the latest, when the next decode starts: a generation
+        (`_perf_add`). It ends, at the latest, when the next decode starts: a generation
         loop reads the sampled token (which waits for the work) before it decodes it.
         """
         self._perf_flush(wait=False)
         return super().decode(batch)
 
     def _perf_add(self, n_tokens: int, t_start: float, t_end: float | None = None) -> None:
-        """Twin of :meth:`reference.context.Context._perf_add`: keep the decode pending.
+        """Twin of `reference.context.Context._perf_add`: keep the decode pending.
 
         llama.cpp accounts a decode in ``llama_synchronize``, from its start to the end of its
         compute. The same here: the pending decode is accounted when the host next waits for
-        it (:meth:`synchronize`, a host read of the logits, :meth:`perf`), or when the next
+        it ([`synchronize`][], a host read of the logits, [`perf`][]), or when the next
         decode starts, whichever comes first.
         """
         if t_end is not None:
@@ -488,12 +510,14 @@ class Context(ref.Context):
         super()._perf_add(*pending, time.perf_counter())
 
     def perf(self):
-        """Twin of :meth:`reference.context.Context.perf`: waits for the pending decode."""
+        """Twin of [`reference.context.Context.perf`][reference.context.Context.perf]: waits for the
+        pending decode."""
         self._perf_flush(wait=True)
         return super().perf()
 
     def perf_reset(self) -> None:
-        """Twin of :meth:`reference.context.Context.perf_reset`: a pending decode is dropped."""
+        """Twin of [`reference.context.Context.perf_reset`][reference.context.Context.perf_reset]: a
+        pending decode is dropped."""
         self._perf_pending = None
         super().perf_reset()
     # --8<-- [end:perf]
@@ -502,12 +526,12 @@ class Context(ref.Context):
     def get_logits_ith_device(self, i: int) -> mx.array:
         """The logits of batch token ``i`` of the last decode, on the device: ``(n_vocab,)``.
 
-        The same row and index rules as :meth:`get_logits_ith` (``i < 0`` counts from the
-        last output) and the same errors, without a host copy: a sampler that runs in MLX
-        can pick the token there, and only the token leaves the device.
+        The same row and index rules as [`get_logits_ith`][reference.context.Context.get_logits_ith]
+        (``i < 0`` counts from the last output) and the same errors, without a host copy: a sampler
+        that runs in MLX can pick the token there, and only the token leaves the device.
 
         Raises:
-            ContextError: as :meth:`get_logits_ith`.
+            ContextError: as [`get_logits_ith`][reference.context.Context.get_logits_ith].
 
         Examples:
             >>> from reference.testing import tiny_hparams, random_weights
@@ -540,15 +564,17 @@ class Context(ref.Context):
 
     # --8<-- [start:state]
     def state_get_data(self) -> bytes:
-        """:meth:`reference.context.Context.state_get_data`, the device rows copied first."""
+        """[`reference.context.Context.state_get_data`][reference.context.Context.state_get_data],
+        the device rows copied first."""
         self._sync_host()
         return super().state_get_data()
 
     def state_set_data(self, data: bytes) -> int:
-        """:meth:`reference.context.Context.state_set_data`; the device logits then follow.
+        """[`reference.context.Context.state_set_data`][reference.context.Context.state_set_data];
+        the device logits then follow.
 
         The memory restores into its MLX tensors itself (its ``on_host``); the restored
-        logits exist on the host only until :meth:`get_logits_ith_device` asks for them.
+        logits exist on the host only until [`get_logits_ith_device`][] asks for them.
         """
         n = super().state_set_data(data)
         self._device_rows, self._logits_device, self._host_stale = None, None, False

@@ -1,4 +1,5 @@
-r"""Twin of :mod:`reference.quants`: GGUF weights on MLX, quantized where that costs nothing.
+r"""Twin of [`reference.quants`][reference.quants]: GGUF weights on MLX, quantized where that costs
+nothing.
 
 MLX stores a quantized matrix with *affine group quantization*: each row is cut into groups
 of ``group_size`` consecutive weights, every group has a float ``scale`` $s$ and ``bias``
@@ -14,7 +15,7 @@ Three GGUF block formats are this map already, with groups of 32 (one block = on
 | Q4_1      | $d \cdot q + m$, $q \in [0, 15]$     | $q$          | 4    | $d$       | $m$        |
 | Q8_0      | $d \cdot q$, $q \in [-128, 127]$     | $q + 128$    | 8    | $d$       | $-128d$    |
 
-so :func:`to_mlx` only *moves bits*: it unpacks ggml's nibbles (byte $j$ holds weights $j$
+so [`to_mlx`][] only *moves bits*: it unpacks ggml's nibbles (byte $j$ holds weights $j$
 and $j + 16$) and repacks them in MLX's order (a little-endian ``uint32`` word holds
 ``32 / bits`` consecutive weights, the first in the lowest bits), and widens the float16
 $d$ and $m$ to float32 scales and biases.
@@ -41,8 +42,8 @@ Non-finite scales (an infinite or NaN float16 $d$, never written by a quantizer)
 the proof: $\infty \cdot q - 8\infty$ is NaN where ggml gives $\pm\infty$.
 
 Every other type (F16, BF16, Q5_0, Q5_1 and the K-quants) is dequantized once, at load, by
-:func:`reference.quants.dequantize` (:func:`load_weight`): MLX's affine groups cannot hold a
-5-bit quant, nor a K-quant's two-level scales, without changing values.
+[`reference.quants.dequantize`][reference.quants.dequantize] ([`load_weight`][]): MLX's affine
+groups cannot hold a 5-bit quant, nor a K-quant's two-level scales, without changing values.
 """
 
 from __future__ import annotations
@@ -115,10 +116,12 @@ def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
 
 # --8<-- [start:to_mlx]
 def to_mlx(t: QuantizedTensor) -> MLXQuantized:
-    r"""Twin of :meth:`reference.quants.QuantizedTensor.dequantize`, without dequantizing.
+    r"""Twin of
+    [`reference.quants.QuantizedTensor.dequantize`][reference.quants.QuantizedTensor.dequantize],
+    without dequantizing.
 
     Re-encodes a Q4_0, Q4_1 or Q8_0 tensor in MLX's affine group quantization (group size
-    32) so that :func:`dequantize_mlx` gives back the reference's float32 weights: the same
+    32) so that [`dequantize_mlx`][] gives back the reference's float32 weights: the same
     values, and the same bits except the sign of a zero (see the module docstring).
 
     | GGUF  | quants $q^{\text{MLX}}$                        | scales | biases   |
@@ -131,10 +134,10 @@ def to_mlx(t: QuantizedTensor) -> MLXQuantized:
         t: the GGUF tensor, ``t.shape == (..., n)``, ``n`` a multiple of 32.
 
     Returns:
-        The :class:`MLXQuantized` weight (float32 scales and biases).
+        The [`MLXQuantized`][] weight (float32 scales and biases).
 
     Raises:
-        QuantError: if ``t.qtype`` is not one of :data:`EXACT_TYPES`.
+        QuantError: if ``t.qtype`` is not one of [`EXACT_TYPES`][].
 
     Examples:
         >>> x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
@@ -174,9 +177,10 @@ def to_mlx(t: QuantizedTensor) -> MLXQuantized:
 
 # --8<-- [start:dequantize_mlx]
 def dequantize_mlx(m: MLXQuantized) -> mx.array:
-    """The float32 weights of ``m`` via ``mx.dequantize``: :func:`reference.quants.dequantize`'s.
+    """The float32 weights of ``m`` via ``mx.dequantize``:
+    [`reference.quants.dequantize`][reference.quants.dequantize]'s.
 
-    Takes the :class:`MLXQuantized` form instead of raw bytes and a type.
+    Takes the [`MLXQuantized`][] form instead of raw bytes and a type.
 
     Args:
         m: the weight, logical shape ``m.shape``.
@@ -242,23 +246,24 @@ def load_weight(
 ) -> MLXQuantized | mx.array:
     """One GGUF tensor as MLX will use it: quantized if exact, else dequantized once.
 
-    Q4_0, Q4_1 and Q8_0 become :class:`MLXQuantized` (:func:`to_mlx`, lossless) unless
+    Q4_0, Q4_1 and Q8_0 become [`MLXQuantized`][] ([`to_mlx`][], lossless) unless
     ``keep_quantized`` is false. Every other type is dequantized by the reference
-    (:func:`reference.quants.dequantize`, float32) and cast to ``dtype``: F16 and F32 arrays
-    keep their values in float16, other types are rounded to it.
+    ([`reference.quants.dequantize`][reference.quants.dequantize], float32) and cast to ``dtype``:
+    F16 and F32 arrays keep their values in float16, other types are rounded to it.
 
     Args:
-        t: a :class:`reference.quants.QuantizedTensor`, or a float array (GGUF's F32 tensors
-            are read as NumPy arrays).
+        t: a [`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor], or a float
+            array (GGUF's F32 tensors are read as NumPy arrays).
         dtype: ``mx.float32`` or ``mx.float16`` (or ``mx.bfloat16``) for dequantized weights.
         keep_quantized: keep the exact types quantized.
 
     Returns:
-        :class:`MLXQuantized`, or an ``mx.array`` of ``t.shape`` and ``dtype``.
+        [`MLXQuantized`][], or an ``mx.array`` of ``t.shape`` and ``dtype``.
 
     Raises:
-        QuantError: if the type cannot be dequantized (from :func:`reference.quants.dequantize`)
-            or ``dtype`` is not a floating type.
+        QuantError: if the type cannot be dequantized (from
+            [`reference.quants.dequantize`][reference.quants.dequantize]) or ``dtype`` is not a
+            floating type.
 
     Examples:
         >>> x = np.linspace(-1, 1, 256, dtype=np.float32).reshape(1, 256)

@@ -1,14 +1,14 @@
-r"""Twin of :mod:`reference.sampling`: the sampler chain with its array work on the device.
+r"""Twin of [`reference.sampling`][reference.sampling]: the sampler chain with its array work on the
+device.
 
-Everything but the arrays is the reference's: :class:`~reference.sampling.SamplerParams`, the
-chain that ``common_sampler_init`` builds, the history, the ``std::mt19937`` draws and every
-single sampler are imported. :class:`SamplerChain` keeps that bookkeeping and runs the common
-chain -- ``logit_bias``, ``penalties``, ``top_k``, ``top_p``, ``min_p``, ``temperature`` and
-``dist`` (``temp <= 0`` included, which is greedy) -- as MLX ops on the logits where they
-are, as llama.cpp's *backend sampling* (``backend_apply`` in ``llama-sampler.cpp``) does in
-its ggml graph: the penalty counts come from the history as a small array, the uniform draw
-is taken on the host by the same RNG and enters as a scalar, and only the chosen token id
-leaves, with one ``.item()``.
+Everything but the arrays is the reference's: [`SamplerParams`][reference.sampling.SamplerParams],
+the chain that ``common_sampler_init`` builds, the history, the ``std::mt19937`` draws and every
+single sampler are imported. [`SamplerChain`][] keeps that bookkeeping and runs the common chain --
+``logit_bias``, ``penalties``, ``top_k``, ``top_p``, ``min_p``, ``temperature`` and ``dist`` (``temp
+<= 0`` included, which is greedy) -- as MLX ops on the logits where they are, as llama.cpp's
+*backend sampling* (``backend_apply`` in ``llama-sampler.cpp``) does in its ggml graph: the penalty
+counts come from the history as a small array, the uniform draw is taken on the host by the same RNG
+and enters as a scalar, and only the chosen token id leaves, with one ``.item()``.
 
 A chain with an active sampler that has no device twin -- DRY, typical, XTC, top-n-sigma,
 dynamic temperature, mirostat, or ``min_keep > 1`` -- runs the reference on the host for the
@@ -37,19 +37,20 @@ worst case, so it grows with $L$: after ``top_k = 40`` (the default) $\delta \ap
 logits of scale 3), but a ``top_p`` over a whole vocabulary (``top_k <= 0``) has
 $\delta \approx 10^{-3}$ to $10^{-2}$ and nearly always falls back. So, for distinct
 finite logits, the device chain picks exactly the reference's token, every step; the cost of
-the guarantee is a rare host step, counted in :attr:`SamplerChain.fallbacks`. The law assumes
+the guarantee is a rare host step, counted in `SamplerChain.fallbacks`. The law assumes
 the device's float32 ``+ - * /`` are correctly rounded (MLX's CPU backend; Metal's precise
 math). Tied logits at a cut are ordered by id in the reference and arbitrarily here.
 
-**Leaving the token on the device.** :meth:`SamplerChain.sample_async` takes the step's
+**Leaving the token on the device.** [`SamplerChain.sample_async`][] takes the step's
 draw and launches the step, but does not read the token: it returns a
-:class:`PendingToken` whose ``token`` the MLX Context can decode at once
-(:meth:`accelerated.context.Context.decode_token`); :meth:`SamplerChain.resolve` reads it
-back later (and redoes a step whose margin failed on the host, as :meth:`SamplerChain.sample`
-does). The generation loop (:class:`reference.generate.Generator`) uses this to launch step
-$t + 1$ before it reads token $t$. It can only do so when the next step does not depend on
-the token: a chain whose penalties are active reads the history, which needs token $t$
-on the host, so :attr:`SamplerChain.pipelined` is False there.
+[`PendingToken`][] whose ``token`` the MLX Context can decode at once
+([`accelerated.context.Context.decode_token`][accelerated.context.Context.decode_token]);
+[`SamplerChain.resolve`][] reads it back later (and redoes a step whose margin failed on the host,
+as [`SamplerChain.sample`][] does). The generation loop
+([`reference.generate.Generator`][reference.generate.Generator]) uses this to launch step $t + 1$
+before it reads token $t$. It can only do so when the next step does not depend on the token: a
+chain whose penalties are active reads the history, which needs token $t$ on the host, so
+[`SamplerChain.pipelined`][] is False there.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def _device_dist(c: _Cands, u: float) -> tuple[mx.array, mx.array]:
 # --8<-- [start:PendingToken]
 @dataclass
 class PendingToken:
-    """A sampled token that may still be on the device (:meth:`SamplerChain.sample_async`).
+    """A sampled token that may still be on the device ([`SamplerChain.sample_async`][]).
 
     Attributes:
         token: ``(1,)`` int32 ``mx.array``: the device's pick, or 0 when a margin failed
@@ -257,7 +258,7 @@ class PendingToken:
         chosen: ``(1,)`` int32: the pick, or -1 when the step must be redone on the host.
         logits: ``(n_vocab,)`` the logits it was sampled from (for the host redo).
         rewind: the draw generator before this step's draw.
-        fell_back: set by :meth:`SamplerChain.resolve`: the step was redone on the host, so
+        fell_back: set by [`SamplerChain.resolve`][]: the step was redone on the host, so
             ``token`` was not the token.
     """
 
@@ -270,7 +271,8 @@ class PendingToken:
 
 
 class SamplerChain(_ReferenceChain):
-    """Twin of :class:`reference.sampling.SamplerChain`: the same chain, sampled on the device.
+    """Twin of [`reference.sampling.SamplerChain`][reference.sampling.SamplerChain]: the same chain,
+    sampled on the device.
 
     Attributes:
         device_stages: the stages run on the device, or None when the chain runs on the host.
@@ -343,9 +345,9 @@ class SamplerChain(_ReferenceChain):
         return self.device_stages is not None and "penalties" not in self.device_stages
 
     def sample_async(self, logits: mx.array) -> PendingToken:
-        """Launch :meth:`sample` on the device; read nothing back (see :attr:`pipelined`).
+        """Launch [`sample`][] on the device; read nothing back (see [`pipelined`][]).
 
-        The step's uniform draw is taken now, in the same order as :meth:`sample` takes it.
+        The step's uniform draw is taken now, in the same order as [`sample`][] takes it.
 
         Examples:
             >>> chain = SamplerChain.from_params(SamplerParams(seed=42), 4)
@@ -364,11 +366,11 @@ class SamplerChain(_ReferenceChain):
         return PendingToken(mx.maximum(chosen, 0), chosen, z, rewind)
 
     def resolve(self, pending: PendingToken) -> int:
-        """The token of a :meth:`sample_async` step: read back, or redone on the host.
+        """The token of a [`sample_async`][] step: read back, or redone on the host.
 
-        A redo rewinds the draws to the step's, as :meth:`sample` does, so every later draw
+        A redo rewinds the draws to the step's, as [`sample`][] does, so every later draw
         is the reference's; ``pending.fell_back`` then says that ``pending.token`` was not the
-        token. The history is not touched: call :meth:`accept`.
+        token. The history is not touched: call [`accept`][reference.sampling.SamplerChain.accept].
         """
         chosen = int(pending.chosen.item())  # the one transfer
         if chosen >= 0:

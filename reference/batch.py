@@ -39,7 +39,7 @@ tokens each) that the memory places and the model computes one at a time:
 Every ubatch records ``idx``, the batch index of each of its tokens, and the allocator
 records ``out_ids``, the batch indices of the output tokens in the order the splits met
 them. ``llama_context::decode`` stores the logits rows in that order and then sorts them
-back into batch order (:func:`output_ids`), so ``get_logits()`` row $k$ is the $k$-th output
+back into batch order ([`output_ids`][]), so ``get_logits()`` row $k$ is the $k$-th output
 token of the batch.
 """
 
@@ -138,7 +138,7 @@ class Batch:
 
     Exactly one of ``token`` and ``embd`` is given. Lists are accepted and stored as arrays.
     Construction checks types and shapes only; the checks that need the vocabulary, the
-    context or the memory happen in :class:`BatchAllocr`.
+    context or the memory happen in [`BatchAllocr`][].
 
     Attributes:
         token: ``(n_tokens,)`` int32 token ids, or None when ``embd`` is given.
@@ -506,7 +506,7 @@ class Ubatch:
         n_seqs: sequence sets (``n_tokens / n_seq_tokens``).
 
     A ubatch with ``n_tokens == 0`` means "no more tokens" (or, for ``split_equal``, "cannot
-    split"; :attr:`BatchAllocr.n_used` tells which).
+    split"; [`BatchAllocr.n_used`][] tells which).
     """
 
     token: np.ndarray | None
@@ -546,7 +546,7 @@ class BatchAllocr:
     Construction is ``llama_batch_allocr::init`` (with ``llama_batch_compat``'s filling of
     missing fields): it fills ``pos``/``seq_id``/``logits``, checks the batch against the
     memory, and computes the per-sequence statistics. It reads the memory only through
-    :class:`SeqPosMemory` and never changes it. Then ``split_reset`` followed by repeated
+    [`SeqPosMemory`][] and never changes it. Then ``split_reset`` followed by repeated
     ``split_simple`` / ``split_equal`` / ``split_seq`` calls cut the batch into ubatches.
 
     Args:
@@ -667,7 +667,7 @@ class BatchAllocr:
     def ubatch_add(self, idxs: list[int], n_seqs: int, equal_seqs: bool) -> Ubatch:
         """Copy the batch entries ``idxs`` into a ubatch of ``n_seqs`` sequence sets.
 
-        Records the output tokens in :attr:`out_ids`. Marking ``idxs`` as used is the
+        Records the output tokens in `out_ids`. Marking ``idxs`` as used is the
         caller's job.
         """
         b = self.batch

@@ -20,8 +20,8 @@ follow.)
 
 The rendered prompt is then tokenized with ``parse_special=True`` so that ``<|im_start|>``
 becomes its control token, and ``add_special`` as the model asks
-(:meth:`reference.tokenizer.Tokenizer.apply_chat_template`, which reports a
-:class:`ChatTemplateError` as a ``TokenizerError``).
+([`reference.tokenizer.Tokenizer.apply_chat_template`][reference.tokenizer.Tokenizer.apply_chat_template],
+which reports a [`ChatTemplateError`][] as a ``TokenizerError``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ own copy (and no two copies drift):
 - ``LLAMA_DEFAULT_SEED`` (``llama.h``): the seed that means "draw a random one";
 - the **dtypes** a cache, a state row or a state blob holds, with their ggml type ids;
 - the **twin thresholds**: how close the MLX twin must come to the reference, in
-  test-backend-ops' NMSE (:func:`reference.testing.nmse`);
-- :class:`LlamarefError`, the base class of every typed error the project raises. Each error
+  test-backend-ops' NMSE ([`reference.testing.nmse`][reference.testing.nmse]);
+- [`LlamarefError`][], the base class of every typed error the project raises. Each error
   also derives from the built-in class that says what kind of mistake it is (``ValueError``
   for a bad value, ``IndexError`` for an index out of range), so ``except ValueError`` keeps
   working.

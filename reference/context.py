@@ -1,15 +1,15 @@
 r"""The context: ``llama_context`` (``src/llama-context.cpp``) and ``llama_decode``.
 
-A :class:`Context` ties a model (hyperparameters and weights) to a memory and runs batches
-through them. Its one verb is :meth:`Context.decode`, which mirrors
+A [`Context`][] ties a model (hyperparameters and weights) to a memory and runs batches
+through them. Its one verb is [`Context.decode`][], which mirrors
 ``llama_context::decode`` step by step:
 
-1. **validate** the batch (:class:`~reference.batch.BatchAllocr`: token and seq id ranges,
+1. **validate** the batch ([`BatchAllocr`][reference.batch.BatchAllocr]: token and seq id ranges,
    positions that continue the memory, ``n_tokens <= n_batch``); any failure returns
    $-1$ and changes nothing;
 2. **update the memory** (``memory_update``): what memory ops left pending is applied now,
    for a KV cache the stream copies and the K-shift that ``seq_add`` / ``seq_div``
-   recorded (:meth:`~reference.memory.KVCache.update`);
+   recorded ([`update`][reference.memory.kv_cache.KVCache.update]);
 3. **split and prepare** (``memory.init_batch``): the memory cuts the batch into ubatches of
    at most ``n_ubatch`` tokens and finds a place for every one of them, all or nothing; no
    valid split or no room returns $1$ with the memory exactly as it was;
@@ -29,11 +29,11 @@ Return codes (``llama_decode``):
 | -1 | invalid batch | unchanged | the previous decode's |
 
 **One memory interface.** ``decode`` never asks which memory it holds. The memory is made
-by :func:`~reference.memory.create_memory` from the architecture, as
-``llama_model::create_memory``: a :class:`~reference.memory.KVCache` for ``llama`` /
-``qwen2``, a :class:`~reference.memory.recurrent.RecurrentMemory` of ``max(1, n_seq_max)``
-cells, one per sequence, for ``mamba`` / ``mamba2``. Both answer the calls of
-``llama_memory_i`` (:mod:`reference.memory.interface`):
+by [`create_memory`][reference.memory.create_memory] from the architecture, as
+``llama_model::create_memory``: a [`KVCache`][reference.memory.kv_cache.KVCache] for ``llama`` /
+``qwen2``, a [`RecurrentMemory`][reference.memory.recurrent.RecurrentMemory] of ``max(1,
+n_seq_max)`` cells, one per sequence, for ``mamba`` / ``mamba2``. Both answer the calls of
+``llama_memory_i`` ([`reference.memory.interface`][reference.memory.interface]):
 
 | ``decode`` calls | llama.cpp | KV cache | recurrent memory |
 |---|---|---|---|
@@ -42,7 +42,8 @@ cells, one per sequence, for ``mamba`` / ``mamba2``. Both answer the calls of
 | ``mctx.apply()`` | ``mctx->apply()`` | pos, seq ids into the slot | cells placed, rows moved |
 | ``mctx.graph_input()`` | ``build_attn_inp_kv`` / ``build_rs_inp`` | K/V, KQ mask | state rows |
 | ``mctx.remove_ubatch()`` | ``seq_rm(s, pos_min, -1)`` | that ``seq_rm`` | cells, rows put back |
-| ``state_write``, ``state_read`` | the same | :mod:`reference.memory.state` | its own blob |
+| ``state_write``, ``state_read`` | the same | [`reference.memory.state`][reference.memory.state] |
+its own blob |
 
 The memory also chooses the split (``init_batch``): ``split_simple`` for a one-stream KV
 cache, ``split_equal(sequential=True)`` for one stream per sequence and for a recurrent
@@ -51,8 +52,8 @@ memory, whose conv and scan need ``n_seqs`` sequence sets of equal length (llama
 asks).
 
 What the context does choose is the **forward**, by architecture, as
-``llama_model::build_graph``: :func:`~reference.models.llama.llama_forward` or
-:func:`~reference.models.mamba.mamba_forward`, both fed by ``mctx.graph_input()``.
+``llama_model::build_graph``: [`llama_forward`][reference.models.llama.llama_forward] or
+[`mamba_forward`][reference.models.mamba.mamba_forward], both fed by ``mctx.graph_input()``.
 
 Where the undo of an aborted ubatch differs from llama.cpp: llama.cpp removes the
 positions of each token's *first* seq id only (here every seq id of the ubatch); and a
@@ -61,7 +62,7 @@ ubatch's position over a state that was never computed, while here the cells and
 put back.
 
 The sizes follow ``llama_context``'s constructor: ``n_ctx`` is padded to 256 (per stream
-when not unified, :func:`~reference.memory.n_ctx_seq`); ``n_batch`` is capped by the
+when not unified, [`n_ctx_seq`][reference.memory.kv_cache.n_ctx_seq]); ``n_batch`` is capped by the
 ``n_ctx`` asked for (a causal model never needs a longer batch); ``n_ubatch`` by
 ``n_batch``.
 """
@@ -103,7 +104,7 @@ class PerfContextData:
 
     Attributes:
         t_start_ms: when the counters started (context creation or the last
-            :meth:`Context.perf_reset`), ``time.perf_counter()`` in ms.
+            [`Context.perf_reset`][]), ``time.perf_counter()`` in ms.
         t_load_ms: from context creation to the end of the first decode that computed tokens
             (llama.cpp measures from the model load; a Context receives a loaded model).
         t_p_eval_ms: time spent in decodes of more than one token.
@@ -170,11 +171,12 @@ def context_sizes(
     - ``n_batch = min(n_ctx, n_batch)`` with the ``n_ctx`` *asked for* (before padding):
       with causal attention a batch never needs more tokens than the context holds;
     - ``n_ubatch = min(n_batch, n_ubatch)``;
-    - ``n_ctx`` is padded to 256, and split into streams by :func:`n_ctx_seq`.
+    - ``n_ctx`` is padded to 256, and split into streams by
+      [`n_ctx_seq`][reference.memory.kv_cache.n_ctx_seq].
 
     Args:
         n_ctx: context size asked for (0: ``n_ctx_train``).
-        n_batch: logical batch size (most tokens per :meth:`Context.decode`).
+        n_batch: logical batch size (most tokens per [`Context.decode`][]).
         n_ubatch: physical batch size (most tokens per forward; 0: ``n_batch``).
         n_seq_max: number of sequences (0: 1).
         kv_unified: one KV stream for all sequences, or one per sequence.
@@ -219,17 +221,17 @@ class Context:
     """``llama_context``: a model, its memory, and the outputs of the last decode.
 
     The memory is chosen by the architecture, as ``llama_model::create_memory`` does
-    (:meth:`create_memory`): a :class:`~reference.memory.KVCache` for ``llama`` / ``qwen2``,
-    a :class:`~reference.memory.recurrent.RecurrentMemory` of ``n_seq_max`` cells for
-    ``mamba`` / ``mamba2`` (:func:`is_recurrent`).
+    ([`create_memory`][]): a [`KVCache`][reference.memory.kv_cache.KVCache] for ``llama`` /
+    ``qwen2``, a [`RecurrentMemory`][reference.memory.recurrent.RecurrentMemory] of ``n_seq_max``
+    cells for ``mamba`` / ``mamba2`` ([`is_recurrent`][]).
 
     Args:
-        hparams: the model's hyperparameters (:class:`~reference.hparams.LlamaHParams` or
-            :class:`~reference.hparams.MambaHParams`).
+        hparams: the model's hyperparameters ([`LlamaHParams`][reference.hparams.LlamaHParams] or
+            [`MambaHParams`][reference.hparams.MambaHParams]).
         weights: GGUF-named weights. Float arrays are cast once to ``dtype``; quantized
             tensors stay quantized (the forward then computes in float32).
-        n_ctx: context size (0: ``hparams.n_ctx_train``); padded to 256 (:func:`context_sizes`).
-        n_batch: the most tokens one :meth:`decode` takes (capped by ``n_ctx``).
+        n_ctx: context size (0: ``hparams.n_ctx_train``); padded to 256 ([`context_sizes`][]).
+        n_batch: the most tokens one [`decode`][] takes (capped by ``n_ctx``).
         n_ubatch: the most tokens one forward computes (capped by ``n_batch``; 0: ``n_batch``).
         n_seq_max: how many sequences (``seq_id`` in ``[0, n_seq_max)``).
         kv_unified: one KV stream shared by every sequence (True) or one per sequence
@@ -242,7 +244,7 @@ class Context:
             the decode (return code 2), like ``llama_set_abort_callback``.
 
     Raises:
-        ContextError: a bad size (:func:`context_sizes`).
+        ContextError: a bad size ([`context_sizes`][]).
 
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights
@@ -317,7 +319,7 @@ class Context:
 
     @property
     def n_batch(self) -> int:
-        """The most tokens one :meth:`decode` accepts (``llama_n_batch``)."""
+        """The most tokens one [`decode`][] accepts (``llama_n_batch``)."""
         return self._n_batch
 
     @property
@@ -346,19 +348,20 @@ class Context:
         return self._memory
 
     def get_memory(self) -> Memory:
-        """``llama_get_memory(ctx)``: the same as :attr:`memory`."""
+        """``llama_get_memory(ctx)``: the same as [`memory`][]."""
         return self._memory
 
     @property
     def recurrent(self) -> bool:
-        """Whether the architecture keeps recurrent states (:func:`is_recurrent`)."""
+        """Whether the architecture keeps recurrent states ([`is_recurrent`][])."""
         return is_recurrent(self.hparams)
 # --8<-- [end:Context]
 
     # --8<-- [start:create_memory]
     create_memory = staticmethod(create_memory)
     """The memory factory (``llama_model::create_memory``):
-    :func:`reference.memory.create_memory`; the MLX twin puts its own here."""
+    [`reference.memory.create_memory`][reference.memory.create_memory]; the MLX twin puts its own
+    here."""
     # --8<-- [end:create_memory]
 
     # ---- decode -------------------------------------------------------------------------------
@@ -369,7 +372,7 @@ class Context:
 
         ``init_update`` says whether there is anything (a KV cache: a K-shift or a stream
         copy; a recurrent memory: never, a state is not rotated by position); if so, its
-        context's ``apply()`` does it. :meth:`decode` calls this after validating the batch;
+        context's ``apply()`` does it. [`decode`][] calls this after validating the batch;
         calling it earlier changes nothing that a later decode could see.
 
         Returns:
@@ -394,14 +397,14 @@ class Context:
             unchanged, outputs of the previous decode kept); 2 when ``abort_callback``
             aborted it (ubatches computed before stay in the memory, none of the aborted
             ubatch; no outputs); -1 when the batch is invalid (nothing changed; the reason is
-            in :attr:`last_error`).
+            in `last_error`).
 
         A batch may carry token ids or input embeddings ``(n_tokens, n_embd)``; a bad batch
         never raises, it returns -1.
 
         Raises:
             ContextError: an embeddings batch for a Mamba model (its forward,
-                :func:`~reference.models.mamba.mamba_forward`, takes token ids only);
+                [`mamba_forward`][reference.models.mamba.mamba_forward], takes token ids only);
                 nothing changed.
 
         Examples:
@@ -458,7 +461,7 @@ class Context:
     def output_reserve(self, n_tokens: int) -> None:
         """Forget the previous outputs: a batch of ``n_tokens`` is about to run.
 
-        ``llama_context::output_reserve``. :meth:`decode` calls it once the batch has a
+        ``llama_context::output_reserve``. [`decode`][] calls it once the batch has a
         place in the memory; a batch refused before (-1, 1) keeps the previous outputs.
         """
         self._logits = self._logits[:0]
@@ -468,9 +471,9 @@ class Context:
         """Keep the ubatches' logits rows in batch order, and map batch index to row.
 
         Args:
-            rows: what :meth:`process_ubatch` returned, ubatch after ubatch.
+            rows: what [`process_ubatch`][] returned, ubatch after ubatch.
             out_ids: the batch indices of the output tokens in that order
-                (:attr:`~reference.batch.BatchAllocr.out_ids`).
+                (`out_ids`).
 
         The MLX twin keeps the rows on the device here and copies them to the host only
         when they are read (llama.cpp too reorders them lazily, in ``output_reorder``).
@@ -487,7 +490,7 @@ class Context:
         The MLX twin also takes a token that is still on the device (a scalar ``mx.array``
         from its sampler): it launches the step without reading the token back, so the
         generation loop can read token $t$ while step $t + 1$ computes
-        (:class:`~reference.generate.Generator`).
+        ([`Generator`][reference.generate.Generator]).
 
         Examples:
             >>> from reference.testing import tiny_hparams, random_weights
@@ -501,7 +504,7 @@ class Context:
     def synchronize(self) -> None:
         """Wait until the last decode is computed (``llama_synchronize``).
 
-        NumPy computes as it goes: when :meth:`decode` returns, its work is done, so here
+        NumPy computes as it goes: when [`decode`][] returns, its work is done, so here
         there is nothing to wait for. The MLX twin's decode only launches its work.
         """
     # --8<-- [end:decode_token]
@@ -515,10 +518,10 @@ class Context:
 
         - Llama / Qwen2: the ubatch's K/V are written into its slot and the first ``n_kv``
           cells of each stream are read through the KQ mask
-          (:class:`~reference.memory.KVCacheAttnInput`);
+          ([`KVCacheAttnInput`][reference.memory.kv_cache.KVCacheAttnInput]);
         - Mamba / Mamba-2: the states of the ubatch's ``n_seqs`` sequence sets are read from
           their cells and the final ones written back
-          (:class:`~reference.memory.recurrent.RecurrentMemoryInput`).
+          ([`RecurrentMemoryInput`][reference.memory.recurrent.RecurrentMemoryInput]).
 
         Only the output tokens go through the last layer's FFN and the lm_head
         (``out_ids``).
@@ -559,7 +562,7 @@ class Context:
             self._has_evaluated_once = True
 
     def perf(self) -> PerfContextData:
-        """The timings and counters since the last :meth:`perf_reset` (``llama_perf_context``).
+        """The timings and counters since the last [`perf_reset`][] (``llama_perf_context``).
 
         Only decodes that returned 0 count (their time from validation to the last output).
 
@@ -636,8 +639,8 @@ class Context:
         return self.get_logits()[self.output_row(i)]
 
     def output_row(self, i: int) -> int:
-        """The row of :meth:`get_logits` that holds batch token ``i``, or the errors of
-        :meth:`get_logits_ith` (which reads that row)."""
+        """The row of [`get_logits`][] that holds batch token ``i``, or the errors of
+        [`get_logits_ith`][] (which reads that row)."""
         n_outputs = self.n_outputs
         if n_outputs == 0:
             raise ContextError(f"invalid logits id {i}: no logits (no successful decode with "
@@ -664,13 +667,14 @@ class Context:
     def state_get_data(self) -> bytes:
         """The last decode's outputs and the memory, as bytes (``llama_state_get_data``).
 
-        See :func:`reference.memory.state.context_state_write` for the layout; the memory
-        writes its own blob (``memory.state_write``).
+        See
+        [`reference.memory.state.context_state_write`][reference.memory.state.context_state_write]
+        for the layout; the memory writes its own blob (``memory.state_write``).
         """
         return context_state_write(self._memory, self.hparams, self._logits, self._output_ids)
 
     def state_set_data(self, data: bytes) -> int:
-        """Restore :meth:`state_get_data`'s bytes (``llama_state_set_data``); returns their size.
+        """Restore [`state_get_data`][]'s bytes (``llama_state_set_data``); returns their size.
 
         Raises:
             StateError: a refused blob; nothing changed.
@@ -702,7 +706,7 @@ class Context:
         return self._memory.state_save_file(path, self.hparams, tokens)
 
     def state_load_file(self, path) -> np.ndarray:
-        """Restore a file of :meth:`state_save_file`; returns its tokens."""
+        """Restore a file of [`state_save_file`][]; returns its tokens."""
         return self._memory.state_load_file(path, self.hparams)
 
     def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
@@ -731,7 +735,7 @@ def context_shift(ctx_or_memory: Context | Memory, seq_id: int, n_keep: int,
     shifted tail.
 
     Args:
-        ctx_or_memory: a :class:`Context` or its memory.
+        ctx_or_memory: a [`Context`][] or its memory.
         seq_id: the sequence to shift (``>= 0``).
         n_keep: positions kept at the start (``>= 0``).
         n_discard: positions dropped after them (``>= 1``).

@@ -1,13 +1,14 @@
 r"""Generation: the loop of llama.cpp's ``llama-completion`` / ``llama-simple``, and chat turns.
 
-Text generation is three verbs on a :class:`~reference.context.Context`, repeated:
+Text generation is three verbs on a [`Context`][reference.context.Context], repeated:
 
 1. **evaluate the prompt**: decode its tokens in batches of at most ``n_batch`` (only the last
    token asks for logits), and push each of them into the sampler's history, as
    ``llama-completion`` does ("push the prompt in the sampling context in order to apply
    repetition penalties later");
-2. **sample** the next token from the last logits row (:class:`~reference.sampling.SamplerChain`)
-   and *accept* it (it joins the history that the penalties read);
+2. **sample** the next token from the last logits row
+   ([`SamplerChain`][reference.sampling.SamplerChain]) and *accept* it (it joins the history that
+   the penalties read);
 3. **decode** that one token at the next position, and go back to 2, until an end-of-generation
    token (``llama_vocab_is_eog``), ``n_predict`` tokens, or a full context.
 
@@ -17,8 +18,8 @@ Text generation is three verbs on a :class:`~reference.context.Context`, repeate
 
 $$ n_{discard} = \left\lfloor \frac{n_{past} - n_{keep}}{2} \right\rfloor, $$
 
-and moves the tail back (:func:`reference.context.context_shift`: ``seq_rm`` then
-``seq_add``; the keys are re-roped at the next decode). Generation goes on with
+and moves the tail back ([`reference.context.context_shift`][reference.context.context_shift]:
+``seq_rm`` then ``seq_add``; the keys are re-roped at the next decode). Generation goes on with
 $n_{past} - n_{discard}$ tokens of context. llama.cpp's default at the pinned commit is *off*
 (``ctx_shift = false`` in ``common.h``); ``llamaref generate`` turns it on unless
 ``--no-context-shift`` is given.
@@ -29,12 +30,12 @@ suffix is decoded (``seq_rm`` drops whatever differs, e.g. a reply the template 
 differently). Turn $n$ then costs the new user message, not the whole history.
 
 The loop is written once against the Context protocol: either twin's Context runs it. Which
-twin runs it is the application's choice (:mod:`llamaref.backends`).
+twin runs it is the application's choice ([`llamaref.backends`][llamaref.backends]).
 
 **Pipelined, on a device.** When the sampler runs on the device and can sample ahead (the MLX
-sampler chain's ``pipelined``: no stage reads the history), :meth:`Generator.generate` keeps
+sampler chain's ``pipelined``: no stage reads the history), [`Generator.generate`][] keeps
 the token on the device, as mlx-lm's ``generate_step`` does: it decodes token $t$ before
-reading it back (:meth:`~reference.context.Context.decode_token`), launches the sample of
+reading it back ([`decode_token`][reference.context.Context.decode_token]), launches the sample of
 token $t + 1$ behind it, and only then waits for token $t$. The device computes step
 $t + 1$ while the host reads token $t$, yields it, and does the next step's bookkeeping. The
 tokens, the cache and the sampler's state are the sequential loop's: a step decoded ahead is
@@ -131,7 +132,7 @@ class Generator:
     """One sequence (``seq_id`` 0) of a Context, a sampler, and the tokens in the cache.
 
     Args:
-        ctx: a fresh :class:`~reference.context.Context` (or its accelerated twin).
+        ctx: a fresh [`Context`][reference.context.Context] (or its accelerated twin).
         sampler: a ``SamplerChain`` (``.sample(logits)``, ``.accept(token)``).
         n_keep: tokens kept at the start when the context shifts (``--keep``).
         shift: shift the context when it is full (True), or stop generating (False).
@@ -236,7 +237,8 @@ class Generator:
         """Make room for ``n_new`` tokens as ``llama-completion`` does; False if it cannot.
 
         When ``n_past + n_new >= n_ctx``: keep ``n_keep`` tokens, discard half of the rest
-        (:func:`reference.context.context_shift`), and forget them in :attr:`tokens`.
+        ([`reference.context.context_shift`][reference.context.context_shift]), and forget them in
+        `tokens`.
         """
         n_ctx = self.ctx.n_ctx
         if self.ctx.recurrent or self.n_past + n_new < n_ctx:
@@ -255,10 +257,10 @@ class Generator:
 
         Stops after an end-of-generation token (yielded, never decoded), after
         ``n_predict`` tokens, or when the context is full and cannot shift
-        (:attr:`stopped` then says so). Call :meth:`eval_prompt` first.
+        (`stopped` then says so). Call [`eval_prompt`][] first.
 
-        With a pipelined sampler on a device (:attr:`pipelined`) the steps run ahead
-        (:meth:`_generate_pipelined`): the same tokens, cache and sampler state.
+        With a pipelined sampler on a device (`pipelined`) the steps run ahead
+        (`_generate_pipelined`): the same tokens, cache and sampler state.
         """
         self.stopped = None
         if self.pipelined:
@@ -282,10 +284,10 @@ class Generator:
 
     # --8<-- [start:generate_pipelined]
     def _generate_pipelined(self, n_predict: int, is_eog: Callable[[int], bool]) -> Iterator[int]:
-        """:meth:`generate` with token $t$ decoded, and token $t + 1$ sampled, before $t$ is read.
+        """[`generate`][] with token $t$ decoded, and token $t + 1$ sampled, before $t$ is read.
 
         ``cur`` is the step being read back, ``ahead`` the step launched behind it (or None).
-        Every way out undoes ``ahead`` (:meth:`_undo`), so what stays is what the sequential
+        Every way out undoes ``ahead`` (`_undo`), so what stays is what the sequential
         loop leaves.
         """
         n = 0
@@ -388,7 +390,7 @@ class Generator:
 
 # --8<-- [start:ChatSession]
 class ChatSession:
-    """A conversation on a :class:`Generator`: render, decode the new suffix, reply.
+    """A conversation on a [`Generator`][]: render, decode the new suffix, reply.
 
     Args:
         generator: the generator (its cache holds the conversation so far).

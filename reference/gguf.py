@@ -3,7 +3,7 @@ r"""GGUF files: read and write the container llama.cpp loads its models from.
 This module mirrors ``gguf_init_from_file_impl`` and ``gguf_write_to_buf`` in
 ``ggml/src/gguf.cpp`` at the pinned commit. It is our own parser and our own writer: the
 byte layout below *is* the specification, and every rule that llama.cpp enforces when it
-opens a file is enforced here too, with a :class:`GGUFError` that says what is wrong and
+opens a file is enforced here too, with a [`GGUFError`][] that says what is wrong and
 where (byte offset, key or tensor name).
 
 Everything is little-endian. A file is four sections, one after the other:
@@ -50,14 +50,15 @@ offsets, overlapping tensors, gaps and tensors out of order.
 Reading never trusts a count: every length (``n_kv``, ``n_tensors``, an array's length, a
 string's length, a tensor's size) is checked against the bytes left in the file *before*
 anything is allocated from it, so a corrupt or hostile file costs at most memory
-proportional to its own size, and ends in a :class:`GGUFError`, never in another exception.
+proportional to its own size, and ends in a [`GGUFError`][], never in another exception.
 Tensor data are not copied: F32 tensors are read-only views of a memory map, and every other
-type is a :class:`reference.quants.QuantizedTensor` over the raw bytes.
+type is a [`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor] over the raw bytes.
 
 This module is the container only: what a key means to a model (``llama.block_count`` is
-``n_layer``) is :mod:`reference.hparams`' table, :data:`reference.hparams.GGUF_KEYS`, which
-reads the hyperparameters of a file (:func:`reference.hparams.hparams_from_file`) and writes
-them as metadata (:func:`reference.hparams.llama_metadata`).
+``n_layer``) is [`reference.hparams`][reference.hparams]' table, `reference.hparams.GGUF_KEYS`,
+which reads the hyperparameters of a file
+([`reference.hparams.hparams_from_file`][reference.hparams.hparams_from_file]) and writes them as
+metadata ([`reference.hparams.llama_metadata`][reference.hparams.llama_metadata]).
 """
 
 from __future__ import annotations
@@ -134,9 +135,9 @@ class GGUFError(LlamarefError, ValueError):
 # --8<-- [start:GGUFValue]
 @dataclass(frozen=True)
 class GGUFValue:
-    """A metadata value with an explicit GGUF type, for :func:`write_gguf`.
+    """A metadata value with an explicit GGUF type, for [`write_gguf`][].
 
-    Without it the writer types a Python value deterministically (see :func:`gguf_value_type`).
+    Without it the writer types a Python value deterministically (see [`gguf_value_type`][]).
 
     Attributes:
         value: a scalar, or a list / 1-D array for an array value.
@@ -157,7 +158,7 @@ class GGUFValue:
 # --8<-- [start:GGUFFile]
 @dataclass
 class GGUFFile:
-    """The content of a GGUF file, as :func:`read_gguf` returns it.
+    """The content of a GGUF file, as [`read_gguf`][] returns it.
 
     Attributes:
         path: the file read.
@@ -201,7 +202,7 @@ class GGUFFile:
 class _Cursor:
     """A bounds-checked little-endian reader over the bytes of a file.
 
-    Every read first checks that the bytes it needs are there (:meth:`need`); counts read
+    Every read first checks that the bytes it needs are there (`need`); counts read
     from the file are checked against the bytes remaining before anything is allocated.
     """
 
@@ -383,7 +384,7 @@ def gguf_read_kv(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, GGU
 
     Raises:
         GGUFError: an empty or duplicate key, a bad ``general.alignment`` (not a UINT32
-            power of two), or any error of :func:`gguf_read_value`.
+            power of two), or any error of [`gguf_read_value`][].
 
     Examples:
         >>> raw = struct.pack("<Q", 1) + b"k" + struct.pack("<II", GGUFValueType.UINT32, 5)
@@ -446,7 +447,7 @@ def gguf_read_tensor_info(cur: _Cursor, i: int) -> TensorInfo:
         i: the tensor's index, for messages.
 
     Returns:
-        The :class:`TensorInfo`, with the NumPy shape and the byte size.
+        The [`TensorInfo`][], with the NumPy shape and the byte size.
 
     Raises:
         GGUFError: an empty name or one of 64 bytes or more, ``n_dims`` outside 1..4, a
@@ -568,7 +569,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         path: the file.
 
     Returns:
-        The :class:`GGUFFile`.
+        The [`GGUFFile`][].
 
     Raises:
         GGUFError: the file is malformed or unsupported (every check of this module); the
@@ -640,7 +641,7 @@ def gguf_value_type(value: Any) -> GGUFValueType:
     list is a STRING array); a list of lists/arrays -> ARRAY (nested).
 
     Args:
-        value: a metadata value (not a :class:`GGUFValue`).
+        value: a metadata value (not a [`GGUFValue`][]).
 
     Returns:
         The type of a scalar, or of the items of an array.
@@ -772,7 +773,7 @@ def _pack_numpy(items: np.ndarray, itype: GGUFValueType, key: str) -> bytes:
 
 
 def _pack_value(value: Any, key: str) -> bytes:
-    """Type id and value, typed by a :class:`GGUFValue` or by :func:`gguf_value_type`."""
+    """Type id and value, typed by a [`GGUFValue`][] or by [`gguf_value_type`][]."""
     vtype = None
     if isinstance(value, GGUFValue):
         value, vtype = value.value, GGUFValueType(value.type)
@@ -813,10 +814,10 @@ def write_gguf(
     version: int = 3,
     alignment: int = GGUF_DEFAULT_ALIGNMENT,
 ) -> None:
-    """Write a GGUF file: the exact inverse of :func:`read_gguf`.
+    """Write a GGUF file: the exact inverse of [`read_gguf`][].
 
-    Metadata values are typed by :func:`gguf_value_type` unless wrapped in a
-    :class:`GGUFValue`. ``general.alignment`` is written when ``alignment`` is not 32 (or
+    Metadata values are typed by [`gguf_value_type`][] unless wrapped in a
+    [`GGUFValue`][]. ``general.alignment`` is written when ``alignment`` is not 32 (or
     when ``metadata`` has it, in which case it must agree). Tensors are written in the order
     of ``tensors``, each padded to the alignment, as llama.cpp's writer does. Everything is
     encoded before a file is opened, so an error leaves no file behind; the bytes go to a

@@ -1,10 +1,10 @@
 r"""Load a HF checkpoint folder (``config.json`` + ``*.safetensors``) as GGUF-named weights.
 
 This is what llama.cpp's ``convert_hf_to_gguf.py`` does, done once at load time and without
-torch: read the config into :class:`reference.hparams.LlamaHParams`, rename every tensor to
-its GGUF name, and for ``llama`` permute the rows of ``q_proj`` and ``k_proj`` so that the
-interleaved ("normal") RoPE of the GGUF layout computes what HF's rotate-half RoPE computes
-on the original rows (``LlamaModel.permute``).
+torch: read the config into [`reference.hparams.LlamaHParams`][reference.hparams.LlamaHParams],
+rename every tensor to its GGUF name, and for ``llama`` permute the rows of ``q_proj`` and
+``k_proj`` so that the interleaved ("normal") RoPE of the GGUF layout computes what HF's rotate-half
+RoPE computes on the original rows (``LlamaModel.permute``).
 
 Why the permutation works. HF's ``rotate_half`` pairs dimension $i$ of a head with
 $i + n_{rot}/2$ (NeoX pairing) and rotates the pair by $p\,\theta_i$. GGUF's normal mode pairs
@@ -25,7 +25,7 @@ RoPE settings. transformers 5 stores them in ``config["rope_parameters"]`` (``ro
 and ``rope_scaling`` at the top level. Both are read. ``linear`` and ``yarn`` map to
 llama.cpp's scaling types; ``llama3`` is supported with per-dimension frequency factors
 (the ``rope_freqs.weight`` tensor that ``convert_hf_to_gguf`` generates); other types are
-refused with :class:`HFLoadError`.
+refused with [`HFLoadError`][].
 """
 
 from __future__ import annotations
@@ -190,9 +190,9 @@ def llama3_rope_factors(rope: dict, n_rot: int, freq_base: float) -> np.ndarray:
 
 # --8<-- [start:hparams_from_hf]
 def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
-    """Map a HF ``config.json`` (as a dict) to :class:`LlamaHParams`.
+    """Map a HF ``config.json`` (as a dict) to [`LlamaHParams`][].
 
-    Mamba and Mamba-2 configs go to :func:`mamba_hparams_from_hf`.
+    Mamba and Mamba-2 configs go to [`mamba_hparams_from_hf`][].
 
     Args:
         config: the parsed ``config.json``.
@@ -455,7 +455,7 @@ def _json_float(value) -> float:
 
 # --8<-- [start:mamba_hparams_from_hf]
 def mamba_hparams_from_hf(config: dict) -> MambaHParams:
-    r"""Map a HF ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` config to :class:`MambaHParams`.
+    r"""Map a HF ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` config to [`MambaHParams`][].
 
     As the converter's ``set_gguf_parameters``: ``d_inner`` is ``intermediate_size`` (else
     ``expand * hidden_size``); Mamba-1's ``dt_rank`` is ``time_step_rank`` (``"auto"``:
@@ -526,7 +526,7 @@ def mamba_gguf_tensor(name: str, t: np.ndarray, hp: MambaHParams) -> np.ndarray:
       ``(n_group, d_inner / n_group)``.
 
     Args:
-        name: the GGUF name (:func:`mamba_gguf_tensor_name`).
+        name: the GGUF name ([`mamba_gguf_tensor_name`][]).
         t: the HF tensor.
         hp: the hyperparameters.
 
@@ -561,11 +561,11 @@ def load_mamba_hf(
 ) -> tuple[MambaHParams, dict[str, np.ndarray]]:
     """The weights of a HF Mamba/Mamba-2 folder with GGUF names and shapes.
 
-    Called by :func:`load_hf` when ``config.json`` names a Mamba architecture.
+    Called by [`load_hf`][] when ``config.json`` names a Mamba architecture.
 
     Args:
         path: folder with ``config.json`` and ``*.safetensors``.
-        hp: the hyperparameters from :func:`mamba_hparams_from_hf`.
+        hp: the hyperparameters from [`mamba_hparams_from_hf`][].
         dtype: dtype of the returned weights.
 
     Returns:

@@ -2,8 +2,8 @@ r"""Hyperparameters of a model, with llama.cpp's ``llama_hparams`` field names.
 
 llama.cpp reads these from GGUF metadata keys of the form ``{arch}.{key}`` (for example
 ``llama.attention.head_count``) in ``llama_model::load_hparams``; a HF ``config.json`` is
-mapped onto the same fields once, at load time (:mod:`reference.hf`). Everything downstream
-(the model, the memory, the context) reads only this dataclass.
+mapped onto the same fields once, at load time ([`reference.hf`][reference.hf]). Everything
+downstream (the model, the memory, the context) reads only this dataclass.
 
 Derived sizes follow ``llama-hparams.h``:
 
@@ -12,7 +12,7 @@ n_{gqa} = n_{head} / n_{head\_kv}, \qquad
 n_{embd\_k\_gqa} = n_{embd\_head\_k} \cdot n_{head\_kv}.
 $$
 
-:func:`hparams_from_gguf` reads exactly the keys llama.cpp reads for the ``llama`` and
+[`hparams_from_gguf`][] reads exactly the keys llama.cpp reads for the ``llama`` and
 ``qwen2`` architectures (``llama_model_base::load_hparams`` in ``src/llama-model.cpp``, then
 ``load_arch_hparams`` in ``src/models/llama.cpp`` / ``qwen2.cpp``; key names from
 ``src/llama-arch.cpp``). ``{arch}`` is ``general.architecture``:
@@ -46,19 +46,19 @@ attention in llama.cpp. We read it, so that Mistral-style sliding-window models 
 described; oracle tests against llama.cpp must not set it.
 
 The selective state space models (``mamba``, ``mamba2``) have their own dataclass,
-:class:`MambaHParams` (the ``ssm_*`` fields, ``n_embd_r()``/``n_embd_s()``), read by
-:func:`mamba_hparams_from_gguf` from the ``{arch}.ssm.*`` keys.
+[`MambaHParams`][] (the ``ssm_*`` fields, ``n_embd_r()``/``n_embd_s()``), read by
+[`mamba_hparams_from_gguf`][] from the ``{arch}.ssm.*`` keys.
 
 Like llama.cpp, floats are held as float32 and a key may hold one value per layer (an
 array of ``n_layer`` items); this dataclass holds one value, so per-layer arrays must be
 uniform.
 
-The keys are one table in code, :data:`GGUF_KEYS` (a :class:`GGUFKey` per row: key, field,
+The keys are one table in code, `GGUF_KEYS` (a [`GGUFKey`][] per row: key, field,
 type, default, per-layer or not, conversion), read in both directions:
-:func:`hparams_from_gguf` reads a file's metadata through it, and :func:`llama_metadata` /
-:func:`mamba_metadata` write hyperparameters as metadata through it, so that the reader and
-the writer cannot disagree. :mod:`reference.gguf` is the container only: it knows the bytes
-of a file, not what a key means to a model.
+[`hparams_from_gguf`][] reads a file's metadata through it, and [`llama_metadata`][] /
+[`mamba_metadata`][] write hyperparameters as metadata through it, so that the reader and
+the writer cannot disagree. [`reference.gguf`][reference.gguf] is the container only: it knows the
+bytes of a file, not what a key means to a model.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def is_masked_swa(n_swa: int, swa_type: int, p0: int, p1: int) -> bool:
 
     Args:
         n_swa: window size (``hparams.n_swa``).
-        swa_type: one of ``SWA_TYPE_*`` from :mod:`reference.hparams`.
+        swa_type: one of ``SWA_TYPE_*`` from [`reference.hparams`][reference.hparams].
         p0: position of the key (the cell).
         p1: position of the query (the token).
 
@@ -360,7 +360,7 @@ class MambaHParams:
         f_norm_rms_eps: epsilon of every ``rms_norm``.
         tied_output: True when the model has no ``output.weight`` and reuses ``token_embd``.
 
-    The memory sizes its rows with :meth:`n_embd_r` and :meth:`n_embd_s`, as
+    The memory sizes its rows with [`n_embd_r`][] and [`n_embd_s`][], as
     ``llama_hparams`` does.
 
     Examples:
@@ -422,7 +422,7 @@ class MambaHParams:
 # GGUF metadata: one table of keys, read by hparams_from_gguf, written by llama_metadata
 # ---------------------------------------------------------------------------------------------
 
-#: A :class:`GGUFKey` default: the key must be present.
+#: A `GGUFKey` default: the key must be present.
 REQUIRED = object()
 _U32_MAX = 2**32 - 1
 
@@ -430,18 +430,18 @@ _U32_MAX = 2**32 - 1
 # --8<-- [start:GGUFKey]
 @dataclass(frozen=True)
 class GGUFKey:
-    """One row of :data:`GGUF_KEYS`: the metadata key ``{arch}.{key}`` and the field it holds.
+    """One row of `GGUF_KEYS`: the metadata key ``{arch}.{key}`` and the field it holds.
 
-    :func:`hparams_from_gguf` reads the rows in order, so a default or a check may use the
-    fields read before it; :func:`llama_metadata` and :func:`mamba_metadata` write the same
+    [`hparams_from_gguf`][] reads the rows in order, so a default or a check may use the
+    fields read before it; [`llama_metadata`][] and [`mamba_metadata`][] write the same
     rows back, so that reading what was written gives the hyperparameters again.
 
     Attributes:
         key: the key without its ``{arch}.`` prefix (``"attention.head_count"``).
-        field: the field of :class:`LlamaHParams` / :class:`MambaHParams` (``"n_head"``).
+        field: the field of [`LlamaHParams`][] / [`MambaHParams`][] (``"n_head"``).
         kind: the type of the stored value: ``int`` (a uint32), ``float`` (held as a
             float32, like llama.cpp), ``str`` or ``bool``.
-        default: what an absent key reads as: :data:`REQUIRED`, a stored value, or a
+        default: what an absent key reads as: `REQUIRED`, a stored value, or a
             function of the fields read so far (``lambda f: f["n_head"]``).
         per_layer: the key may hold one value per layer (llama.cpp's ``get_key_or_arr``);
             the values must be equal.
@@ -643,7 +643,7 @@ def _tied_output(tensor_names: Iterable[str] | None) -> bool:
 
 
 def _checked(cls: type, fields: dict[str, Any]) -> LlamaHParams | MambaHParams:
-    """``cls(**fields)``, its :class:`HParamsError` reported as the file's error."""
+    """``cls(**fields)``, its [`HParamsError`][] reported as the file's error."""
     try:
         return cls(**fields)
     except HParamsError as e:
@@ -656,8 +656,8 @@ def hparams_from_gguf(
 ) -> LlamaHParams | MambaHParams:
     """Hyperparameters from GGUF metadata, as ``llama_model::load_hparams`` reads them.
 
-    The keys are the rows of :data:`GGUF_KEYS` (the table in the module docstring);
-    ``mamba`` and ``mamba2`` go to :func:`mamba_hparams_from_gguf`.
+    The keys are the rows of `GGUF_KEYS` (the table in the module docstring);
+    ``mamba`` and ``mamba2`` go to [`mamba_hparams_from_gguf`][].
 
     Args:
         arch: ``general.architecture``: ``"llama"``, ``"qwen2"``, ``"mamba"`` or ``"mamba2"``.
@@ -666,7 +666,7 @@ def hparams_from_gguf(
             ``output.weight``. None leaves ``tied_output`` False.
 
     Returns:
-        The :class:`LlamaHParams` (:class:`MambaHParams` for ``mamba``/``mamba2``).
+        The [`LlamaHParams`][] ([`MambaHParams`][] for ``mamba``/``mamba2``).
 
     Raises:
         GGUFError: an unsupported architecture, a missing required key (named), a value of
@@ -728,11 +728,11 @@ def mamba_hparams_from_gguf(
         tensor_names: the file's tensor names (for ``tied_output``); None leaves it False.
 
     Returns:
-        The :class:`MambaHParams`.
+        The [`MambaHParams`][].
 
     Raises:
         GGUFError: another architecture, a missing required key (named), a value of the
-            wrong type, sizes that cannot describe a model (:func:`mamba_hparams_errors`).
+            wrong type, sizes that cannot describe a model ([`mamba_hparams_errors`][]).
 
     Examples:
         >>> md = {"mamba2.context_length": 1024, "mamba2.embedding_length": 16,
@@ -759,13 +759,13 @@ def mamba_hparams_from_gguf(
 
 # --8<-- [start:hparams_from_file]
 def hparams_from_file(f: GGUFFile) -> LlamaHParams | MambaHParams:
-    """The hyperparameters of a file read by :func:`reference.gguf.read_gguf`.
+    """The hyperparameters of a file read by [`reference.gguf.read_gguf`][reference.gguf.read_gguf].
 
-    :func:`hparams_from_gguf` on its architecture, metadata and tensor names:
+    [`hparams_from_gguf`][] on its architecture, metadata and tensor names:
     ``tied_output`` is True when the file has no ``output.weight``.
 
     Raises:
-        GGUFError: as :func:`hparams_from_gguf`, or ``general.architecture`` is missing.
+        GGUFError: as [`hparams_from_gguf`][], or ``general.architecture`` is missing.
 
     Examples:
         >>> import tempfile, pathlib
@@ -876,7 +876,7 @@ def _model_metadata(
 def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
     """The GGUF metadata that describes ``hparams`` (arch ``llama`` or ``qwen2``).
 
-    The inverse of :func:`hparams_from_gguf`, through the same table (:data:`GGUF_KEYS`):
+    The inverse of [`hparams_from_gguf`][], through the same table (`GGUF_KEYS`):
     reading the keys back gives ``hparams`` again (floats rounded to float32, as llama.cpp
     stores them; ``n_ctx_orig_yarn = 0`` becomes ``n_ctx_train``; ``tied_output`` comes from
     the tensors).
@@ -884,10 +884,10 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
     Args:
         hparams: the hyperparameters.
         vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
-            :func:`spm_dummy_vocab`.
+            [`spm_dummy_vocab`][].
 
     Returns:
-        Key to value, ready for :func:`reference.gguf.write_gguf`.
+        Key to value, ready for [`reference.gguf.write_gguf`][reference.gguf.write_gguf].
 
     Raises:
         GGUFError: an architecture other than llama/qwen2, or a vocabulary whose size is not
@@ -915,18 +915,18 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
 def mamba_metadata(hparams: MambaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
     """The GGUF metadata that describes a ``mamba``/``mamba2`` model, as the converter writes.
 
-    The inverse of :func:`mamba_hparams_from_gguf`, through the same table
-    (:data:`GGUF_KEYS`). Like ``convert_hf_to_gguf``'s ``MambaModel`` / ``Mamba2Model`` it
+    The inverse of [`mamba_hparams_from_gguf`][], through the same table
+    (`GGUF_KEYS`). Like ``convert_hf_to_gguf``'s ``MambaModel`` / ``Mamba2Model`` it
     also writes ``feed_forward_length = 0`` and ``attention.head_count = 0`` (unused by the
     graph).
 
     Args:
         hparams: the hyperparameters.
         vocab: the ``tokenizer.ggml.*`` keys, with ``hparams.n_vocab`` tokens; None for
-            :func:`spm_dummy_vocab`.
+            [`spm_dummy_vocab`][].
 
     Returns:
-        Key to value, ready for :func:`reference.gguf.write_gguf`.
+        Key to value, ready for [`reference.gguf.write_gguf`][reference.gguf.write_gguf].
 
     Raises:
         GGUFError: another architecture, or a vocabulary whose size is not

@@ -1,12 +1,13 @@
 """Load a model from a GGUF file or a HF checkpoint folder: ``(hparams, weights)``.
 
 Either way the result is the same pair: the hyperparameters
-(:class:`reference.hparams.LlamaHParams`, or :class:`reference.hparams.MambaHParams` for the
-``mamba``/``mamba2`` architectures) and a dict of weights keyed by GGUF tensor names
-(``"blk.0.attn_q.weight"``), matrices in NumPy order.
-GGUF weights stay quantized (:class:`reference.quants.QuantizedTensor`) until the forward
+([`reference.hparams.LlamaHParams`][reference.hparams.LlamaHParams], or
+[`reference.hparams.MambaHParams`][reference.hparams.MambaHParams] for the ``mamba``/``mamba2``
+architectures) and a dict of weights keyed by GGUF tensor names (``"blk.0.attn_q.weight"``),
+matrices in NumPy order. GGUF weights stay quantized
+([`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor]) until the forward
 dequantizes them; HF weights are float32 arrays with llama's Q/K rows already permuted
-(:mod:`reference.hf`).
+([`reference.hf`][reference.hf]).
 """
 
 from __future__ import annotations
@@ -60,13 +61,13 @@ def default_model_path() -> Path:
 def load_model(
     path: str | Path, progress: Callable[[int, int], None] | None = None
 ) -> tuple[LlamaHParams | MambaHParams, dict]:
-    """Load ``path``: a ``.gguf`` file (:func:`reference.gguf.read_gguf`) or a HF folder
-    (:func:`reference.hf.load_hf`).
+    """Load ``path``: a ``.gguf`` file ([`reference.gguf.read_gguf`][reference.gguf.read_gguf]) or a
+    HF folder ([`reference.hf.load_hf`][reference.hf.load_hf]).
 
     Args:
         path: a GGUF file, or a folder with ``config.json`` and ``*.safetensors``.
         progress: called with ``(bytes done, bytes in all)`` while the weights are read. A
-            GGUF's tensors are then read into memory one by one (:func:`materialize`)
+            GGUF's tensors are then read into memory one by one ([`materialize`][])
             instead of staying views of the file; a HF folder is read whole, and reports
             once at the end.
 
@@ -104,7 +105,7 @@ def materialize(tensors: dict, progress: Callable[[int, int], None]) -> dict:
     """Copy every tensor out of the file's memory map, reporting the bytes read so far.
 
     Args:
-        tensors: GGUF tensors (float arrays or :class:`~reference.quants.QuantizedTensor`
+        tensors: GGUF tensors (float arrays or [`QuantizedTensor`][reference.quants.QuantizedTensor]
             views of the file).
         progress: called with ``(bytes done, bytes in all)`` after each tensor.
 

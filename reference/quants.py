@@ -19,7 +19,7 @@ with smaller sub-blocks.
 This module mirrors ggml at the pinned commit:
 
 - the block structs of ``ggml/src/ggml-common.h`` (``block_q4_0``, ``block_q4_K``, ...) become
-  :data:`BLOCK_LAYOUTS` and the byte tables in each function's docstring;
+  `BLOCK_LAYOUTS` and the byte tables in each function's docstring;
 - ``dequantize_row_*`` of ``ggml/src/ggml-quants.c`` become ``dequantize_q4_0`` and friends,
   bit-identical to ``gguf.quants.dequantize`` and to ggml's C loops evaluated as written
   (float32 arithmetic in the same order; a C compiler that contracts ``d1 * q - m1`` into a
@@ -30,7 +30,7 @@ This module mirrors ggml at the pinned commit:
 
 Every per-format function works on all blocks at once: its input is ``(..., type_size)`` bytes
 (or ``(..., block_size)`` floats) with any leading dimensions, and the fields of the block are
-slices of the last axis. :func:`dequantize` and :func:`quantize` cut whole rows into blocks.
+slices of the last axis. [`dequantize`][] and [`quantize`][] cut whole rows into blocks.
 All quantization arithmetic is float32, as in ggml, whatever the input dtype.
 """
 
@@ -148,7 +148,7 @@ def _layout(qtype: GGMLQuantizationType) -> BlockLayout:
     """The block layout of any ggml type: ours when we read it, else gguf's size table.
 
     Knowing the size of a type we cannot dequantize lets a file that holds one be read (and
-    inspected); only :func:`dequantize` refuses it.
+    inspected); only [`dequantize`][] refuses it.
     """
     if qtype in BLOCK_LAYOUTS:
         return BLOCK_LAYOUTS[qtype]
@@ -737,7 +737,7 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     | 4           | `scales` | uint8[12]  | 6-bit $sc_i$ and $m_i$ of the 8 sub-blocks       |
     | 16          | `qs`     | uint8[128] | 4-bit quants $q$, 64 weights per 32 bytes        |
 
-    ``scales`` is unpacked by :func:`get_scale_min_k4`. In ``qs``, bytes $32c \ldots 32c+31$
+    ``scales`` is unpacked by [`get_scale_min_k4`][]. In ``qs``, bytes $32c \ldots 32c+31$
     hold sub-block $2c$ in their low nibbles and sub-block $2c+1$ in their high nibbles.
 
     For weight $j$ of sub-block $i$ (weight $32i + j$ of the super-block):
@@ -918,7 +918,7 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
     Args:
         data: uint8 ``(..., n_bytes)``; ``n_bytes`` a multiple of the type's block bytes.
-        qtype: one of the keys of :data:`DEQUANTIZE`.
+        qtype: one of the keys of `DEQUANTIZE`.
 
     Returns:
         float32 ``(..., n_weights)`` with ``n_weights = n_bytes // type_size * block_size``.
@@ -972,7 +972,7 @@ def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
     Args:
         x: float ``(..., n)``, converted to float32 first; ``n`` a multiple of the block size.
-        qtype: one of the keys of :data:`QUANTIZE`.
+        qtype: one of the keys of `QUANTIZE`.
 
     Returns:
         uint8 ``(..., n // block_size * type_size)``.
@@ -1074,7 +1074,7 @@ class QuantizedTensor:
 
     @classmethod
     def from_float(cls, x: np.ndarray, qtype: GGMLQuantizationType) -> QuantizedTensor:
-        """Quantize ``x`` ``(..., n)`` with :func:`quantize` and keep its shape."""
+        """Quantize ``x`` ``(..., n)`` with [`quantize`][] and keep its shape."""
         return cls(qtype, tuple(int(n) for n in np.shape(x)), quantize(x, qtype))
 
     def dequantize(self) -> np.ndarray:

@@ -34,7 +34,7 @@ logits where the order of ties would show.
 ``LLAMA_DEFAULT_SEED = 0xFFFFFFFF`` means a random seed). ``dist`` draws
 ``std::uniform_real_distribution<double>(0, 1)``: libstdc++'s ``generate_canonical<double, 53>``
 takes two 32-bit outputs, $u = (a + b\,2^{32}) / 2^{64}$ (rounded to double, clamped below 1).
-:class:`Mt19937` reproduces those numbers with NumPy's MT19937 bit generator, so a seeded chain
+[`Mt19937`][] reproduces those numbers with NumPy's MT19937 bit generator, so a seeded chain
 here picks the tokens a seeded llama.cpp chain picks.
 """
 
@@ -316,7 +316,7 @@ def dist(cur: TokenDataArray, rng: Mt19937) -> None:
 def top_k(cur: TokenDataArray, k: int) -> None:
     r"""``llama_sampler_init_top_k``: keep the $k$ largest logits, sorted descending.
 
-    $k \le 0$: no-op (the array stays as it is, unsorted if it was). $k > $ size: $k$ = size
+    $k \le 0$: no-op (the array stays as it is, unsorted if it was). $k >$ size: $k$ = size
     (everything kept, but sorted). Ties at the $k$-th place: the earlier candidate wins here;
     llama.cpp's ``partial_sort`` leaves that unspecified.
 
@@ -465,7 +465,7 @@ def temp(cur: TokenDataArray, t: float) -> None:
 def temp_ext(cur: TokenDataArray, t: float, delta: float, exponent: float) -> None:
     r"""``llama_sampler_init_temp_ext``: dynamic temperature ("dynatemp").
 
-    $\delta \le 0$: plain :func:`temp`. Otherwise (and size $> 1$), with the normalized entropy
+    $\delta \le 0$: plain [`temp`][]. Otherwise (and size $> 1$), with the normalized entropy
     $h = H / \log n$ of the sorted softmax, the temperature is
     $T' = \max(0, T - \delta) + 2\delta'\, h^{\kappa}$ where $2\delta' = (T+\delta) - \max(0,
     T-\delta)$ and $\kappa$ = ``exponent``; then ``temp(T')`` and the probabilities are
@@ -689,7 +689,7 @@ def dry(cur: TokenDataArray, last_tokens: Sequence[int], dry_multiplier: float, 
     $m$ = ``dry_multiplier``, $b$ = ``dry_base``, $a$ = ``dry_allowed_length`` (exponent
     clamped so the power stays finite). Single-token sequence breakers are never penalized.
     ``breakers`` maps a head token to the token tails of the breakers it starts
-    (:func:`dry_sequence_breakers`). Disabled when $m = 0$, $b < 1$ or $N \le 0$. Clears
+    ([`dry_sequence_breakers`][]). Disabled when $m = 0$, $b < 1$ or $N \le 0$. Clears
     ``sorted`` when a penalty pass runs.
 
     Examples:
@@ -767,7 +767,7 @@ def dry_sequence_breakers(tokenizer: Any, sequence_breakers: Sequence[str]) -> d
         sequence_breakers: the breaker strings (UTF-8).
 
     Returns:
-        The processed breakers, as :func:`dry` takes them.
+        The processed breakers, as [`dry`][] takes them.
     """
     pieces = [bytes(tokenizer.token_to_piece(i, special=True)) for i in range(tokenizer.n_vocab)]
     out: dict[int, list[tuple[int, ...]]] = {}
@@ -903,7 +903,7 @@ class SamplerChain:
     r"""``common_sampler``: the chain ``common_sampler_init`` builds, its history and RNGs.
 
     Attributes:
-        params: the :class:`SamplerParams` it was built from.
+        params: the [`SamplerParams`][] it was built from.
         n_vocab: the vocabulary size.
         stages: the chain's sampler names in order (``logit_bias`` first when there are
             biases, ``dist``/``mirostat``/``mirostat_v2`` last).
@@ -940,7 +940,7 @@ class SamplerChain:
             params: the sampling parameters.
             n_vocab: the vocabulary size (the length of every logits row).
             tokenizer: needed only when DRY is on, for its sequence breakers
-                (see :func:`dry_sequence_breakers`).
+                (see [`dry_sequence_breakers`][]).
 
         Returns:
             The chain, its RNGs seeded.
@@ -976,7 +976,7 @@ class SamplerChain:
             logits: ``(n_vocab,)`` float32 logits of one output.
 
         Returns:
-            The selected token id. The history is not touched: call :meth:`accept`.
+            The selected token id. The history is not touched: call [`accept`][].
 
         Raises:
             SamplingError: the logits do not have shape ``(n_vocab,)``.

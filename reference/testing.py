@@ -3,20 +3,20 @@ r"""Tiny random models and the twin verdict: what doctests, docs pages and tests
 A specification needs examples that run, and examples need models. This module makes them
 in memory, seeded, in a few milliseconds:
 
-- :func:`tiny_hparams` / :func:`random_weights`: a Llama (or Qwen2, or a sliding-window
-  Llama) with GGUF tensor names; :func:`tiny_mamba_hparams` / :func:`random_mamba_weights`:
+- [`tiny_hparams`][] / [`random_weights`][]: a Llama (or Qwen2, or a sliding-window
+  Llama) with GGUF tensor names; [`tiny_mamba_hparams`][] / [`random_mamba_weights`][]:
   a Mamba or Mamba-2;
-- :func:`write_tiny_gguf` / :func:`write_tiny_mamba_gguf`: the same written as a float32
+- [`write_tiny_gguf`][] / [`write_tiny_mamba_gguf`][]: the same written as a float32
   GGUF that llama.cpp can load (with the dummy vocabulary of
-  :func:`reference.hparams.spm_dummy_vocab`);
-- :func:`reference_logits` / :func:`mamba_reference_logits`: every token's logits through
-  the simple caches of :mod:`reference.models`, the baseline the Context is held to;
-- :func:`nmse` and :func:`nmse_check`: test-backend-ops' verdict on a twin's output,
+  [`reference.hparams.spm_dummy_vocab`][reference.hparams.spm_dummy_vocab]);
+- [`reference_logits`][] / [`mamba_reference_logits`][]: every token's logits through
+  the simple caches of [`reference.models`][reference.models], the baseline the Context is held to;
+- [`nmse`][] and [`nmse_check`][]: test-backend-ops' verdict on a twin's output,
 
-  $$ \mathrm{NMSE}(a, b) = \frac{\sum_i (a_i - b_i)^2}{\sum_i a_i^2}, $$
+    $$ \mathrm{NMSE}(a, b) = \frac{\sum_i (a_i - b_i)^2}{\sum_i a_i^2}, $$
 
-  after NaN (fails) and infinities (must match) are taken out. The thresholds are
-  :data:`reference.common.MAX_NMSE_OP` and friends.
+    after NaN (fails) and infinities (must match) are taken out. The thresholds are
+    `reference.common.MAX_NMSE_OP` and friends.
 
 Weights are drawn so that every term matters: matrices with std ``1/sqrt(n_in)``, norm gains
 around 1, biases around 0.1. (transformers' default init, std 0.02, gives near-zero logits,
@@ -63,7 +63,7 @@ def tiny_hparams(
     eps: float = 1e-5,
     n_ctx_train: int = 128,
 ) -> LlamaHParams:
-    """A small :class:`LlamaHParams`; ``qwen2`` gets NeoX RoPE, ``llama`` normal RoPE."""
+    """A small [`LlamaHParams`][]; ``qwen2`` gets NeoX RoPE, ``llama`` normal RoPE."""
     head_dim = head_dim or n_embd // n_head
     return LlamaHParams(
         arch=arch,
@@ -171,7 +171,8 @@ def tiny_mamba_hparams(
     tied: bool = False,
     eps: float = 1e-5,
 ):
-    """A small :class:`reference.hparams.MambaHParams` with ``d_inner = 2 * n_embd``.
+    """A small [`reference.hparams.MambaHParams`][reference.hparams.MambaHParams] with ``d_inner = 2
+    * n_embd``.
 
     Mamba-1: ``dt_rank`` defaults to ``ceil(n_embd / 16)``; Mamba-2: ``n_head = d_inner /
     head_dim`` heads (``ssm_dt_rank``) in ``n_group`` groups.
@@ -267,8 +268,9 @@ def write_tiny_mamba_gguf(path: str | Path, hp, weights: dict) -> Path:
 def mamba_reference_logits(weights: dict, hp, tokens, chunks=None, dtype=None) -> np.ndarray:
     """Our logits of every token of one sequence, fed in ``chunks`` (sizes; None: one ubatch).
 
-    Uses :class:`reference.models.mamba.SimpleRecurrentState` in ``dtype`` (default: the
-    weights' dtype). ``chunks=[1] * n`` is token by token.
+    Uses
+    [`reference.models.mamba.SimpleRecurrentState`][reference.models.mamba.SimpleRecurrentState] in
+    ``dtype`` (default: the weights' dtype). ``chunks=[1] * n`` is token by token.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
     state = SimpleRecurrentState(hp, 1, dtype or model_dtype(weights))
@@ -314,7 +316,7 @@ def nmse_check(ref: ArrayLike, out: ArrayLike, max_nmse: float) -> float:
     Args:
         ref: the reference's output.
         out: the twin's output, of the same shape.
-        max_nmse: the threshold (:data:`reference.common.MAX_NMSE_OP`).
+        max_nmse: the threshold (`reference.common.MAX_NMSE_OP`).
 
     Returns:
         The measured NMSE (0.0 when the reference is all zeros and the twin matches).

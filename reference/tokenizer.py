@@ -10,20 +10,20 @@ that nearly every GGUF model uses:
   score** (ties: the leftmost). A character that is not in the vocabulary becomes its UTF-8
   bytes as ``<0xXX>`` tokens (*byte fallback*).
 - **Byte-level BPE** (``"gpt2"``; GPT-2, Llama 3, Qwen2, SmolLM2). A *pre-tokenizer* first
-  cuts the text into words with regular expressions (:mod:`reference.unicode`); each word's
-  UTF-8 bytes are spelled with GPT-2's 256-character alphabet (a space is ``Ġ``), and inside
+  cuts the text into words with regular expressions ([`reference.unicode`][reference.unicode]); each
+  word's UTF-8 bytes are spelled with GPT-2's 256-character alphabet (a space is ``Ġ``), and inside
   each word the adjacent pair with the **lowest merge rank** is merged until none is left.
 
-Before either runs, :meth:`Tokenizer.tokenize` cuts the text at special tokens
+Before either runs, [`Tokenizer.tokenize`][] cuts the text at special tokens
 (``tokenizer_st_partition``): with ``parse_special=True`` the text ``<|im_start|>`` becomes
 that one control token; user-defined tokens are always cut out. ``add_special`` then puts BOS
 in front (and EOS at the end) when the model asks for it (``tokenizer.ggml.add_bos_token``).
 
-Back from ids to text, :meth:`Tokenizer.token_to_piece` gives each token's bytes (control
-tokens only when ``special=True``), and :meth:`Tokenizer.detokenize` concatenates them, drops
+Back from ids to text, [`Tokenizer.token_to_piece`][] gives each token's bytes (control
+tokens only when ``special=True``), and [`Tokenizer.detokenize`][] concatenates them, drops
 the prefix space SPM added, and for some BPE vocabularies "cleans" spaces before punctuation
 (``clean_spaces``). A piece may be part of a UTF-8 character (byte tokens, or byte-level BPE
-tokens that split a character), so streaming output goes through :class:`StreamDecoder`.
+tokens that split a character), so streaming output goes through [`StreamDecoder`][].
 
 Where llama.cpp's result depends on ``std::unordered_map`` iteration order (which of several
 end-of-turn texts becomes ``eot_id``), we take the lowest id; ``std::sort`` of the special
@@ -460,7 +460,7 @@ def clean_spaces(text: bytes) -> bytes:
 class Tokenizer:
     """A vocabulary and the llama.cpp semantics of ``llama_tokenize`` & co.
 
-    Build one with :meth:`from_gguf`, :meth:`from_hf` or :func:`load_tokenizer`.
+    Build one with [`from_gguf`][], [`from_hf`][] or [`load_tokenizer`][].
 
     Attributes:
         n_vocab: number of tokens.
@@ -468,7 +468,7 @@ class Tokenizer:
         add_bos, add_eos: whether ``tokenize(add_special=True)`` adds them.
         chat_template: the Jinja chat template, if the model ships one.
         model: ``"llama"`` (SPM), ``"gpt2"`` (byte-level BPE), ``"hf-bpe"`` or ``"hf-spm"``
-            (:meth:`from_hf`: encoded by the ``tokenizers`` package).
+            ([`from_hf`][]: encoded by the ``tokenizers`` package).
         pre: the pre-tokenizer name (``tokenizer.ggml.pre``) for BPE.
         tokens: text of every token; ``attrs``: its ``ATTR_*`` bits.
 
@@ -560,10 +560,11 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> Tokenizer:
-        """Build from GGUF metadata (a dict as :func:`reference.gguf.read_gguf` gives).
+        """Build from GGUF metadata (a dict as
+        [`reference.gguf.read_gguf`][reference.gguf.read_gguf] gives).
 
         Raises:
-            TokenizerError: as :meth:`from_gguf`.
+            TokenizerError: as [`from_gguf`][].
         """
         tok = cls()
         tok._load_type(md)
@@ -943,7 +944,7 @@ class Tokenizer:
     def detokenize_bytes(
         self, tokens, remove_special: bool = False, unparse_special: bool = False
     ) -> bytes:
-        """The bytes of :meth:`detokenize` (``llama_detokenize``), before UTF-8 decoding."""
+        """The bytes of [`detokenize`][] (``llama_detokenize``), before UTF-8 decoding."""
         tokens = list(tokens)
         for t in tokens:
             self._check_id(t)
@@ -1004,11 +1005,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the model's chat template, as HF transformers does.
 
-        See :func:`reference.chat_template.render_chat_template`.
+        See
+        [`reference.chat_template.render_chat_template`][reference.chat_template.render_chat_template].
 
         Raises:
             TokenizerError: no chat template, or it does not render (the
-                :class:`~reference.chat_template.ChatTemplateError`, as a tokenizer error).
+                [`ChatTemplateError`][reference.chat_template.ChatTemplateError], as a tokenizer
+                error).
         """
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template ('tokenizer.chat_template')")
@@ -1096,7 +1099,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 class StreamDecoder:
     """Text from tokens one at a time, never cutting a UTF-8 character.
 
-    The concatenation of everything :meth:`push` and :meth:`flush` return is exactly
+    The concatenation of everything [`push`][] and [`flush`][] return is exactly
     ``tokenizer.detokenize(tokens, unparse_special=special)``. Pieces are joined as
     ``detokenize`` joins them (the first piece loses SPM's prefix space); the bytes go through
     an incremental UTF-8 decoder, which holds back an incomplete character until its last byte

@@ -9,26 +9,26 @@ llama.cpp has its own version of each:
    ``\p{M}`` and ``\s`` are looked up in llama.cpp's own table (``unicode-data.cpp``, made by
    ``scripts/gen-unicode-data.py`` from Unicode 15.1's ``UnicodeData.txt``), not in Python's
    ``unicodedata`` (Unicode 14 on Python 3.11) nor in the ``regex`` package (a newer Unicode).
-   The table is :data:`_FLAG_RANGES` below. Whitespace is a fixed set of 25 codepoints
+   The table is `_FLAG_RANGES` below. Whitespace is a fixed set of 25 codepoints
    (Unicode's ``White_Space``), so ``\s`` does *not* match ``\x1c``-``\x1f`` as Python's ``\s``
    does.
 2. **Hand-written splitters.** For the GPT-2, Llama 3 and Qwen2 expressions llama.cpp does not
    run a regex engine: ``unicode_regex_split_custom_gpt2`` / ``_llama3`` / ``_qwen2`` scan the
    codepoints by hand. We write each one as the Python regular expression it is equivalent to
-   (:data:`CUSTOM_SPLITS`); ``tests/test_tokenizer.py`` runs a line-by-line port of the C++
+   (`CUSTOM_SPLITS`); ``tests/test_tokenizer.py`` runs a line-by-line port of the C++
    scanners against these expressions on random text.
 3. **The std::regex fallback.** Any other expression runs through ``std::regex`` on a
    *collapsed* text where every codepoint above 127 is replaced by one byte naming its class
    (``0xD1`` number, ``0xD2`` letter, ``0xD3`` punctuation, ``0xD4`` mark, ``0xD5`` symbol,
    ``0x0B`` whitespace, ``0xD0`` anything else), and ``\p{X}`` by ``[\xD? + ASCII members]``.
    That is the same as running the expression on the original text with ``\p{X}`` and ``\s``
-   replaced by explicit classes from the table, which is what :func:`translate_regex` does.
+   replaced by explicit classes from the table, which is what [`translate_regex`][] does.
 
 The expressions are applied one after the other: each one splits every piece that the
 previous ones produced, and both the matches and the text between matches become pieces.
 
 Byte-level BPE then spells each word's UTF-8 bytes with GPT-2's printable alphabet
-(:data:`BYTE_TO_UNICODE`): the 188 printable Latin-1 bytes stand for themselves, the other 68
+(`BYTE_TO_UNICODE`): the 188 printable Latin-1 bytes stand for themselves, the other 68
 are moved to U+0100 onwards, so a space is ``Ġ`` (U+0120) and a newline ``Ċ`` (U+010A).
 """
 
@@ -118,7 +118,7 @@ WHITESPACE = frozenset(
 
 
 def _parse_ranges(table: str) -> tuple[list[int], list[str]]:
-    """The first codepoint and the category of every range of :data:`_FLAG_RANGES`."""
+    """The first codepoint and the category of every range of `_FLAG_RANGES`."""
     starts: list[int] = []
     categories: list[str] = []
     cpt = 0
@@ -168,8 +168,8 @@ def category_class(categories: str) -> str:
     r"""The inside of a regex class matching every codepoint of these llama.cpp categories.
 
     Args:
-        categories: category letters (see :func:`cpt_category`), or ``"s"`` for the
-            whitespace set :data:`WHITESPACE`.
+        categories: category letters (see [`cpt_category`][]), or ``"s"`` for the
+            whitespace set `WHITESPACE`.
 
     Returns:
         A string to put between ``[`` and ``]`` (``\UXXXXXXXX`` escapes and ranges).
@@ -211,7 +211,7 @@ def _bytes_to_unicode() -> list[str]:
 
 #: Byte ``b`` is spelled ``BYTE_TO_UNICODE[b]`` inside byte-level BPE tokens.
 BYTE_TO_UNICODE: list[str] = _bytes_to_unicode()
-#: The inverse of :data:`BYTE_TO_UNICODE`.
+#: The inverse of `BYTE_TO_UNICODE`.
 UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in enumerate(BYTE_TO_UNICODE)}
 _LATIN1_TO_GPT2 = {b: c for b, c in enumerate(BYTE_TO_UNICODE)}
 _GPT2_TO_LATIN1 = {ord(c): b for b, c in enumerate(BYTE_TO_UNICODE)}
@@ -220,7 +220,7 @@ _ALPHABET = frozenset(BYTE_TO_UNICODE)
 
 # --8<-- [start:byte_encode]
 def byte_encode(word: str) -> str:
-    r"""Spell a word's UTF-8 bytes with :data:`BYTE_TO_UNICODE` (``unicode_byte_encoding_process``).
+    r"""Spell a word's UTF-8 bytes with `BYTE_TO_UNICODE` (``unicode_byte_encoding_process``).
 
     Args:
         word: a pre-tokenized word (lone surrogates are encoded as llama.cpp's UTF-8
@@ -408,7 +408,7 @@ def regex_split(text: str, exprs: list[str] | tuple[str, ...]) -> list[str]:
 
     Args:
         text: the text (one fragment between special tokens).
-        exprs: the expressions, as llama.cpp writes them (keys of :data:`CUSTOM_SPLITS` use
+        exprs: the expressions, as llama.cpp writes them (keys of `CUSTOM_SPLITS` use
             the hand-written scanners).
 
     Returns:

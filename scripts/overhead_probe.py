@@ -15,7 +15,7 @@ Usage::
     python scripts/overhead_probe.py                    # both Contexts, n_ctx 8192 and 16384
     python scripts/overhead_probe.py --ctx reference --n-ctx 16384 --profile 8000
 
-Importable: :func:`probe` takes a Context factory and returns the table as a dict.
+Importable: `probe` takes a Context factory and returns the table as a dict.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def probe(ctx_factory: Callable[[], object], depths: Sequence[int] = DEPTHS, n_g
     Returns:
         ``{"ms_per_token": {depth: median ms}, "bookkeeping_ms": {depth: median ms},
         "failed_decode_ms": ms or None, "n_ctx": n}``; ``bookkeeping_ms`` is the host work
-        of a token without the forward (:func:`_bookkeeping`).
+        of a token without the forward (`_bookkeeping`).
     """
     out: dict = {"ms_per_token": {}, "bookkeeping_ms": {}, "failed_decode_ms": None}
     for depth in depths:

@@ -55,6 +55,8 @@ SCREENSHOTS = {
     "decode/index.html": "decode",
     "sampling/index.html": "sampling",
     "performance/index.html": "performance",
+    "api/index.html": "api",
+    "api/reference.context/index.html": "api-reference-context",
 }
 # Pictures written into docs/ by a script (llamaref bench --plot, docs/figures/): each must be
 # shown by some page, or it is a leftover.
@@ -71,13 +73,7 @@ CHROMIUM_FLAGS = [
 ]
 
 # (page, defect kind) pairs that are known to fail, with the reason. Shrink only.
-KNOWN: dict[tuple[str, str], str] = {
-    # The API reference is one 9.9 MB page of docstrings written with Sphinx roles; issue 11
-    # splits it per module and rewrites the roles in mkdocstrings' syntax.
-    ("api/index.html", "page size"): "issue 11: split the API page",
-    ("api/index.html", "Sphinx role"): "issue 11: mkdocstrings cross-references",
-    ("api/index.html", "raw math"): "issue 11: top_k's `$k > $`, Mamba-1's adjacent $$ blocks",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 # Runs in the page: every defect as [kind, detail]. `col` is the content column.
 PAGE_SCRIPT = r"""

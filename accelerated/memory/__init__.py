@@ -1,4 +1,5 @@
-"""Twin of :mod:`reference.memory`: the KV cache and the recurrent memory with MLX tensors.
+"""Twin of [`reference.memory`][reference.memory]: the KV cache and the recurrent memory with MLX
+tensors.
 
 The bookkeeping (cells, seq sets, slot search, the memory API, the memory interface, the KQ
 mask's rule, the state layout) is the reference's, imported; only the tensors and the array
@@ -33,11 +34,13 @@ __all__ = [
 def create_memory(hparams, n_ctx_seq: int, n_seq_max: int = 1, kv_unified: bool = True,
                   swa_full: bool = True, n_ubatch: int = 512,
                   dtype: DTypeLike = np.float32) -> Memory:
-    """Twin of :func:`reference.memory.create_memory`: the same choice, MLX memories.
+    """Twin of [`reference.memory.create_memory`][reference.memory.create_memory]: the same choice,
+    MLX memories.
 
     The recurrent rows are float16 for a float16 ``dtype``, float32 otherwise (MLX's CPU
     float64 support is partial); the KV cache keeps ``dtype`` for its bookkeeping and
-    stores float64 as float32 (:func:`accelerated.memory.kv_cache.mx_dtype`).
+    stores float64 as float32
+    ([`accelerated.memory.kv_cache.mx_dtype`][accelerated.memory.kv_cache.mx_dtype]).
 
     Examples:
         >>> from reference.testing import tiny_mamba_hparams

@@ -1,6 +1,7 @@
-"""Twin of :mod:`reference.memory.kv_cache`: ``llama_kv_cache`` with MLX K/V tensors.
+"""Twin of [`reference.memory.kv_cache`][reference.memory.kv_cache]: ``llama_kv_cache`` with MLX K/V
+tensors.
 
-:class:`KVCache` *is* the reference's cache (a subclass): the cells, streams, slot search,
+[`KVCache`][] *is* the reference's cache (a subclass): the cells, streams, slot search,
 ``seq_*`` operations, the memory interface (``init_batch``, ``prepare``, ``apply_ubatch``,
 ``remove_ubatch``, ``update``) and the state methods are inherited unchanged. What differs
 is the array steps they call:
@@ -8,18 +9,18 @@ is the array steps they call:
 - ``k_l[il]`` / ``v_l[il]`` are ``mx.array`` of the reference's shapes
   ``(n_stream, kv_size, n_embd_k_gqa)``; MLX arrays are values, so a write replaces the
   list entry (``k_l[il] = ...``) instead of writing through a NumPy view;
-- the KQ mask is built on the device (:func:`kq_mask_device`): the host gathers what the
+- the KQ mask is built on the device ([`kq_mask_device`][]): the host gathers what the
   formula reads, the positions of the cells in view and whether each holds the token's
-  sequence (:meth:`KVCacheAttnInput.kq_mask_inputs`), and MLX evaluates the formula of
-  :func:`reference.memory.kv_cache.set_input_kq_mask` on them, inside the Context's
-  compiled graph; ``get_k``/``get_v`` slice the MLX tensors;
-- :class:`GraphAttnInput` is the same input as a *value*: it holds its own list of K/V
+  sequence ([`KVCacheAttnInput.kq_mask_inputs`][]), and MLX evaluates the formula of
+  [`reference.memory.kv_cache.set_input_kq_mask`][reference.memory.kv_cache.set_input_kq_mask] on
+  them, inside the Context's compiled graph; ``get_k``/``get_v`` slice the MLX tensors;
+- [`GraphAttnInput`][] is the same input as a *value*: it holds its own list of K/V
   tensors (graph placeholders when the forward is traced), so a compiled forward takes the
-  cache tensors in and gives the written ones back (:mod:`accelerated.context`);
-- the K-shift of ``update`` (:meth:`KVCache.apply_k_shift`) is :func:`build_rope_shift` on
+  cache tensors in and gives the written ones back ([`accelerated.context`][accelerated.context]);
+- the K-shift of ``update`` ([`KVCache.apply_k_shift`][]) is [`build_rope_shift`][] on
   MLX (``accelerated.ops.rope_ext``), applied to the shifted rows with one scatter per
-  layer; a stream copy (:meth:`KVCache.copy_stream`) replaces the stream in each tensor;
-- :meth:`KVCache.on_host` gives the reference's state functions NumPy tensors for the
+  layer; a stream copy ([`KVCache.copy_stream`][]) replaces the stream in each tensor;
+- [`KVCache.on_host`][] gives the reference's state functions NumPy tensors for the
   duration, so a blob written by either cache restores in the other.
 
 The tensors compute in float32 (MLX's CPU float64 support is partial): a ``dtype`` of
@@ -91,7 +92,9 @@ def mx_dtype(dtype: DTypeLike) -> mx.Dtype:
 def build_rope_shift(
     k: mx.array, shift: np.ndarray, hparams: LlamaHParams, rope_factors: mx.array | None = None
 ) -> mx.array:
-    """Twin of :func:`reference.memory.kv_cache.build_rope_shift`. ``rope_ext`` on MLX.
+    """Twin of
+    [`reference.memory.kv_cache.build_rope_shift`][reference.memory.kv_cache.build_rope_shift].
+    ``rope_ext`` on MLX.
 
     Args:
         k: keys of the cells ``(n_cells, n_head_kv, n_embd_head_k)``.
@@ -122,10 +125,12 @@ def build_rope_shift(
 # --8<-- [start:kq_mask_device]
 def kq_mask_device(p_cell: mx.array, member: mx.array, pos: mx.array, n_swa: int,
                    swa_type: int) -> mx.array:
-    r"""The KQ mask of :func:`reference.memory.kv_cache.set_input_kq_mask`, computed by MLX.
+    r"""The KQ mask of
+    [`reference.memory.kv_cache.set_input_kq_mask`][reference.memory.kv_cache.set_input_kq_mask],
+    computed by MLX.
 
     The same formula, term for term, on what the host gathered
-    (:meth:`KVCacheAttnInput.kq_mask_inputs`):
+    ([`KVCacheAttnInput.kq_mask_inputs`][]):
 
     $$
     \mathrm{visible}_{ij} = member_{ij} \;\wedge\; pos_j \ne -1 \;\wedge\; pos_j \le p_i
@@ -163,15 +168,16 @@ def kq_mask_device(p_cell: mx.array, member: mx.array, pos: mx.array, n_swa: int
 
 # --8<-- [start:KVCacheAttnInput]
 class KVCacheAttnInput(ref.KVCacheAttnInput):
-    """Twin of :class:`reference.memory.kv_cache.KVCacheAttnInput` on MLX tensors.
+    """Twin of
+    [`reference.memory.kv_cache.KVCacheAttnInput`][reference.memory.kv_cache.KVCacheAttnInput] on
+    MLX tensors.
 
     ``n_kv`` and ``k_idxs`` are the reference's (host bookkeeping). The mask is built on the
-    device (:func:`kq_mask_device`) from :meth:`kq_mask_inputs`, when it is first asked for:
+    device ([`kq_mask_device`][]) from [`kq_mask_inputs`][], when it is first asked for:
     the Context's graph builds its own from those inputs for the narrower view it reads
-    (:func:`accelerated.context.kv_view`), so then the full-width mask is never made.
-    ``cpy_k``/``cpy_v`` scatter into the flattened ``(n_stream * kv_size, n_embd_gqa)``
-    tensor and store the result back in the cache's list; ``get_k``/``get_v`` are MLX
-    slices (lazy).
+    ([`accelerated.context.kv_view`][accelerated.context.kv_view]), so then the full-width mask is
+    never made. ``cpy_k``/``cpy_v`` scatter into the flattened ``(n_stream * kv_size, n_embd_gqa)``
+    tensor and store the result back in the cache's list; ``get_k``/``get_v`` are MLX slices (lazy).
 
     Examples:
         >>> from reference.testing import tiny_hparams
@@ -188,11 +194,11 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
     """
 
     def set_kq_mask(self) -> None:
-        """Twin of the reference's step: no NumPy mask; :attr:`kq_mask` builds it on demand."""
+        """Twin of the reference's step: no NumPy mask; [`kq_mask`][] builds it on demand."""
         self._kq_mask: mx.array | None = None
 
     def kq_mask_inputs(self, n_cols: int) -> tuple[np.ndarray, np.ndarray]:
-        """What :func:`kq_mask_device` reads, for the first ``n_cols`` cells of each stream.
+        """What [`kq_mask_device`][] reads, for the first ``n_cols`` cells of each stream.
 
         Returns:
             ``p_cell`` ``(ns * n_cols,)`` int32 and ``member`` ``(n_tokens, ns * n_cols)``
@@ -261,12 +267,12 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
 class GraphAttnInput:
     """The attention input of one ubatch as a pure value, for a traced (compiled) forward.
 
-    Implements :class:`reference.models.llama.AttnInput` on its own lists ``k_l``/``v_l``
-    (one ``(n_stream, kv_size, n_embd_gqa)`` tensor per layer): ``cpy_k``/``cpy_v`` replace a
-    layer's entry by the scattered tensor, so after the forward ``k_l``/``v_l`` are the
-    written cache, to be returned by the graph and stored by the caller. The ubatch's
-    geometry (``n_kv``, ``strm``) is static; ``k_idxs`` and ``kq_mask`` are arrays (inputs of
-    the graph). Nothing is read on the host.
+    Implements [`reference.models.llama.AttnInput`][reference.models.llama.AttnInput] on its own
+    lists ``k_l``/``v_l`` (one ``(n_stream, kv_size, n_embd_gqa)`` tensor per layer):
+    ``cpy_k``/``cpy_v`` replace a layer's entry by the scattered tensor, so after the forward
+    ``k_l``/``v_l`` are the written cache, to be returned by the graph and stored by the caller. The
+    ubatch's geometry (``n_kv``, ``strm``) is static; ``k_idxs`` and ``kq_mask`` are arrays (inputs
+    of the graph). Nothing is read on the host.
 
     Args:
         k_l: K tensors, one per layer.
@@ -332,10 +338,11 @@ class GraphAttnInput:
 
 # --8<-- [start:KVCache]
 class KVCache(ref.KVCache):
-    """Twin of :class:`reference.memory.kv_cache.KVCache`: the same cells, MLX tensors.
+    """Twin of [`reference.memory.kv_cache.KVCache`][reference.memory.kv_cache.KVCache]: the same
+    cells, MLX tensors.
 
     Constructor arguments are the reference's; ``k_l``/``v_l`` become ``mx.array`` zeros of
-    the same shapes (dtype by :func:`mx_dtype`). Every bookkeeping method is inherited.
+    the same shapes (dtype by [`mx_dtype`][]). Every bookkeeping method is inherited.
 
     Examples:
         >>> from reference.testing import tiny_hparams
@@ -354,7 +361,7 @@ class KVCache(ref.KVCache):
         """Empty every cell; with ``data`` also zero the K/V tensors (``llama_memory_clear``).
 
         The tensors are replaced by zeros of their own kind: MLX normally, NumPy while the
-        reference's state functions work on NumPy copies (:meth:`on_host`).
+        reference's state functions work on NumPy copies ([`on_host`][]).
         """
         super().clear(data=False)
         if data:
@@ -363,7 +370,7 @@ class KVCache(ref.KVCache):
             self.v_l = [zeros(t) for t in self.v_l]
 
     def attn_input(self, ubatch, sinfo: SlotInfo) -> KVCacheAttnInput:
-        """The MLX :class:`KVCacheAttnInput` of ``ubatch`` (call after ``apply_ubatch``).
+        """The MLX [`KVCacheAttnInput`][] of ``ubatch`` (call after ``apply_ubatch``).
 
         ``graph_input`` (inherited) returns it too.
         """
@@ -372,9 +379,11 @@ class KVCache(ref.KVCache):
     # --8<-- [start:apply_k_shift]
     def apply_k_shift(self, stream: int, rows: list[int], shift: np.ndarray,
                       rope_factors: np.ndarray | None = None) -> None:
-        """Twin of :meth:`reference.memory.kv_cache.KVCache.apply_k_shift` on MLX tensors.
+        """Twin of
+        [`reference.memory.kv_cache.KVCache.apply_k_shift`][reference.memory.kv_cache.KVCache.apply_k_shift]
+        on MLX tensors.
 
-        The shifted rows of each layer are gathered, turned (:func:`build_rope_shift`) and
+        The shifted rows of each layer are gathered, turned ([`build_rope_shift`][]) and
         scattered back; the bookkeeping around it (which rows, by how much, forgetting the
         shifts) is the reference's ``update``.
         """
@@ -387,7 +396,9 @@ class KVCache(ref.KVCache):
             self.k_l[il] = k
 
     def copy_stream(self, ssrc: int, sdst: int) -> None:
-        """Twin of :meth:`reference.memory.kv_cache.KVCache.copy_stream`: a new array per layer."""
+        """Twin of
+        [`reference.memory.kv_cache.KVCache.copy_stream`][reference.memory.kv_cache.KVCache.copy_stream]:
+        a new array per layer."""
         for tensors in (self.k_l, self.v_l):
             for il, t in enumerate(tensors):
                 t[sdst] = t[ssrc]

@@ -1,20 +1,22 @@
-r"""Twin of :mod:`reference.memory.recurrent`: the recurrent memory with MLX state rows.
+r"""Twin of [`reference.memory.recurrent`][reference.memory.recurrent]: the recurrent memory with
+MLX state rows.
 
 The cell bookkeeping (``find_slot``, ``seq_rm``/``seq_cp``/``seq_keep``/``seq_add``/
 ``seq_div``, copy on write, ``rs_z``, ``src0``) and the memory interface (``init_batch``,
 ``prepare``, ``apply_ubatch``, ``remove_ubatch``, ``backup``/``restore``, the state methods)
-are inherited from :class:`reference.memory.recurrent.RecurrentMemory`, never rewritten.
-Only the array steps they call differ:
+are inherited from
+[`reference.memory.recurrent.RecurrentMemory`][reference.memory.recurrent.RecurrentMemory], never
+rewritten. Only the array steps they call differ:
 
 - ``r_l[il]`` ``(mem_size, n_embd_r)`` and ``s_l[il]`` ``(mem_size, n_embd_s)`` are
   ``mx.array``. MLX arrays are values, so a write replaces a layer's array in the list by a new
   (lazy) one instead of writing into a buffer; nothing else holds a reference to the rows.
-- :meth:`RecurrentMemory.move_rows` (the row moves of ``apply_ubatch``) is one gather per
+- [`RecurrentMemory.move_rows`][] (the row moves of ``apply_ubatch``) is one gather per
   layer and state (``mx.take``), evaluated, so a ubatch's graph starts from concrete rows;
-  :meth:`RecurrentMemory.save_rows` keeps the arrays themselves (values: no copy).
-- :class:`RecurrentMemoryInput` hands the model ``mx.array`` rows and takes lazy ones back.
+  [`RecurrentMemory.save_rows`][] keeps the arrays themselves (values: no copy).
+- [`RecurrentMemoryInput`][] hands the model ``mx.array`` rows and takes lazy ones back.
 - State save/restore is the reference's code run on host copies of the rows
-  (:meth:`RecurrentMemory.on_host`), so a blob written by either memory restores in the
+  ([`RecurrentMemory.on_host`][]), so a blob written by either memory restores in the
   other; parsing and checking blobs are imported.
 """
 
@@ -70,7 +72,8 @@ def _put_rows(t: mx.array, start: int, rows: mx.array) -> mx.array:
 
 # --8<-- [start:RecurrentMemoryInput]
 class RecurrentMemoryInput(ref.RecurrentMemoryInput):
-    """Twin of :class:`reference.memory.recurrent.RecurrentMemoryInput`.
+    """Twin of
+    [`reference.memory.recurrent.RecurrentMemoryInput`][reference.memory.recurrent.RecurrentMemoryInput].
 
     ``get_r``/``get_s`` return lazy slices of the memory's ``mx.array`` rows (no copy is
     needed: MLX arrays are values); ``cpy_r``/``cpy_s`` replace the layer's array by one with
@@ -99,7 +102,8 @@ class RecurrentMemoryInput(ref.RecurrentMemoryInput):
 
 # --8<-- [start:RecurrentMemory]
 class RecurrentMemory(ref.RecurrentMemory):
-    """Twin of :class:`reference.memory.recurrent.RecurrentMemory`.
+    """Twin of
+    [`reference.memory.recurrent.RecurrentMemory`][reference.memory.recurrent.RecurrentMemory].
 
     The same cells and API; ``r_l``/``s_l`` are lists of ``mx.array``. ``dtype`` is float32
     (llama.cpp's) or float16; ``self.dtype`` stays the NumPy dtype, as in the reference.
@@ -128,7 +132,9 @@ class RecurrentMemory(ref.RecurrentMemory):
 
     # --8<-- [start:clear]
     def clear(self, data: bool = True) -> None:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.clear`: rows become zeros."""
+        """Twin of
+        [`reference.memory.recurrent.RecurrentMemory.clear`][reference.memory.recurrent.RecurrentMemory.clear]:
+        rows become zeros."""
         super().clear(data=False)
         if data:  # NumPy rows while the reference's state_read runs (_on_host)
             on_host = bool(self.r_l) and isinstance(self.r_l[0], np.ndarray)
@@ -139,21 +145,24 @@ class RecurrentMemory(ref.RecurrentMemory):
 
     # --8<-- [start:save_rows]
     def save_rows(self, cells: range) -> tuple[list, list]:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.save_rows`.
+        """Twin of
+        [`reference.memory.recurrent.RecurrentMemory.save_rows`][reference.memory.recurrent.RecurrentMemory.save_rows].
 
         The rows are immutable values: keeping the arrays (not copies) is the backup.
         """
         return list(self.r_l), list(self.s_l)
 
     def load_rows(self, cells: range, saved: tuple[list, list]) -> None:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.load_rows`."""
+        """Twin of
+        [`reference.memory.recurrent.RecurrentMemory.load_rows`][reference.memory.recurrent.RecurrentMemory.load_rows]."""
         r_l, s_l = saved
         self.r_l, self.s_l = list(r_l), list(s_l)
     # --8<-- [end:save_rows]
 
     # --8<-- [start:move_rows]
     def move_rows(self, cells: range, src: list[int], rs_z: int) -> None:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.move_rows`.
+        """Twin of
+        [`reference.memory.recurrent.RecurrentMemory.move_rows`][reference.memory.recurrent.RecurrentMemory.move_rows].
 
         Per layer and state, a zeroed ``rs_z`` row then one gather ``t[src]`` written over
         ``cells`` (the gather reads the array before the write, as the reference's fancy
@@ -188,7 +197,8 @@ class RecurrentMemory(ref.RecurrentMemory):
 
     # --8<-- [start:rs_input]
     def rs_input(self, ubatch: Ubatch) -> RecurrentMemoryInput:
-        """Twin of :meth:`reference.memory.recurrent.RecurrentMemory.rs_input`."""
+        """Twin of
+        [`reference.memory.recurrent.RecurrentMemory.rs_input`][reference.memory.recurrent.RecurrentMemory.rs_input]."""
         return RecurrentMemoryInput(self, ubatch)
     # --8<-- [end:rs_input]
 
@@ -217,9 +227,10 @@ class RecurrentMemory(ref.RecurrentMemory):
 
 # --8<-- [start:state_write]
 def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int = -1) -> bytes:
-    """Twin of :func:`reference.memory.recurrent.state_write`. ``memory.state_write``.
+    """Twin of [`reference.memory.recurrent.state_write`][reference.memory.recurrent.state_write].
+    ``memory.state_write``.
 
-    The memory's method runs the reference on host rows (:meth:`RecurrentMemory.on_host`).
+    The memory's method runs the reference on host rows ([`RecurrentMemory.on_host`][]).
 
     Examples:
         >>> from reference.testing import tiny_mamba_hparams
@@ -234,9 +245,11 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
 # --8<-- [start:state_read]
 def state_read(memory: RecurrentMemory, hparams: RecurrentHParams, data: bytes,
                dest_seq_id: int = -1) -> None:
-    """Twin of :func:`reference.memory.recurrent.state_read`. ``memory.state_read``.
+    """Twin of [`reference.memory.recurrent.state_read`][reference.memory.recurrent.state_read].
+    ``memory.state_read``.
 
-    A refused blob raises :class:`reference.memory.state.StateError` and changes nothing.
+    A refused blob raises [`reference.memory.state.StateError`][reference.memory.state.StateError]
+    and changes nothing.
     """
     memory.state_read(hparams, data, dest_seq_id)
 # --8<-- [end:state_read]
@@ -245,7 +258,9 @@ def state_read(memory: RecurrentMemory, hparams: RecurrentHParams, data: bytes,
 # --8<-- [start:state_save_file]
 def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
                     tokens: ArrayLike, seq_id: int = -1) -> int:
-    """Twin of :func:`reference.memory.recurrent.state_save_file`. ``memory.state_save_file``."""
+    """Twin of
+    [`reference.memory.recurrent.state_save_file`][reference.memory.recurrent.state_save_file].
+    ``memory.state_save_file``."""
     return memory.state_save_file(path, hparams, tokens, seq_id)
 # --8<-- [end:state_save_file]
 
@@ -253,6 +268,8 @@ def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: Recurren
 # --8<-- [start:state_load_file]
 def state_load_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
                     dest_seq_id: int = -1) -> np.ndarray:
-    """Twin of :func:`reference.memory.recurrent.state_load_file`. ``memory.state_load_file``."""
+    """Twin of
+    [`reference.memory.recurrent.state_load_file`][reference.memory.recurrent.state_load_file].
+    ``memory.state_load_file``."""
     return memory.state_load_file(path, hparams, dest_seq_id)
 # --8<-- [end:state_load_file]

@@ -1,4 +1,5 @@
-"""Twin of :mod:`reference.models`: the model forwards on MLX (Llama/Qwen2, Mamba/Mamba-2)."""
+"""Twin of [`reference.models`][reference.models]: the model forwards on MLX (Llama/Qwen2,
+Mamba/Mamba-2)."""
 
 from accelerated.models.llama import llama_forward, prepare_weights
 from accelerated.models.mamba import mamba_forward

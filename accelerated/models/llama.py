@@ -1,29 +1,30 @@
-r"""Twin of :mod:`reference.models.llama`: ``llm_build_llama`` / ``llm_build_qwen2`` on MLX.
+r"""Twin of [`reference.models.llama`][reference.models.llama]: ``llm_build_llama`` /
+``llm_build_qwen2`` on MLX.
 
 The same graph, function for function, on ``accelerated.ops``. What differs:
 
-- weights are prepared once by :func:`prepare_weights`: GGUF Q4_0/Q4_1/Q8_0 tensors become
-  :class:`accelerated.quants.MLXQuantized` (lossless) and every matmul with them is
-  :func:`accelerated.quants.quantized_matmul`; other tensors are ``mx.array`` (float32;
-  other GGUF types dequantized once at load);
+- weights are prepared once by [`prepare_weights`][]: GGUF Q4_0/Q4_1/Q8_0 tensors become
+  [`accelerated.quants.MLXQuantized`][accelerated.quants.MLXQuantized] (lossless) and every matmul
+  with them is [`accelerated.quants.quantized_matmul`][accelerated.quants.quantized_matmul]; other
+  tensors are ``mx.array`` (float32; other GGUF types dequantized once at load);
 - ``get_rows`` on a quantized ``token_embd`` gathers the *packed* rows of the needed tokens
   and dequantizes only those (``mx.dequantize``), the same values as the reference's full
   dequantization; a tied lm_head runs quantized on the packed table;
 - on the CPU device the matmul weights are dequantized once and stored *transposed*,
-  ``(n_in, n_out)`` (:class:`TransposedWeight`, ``matmul="dense"``): MLX's Linux CPU backend
+  ``(n_in, n_out)`` ([`TransposedWeight`][], ``matmul="dense"``): MLX's Linux CPU backend
   calls a reference BLAS, and ``x @ W^T`` with ``W^T`` contiguous is its fastest product
   (25-35% faster than ``mx.quantized_matmul`` or a transposed view, measured in
   ``docs/mlx.md``); the values are the same (dequantization is exact), only the summation
   order of the float32 products changes;
-- the graph is a pure function of MLX arrays (:func:`llm_build_llama`): positions, output
+- the graph is a pure function of MLX arrays ([`llm_build_llama`][]): positions, output
   ids and token ids may be ``mx.array`` placeholders, so the Context can trace it once with
-  ``mx.compile`` and reuse it (host-side checks happen before, in :func:`llama_forward` or the
+  ``mx.compile`` and reuse it (host-side checks happen before, in [`llama_forward`][] or the
   Context); inside it ``rope_ext`` and ``get_rows`` are their fused MLX kernels without the
-  host validation (:func:`rope_in_graph`, ``mx.take``);
-- on the CPU device the attention is :func:`attn_grouped` (bit for bit what MLX's CPU
+  host validation ([`rope_in_graph`][], ``mx.take``);
+- on the CPU device the attention is [`attn_grouped`][] (bit for bit what MLX's CPU
   fallback of the fused kernel computes, in fewer and larger matmuls);
 - those two choices by device (the matmul form and the attention form) are made by one
-  function, :func:`gpu_paths`: the environment variable ``LLAMAREF_MLX_GPU_PATHS=1`` makes
+  function, [`gpu_paths`][]: the environment variable ``LLAMAREF_MLX_GPU_PATHS=1`` makes
   the CPU device take the GPU forms too, so that CI, which has no GPU, runs the code that
   Metal and CUDA run;
 - the result is a lazy ``mx.array`` (the caller evaluates it, e.g. ``np.array(logits)``).
@@ -122,9 +123,9 @@ def gpu_paths() -> bool:
     """Whether the twin takes its GPU code paths: on a GPU device, or when asked to.
 
     The twin picks a form by device in two places, both through this function: the matmul
-    weights (:func:`default_matmul`: quantized on a GPU, dense and transposed on the CPU)
-    and the attention (:func:`build_attn`: MLX's fused kernel on a GPU,
-    :func:`attn_grouped` on the CPU). With ``LLAMAREF_MLX_GPU_PATHS=1`` (any non-zero
+    weights ([`default_matmul`][]: quantized on a GPU, dense and transposed on the CPU)
+    and the attention ([`build_attn`][]: MLX's fused kernel on a GPU,
+    [`attn_grouped`][] on the CPU). With ``LLAMAREF_MLX_GPU_PATHS=1`` (any non-zero
     integer) the CPU device takes the GPU forms as well: MLX runs them there too (the fused
     attention as its CPU fallback), so CI, which has no GPU, executes the code that Metal
     and CUDA execute (``.ci/run`` runs the twin's tests once that way). Read at each call,
@@ -146,7 +147,7 @@ def gpu_paths() -> bool:
 
 # --8<-- [start:default_matmul]
 def default_matmul() -> str:
-    """``"quantized"`` on a GPU (Metal, CUDA), ``"dense"`` on the CPU device (:func:`gpu_paths`).
+    """``"quantized"`` on a GPU (Metal, CUDA), ``"dense"`` on the CPU device ([`gpu_paths`][]).
 
     On Linux MLX's CPU backend multiplies with a reference BLAS, where float32 ``x @ W^T``
     with ``W^T`` stored contiguous beats ``mx.quantized_matmul`` by 25-35% at every size
@@ -165,19 +166,20 @@ def prepare_weights(weights: dict, matmul: str = "quantized") -> dict:
     """The weights as the MLX forward uses them, converted once.
 
     Args:
-        weights: GGUF-named weights: NumPy arrays, :class:`reference.quants.QuantizedTensor`
-            or already prepared values (kept as they are).
-        matmul: how the matmul weights (:data:`LINEAR_TENSORS`) are held: ``"quantized"``
-            (Q4_0/Q4_1/Q8_0 as :class:`MLXQuantized`, other types dense float32) or
+        weights: GGUF-named weights: NumPy arrays,
+            [`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor] or already
+            prepared values (kept as they are).
+        matmul: how the matmul weights (`LINEAR_TENSORS`) are held: ``"quantized"``
+            (Q4_0/Q4_1/Q8_0 as [`MLXQuantized`][], other types dense float32) or
             ``"dense"`` (every one dequantized to float32 and stored as a
-            :class:`TransposedWeight`; :class:`accelerated.context.Context` picks
-            :func:`default_matmul`). With ``"dense"`` and
-            tied embeddings (no ``output.weight``), ``output.weight`` is added: the
-            transposed dense ``token_embd`` (which stays as it is for the row gather).
+            [`TransposedWeight`][]; [`accelerated.context.Context`][accelerated.context.Context]
+            picks [`default_matmul`][]). With ``"dense"`` and tied embeddings (no
+            ``output.weight``), ``output.weight`` is added: the transposed dense ``token_embd``
+            (which stays as it is for the row gather).
 
     Returns:
         The same keys (plus a tied ``output.weight`` for ``"dense"``); values
-        :class:`MLXQuantized`, :class:`TransposedWeight` or float32 ``mx.array``.
+        [`MLXQuantized`][], [`TransposedWeight`][] or float32 ``mx.array``.
 
     Raises:
         ValueError: an unknown ``matmul``.
@@ -224,10 +226,11 @@ def _transposed(w: mx.array | MLXQuantized) -> TransposedWeight:
 def get_weight(
     weights: dict, name: str, dtype: DTypeLike, required: bool = True
 ) -> Weight | None:
-    """Twin of :func:`reference.models.llama.get_weight`. Not dequantized.
+    """Twin of [`reference.models.llama.get_weight`][reference.models.llama.get_weight]. Not
+    dequantized.
 
-    A prepared :class:`MLXQuantized` or :class:`TransposedWeight` is returned as it is (it
-    is used by :func:`linear` as it is); a dense one as an ``mx.array`` of ``dtype`` (float64
+    A prepared [`MLXQuantized`][] or [`TransposedWeight`][] is returned as it is (it
+    is used by [`linear`][] as it is); a dense one as an ``mx.array`` of ``dtype`` (float64
     gives float32, MLX's dtype).
 
     Raises:
@@ -270,7 +273,8 @@ def linear(w: Weight, cur: mx.array) -> mx.array:
 
 # --8<-- [start:layer_weights]
 def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
-    """Twin of :func:`reference.models.llama.layer_weights`. Prepared weights, same fields.
+    """Twin of [`reference.models.llama.layer_weights`][reference.models.llama.layer_weights].
+    Prepared weights, same fields.
 
     Examples:
         >>> layer_weights({}, 0, np.float32)
@@ -300,7 +304,7 @@ def _dense(w: Weight) -> mx.array:
 
 # --8<-- [start:build_norm]
 def build_norm(cur: mx.array, mw: Weight, eps: float) -> mx.array:
-    """Twin of :func:`reference.models.llama.build_norm`.
+    """Twin of [`reference.models.llama.build_norm`][reference.models.llama.build_norm].
 
     Examples:
         >>> [round(x, 4) for x in build_norm(mx.array([[3.0, 4.0]]), mx.array([1.0, 2.0]), 0.0)
@@ -315,7 +319,8 @@ def build_norm(cur: mx.array, mw: Weight, eps: float) -> mx.array:
 def build_qkv(
     layer: dict, cur: mx.array, n_embd_head: int, n_head: int, n_head_kv: int
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Twin of :func:`reference.models.llama.build_qkv`. Quantized matmuls where quantized.
+    """Twin of [`reference.models.llama.build_qkv`][reference.models.llama.build_qkv]. Quantized
+    matmuls where quantized.
 
     Examples:
         >>> layer = {"wq": mx.ones((4, 2)), "wk": mx.ones((2, 2)), "wv": mx.ones((2, 2)),
@@ -339,7 +344,8 @@ def build_qkv(
 def attn_grouped(
     q: mx.array, k: mx.array, v: mx.array, kq_mask: mx.array, kq_scale: float
 ) -> mx.array:
-    r""":func:`accelerated.ops.build_attn_mha` for the CPU: the query heads of a KV group as rows.
+    r"""[`accelerated.ops.build_attn_mha`][accelerated.ops.attention.build_attn_mha] for the CPU:
+    the query heads of a KV group as rows.
 
     MLX's CPU backend has no fused attention kernel: ``mx.fast.scaled_dot_product_attention``
     falls back to ``matmul``, ``softmax(precise=True)``, ``matmul``, batched over the
@@ -395,11 +401,13 @@ def build_attn(
     kq_scale: float,
     il: int,
 ) -> mx.array:
-    """Twin of :func:`reference.models.llama.build_attn`. ``inp`` holds MLX tensors.
+    """Twin of [`reference.models.llama.build_attn`][reference.models.llama.build_attn]. ``inp``
+    holds MLX tensors.
 
-    The attention is MLX's fused kernel (:func:`accelerated.ops.build_attn_mha`) on a GPU and
-    :func:`attn_grouped` on the CPU device, where the fused kernel is a fallback
-    (:func:`gpu_paths` chooses).
+    The attention is MLX's fused kernel
+    ([`accelerated.ops.build_attn_mha`][accelerated.ops.attention.build_attn_mha]) on a GPU and
+    [`attn_grouped`][] on the CPU device, where the fused kernel is a fallback ([`gpu_paths`][]
+    chooses).
 
     Returns:
         ``(n_tokens, n_embd)``.
@@ -417,7 +425,7 @@ def build_attn(
 
 # --8<-- [start:build_ffn]
 def build_ffn(cur: mx.array, layer: dict) -> mx.array:
-    """Twin of :func:`reference.models.llama.build_ffn`. SwiGLU.
+    """Twin of [`reference.models.llama.build_ffn`][reference.models.llama.build_ffn]. SwiGLU.
 
     Examples:
         >>> layer = {"ffn_up": mx.eye(2), "ffn_gate": mx.eye(2), "ffn_down": mx.eye(2),
@@ -436,13 +444,13 @@ def build_ffn(cur: mx.array, layer: dict) -> mx.array:
 def build_inp_embd(
     weights: dict, tokens: np.ndarray | None, embd: np.ndarray | None, dtype: DTypeLike
 ) -> mx.array:
-    """Twin of :func:`reference.models.llama.build_inp_embd`.
+    """Twin of [`reference.models.llama.build_inp_embd`][reference.models.llama.build_inp_embd].
 
     A quantized ``token_embd`` is not dequantized whole: the packed rows of ``tokens`` are
     gathered, then dequantized (the same values, row by row). ``tokens`` may be an
     ``mx.array`` (a placeholder of a traced graph): the ids are checked on the host before
-    (:func:`reference.models.llama.check_forward_inputs`), so the gather is a plain
-    ``mx.take``.
+    ([`reference.models.llama.check_forward_inputs`][reference.models.llama.check_forward_inputs]),
+    so the gather is a plain ``mx.take``.
 
     Examples:
         >>> w = {"token_embd.weight": mx.eye(3)}
@@ -484,7 +492,8 @@ def rope_in_graph(
     beta_slow: float = 1.0,
     freq_factors: mx.array | None = None,
 ) -> mx.array:
-    r""":func:`accelerated.ops.rope_ext` without its host-side checks, for a traced graph.
+    r"""[`accelerated.ops.rope_ext`][accelerated.ops.rope.rope_ext] without its host-side checks,
+    for a traced graph.
 
     The same computation (``mx.fast.rope`` with one offset per token, or the YaRN cos/sin
     cache); ``pos`` may be a placeholder, which ``rope_ext`` would have to read on the host
@@ -526,13 +535,16 @@ def llm_build_llama(
     out_ids: np.ndarray,
     embd: np.ndarray | None = None,
 ) -> mx.array:
-    """Twin of :func:`reference.models.llama.llm_build_llama`. On prepared weights.
+    """Twin of [`reference.models.llama.llm_build_llama`][reference.models.llama.llm_build_llama].
+    On prepared weights.
 
     A pure function of MLX arrays: ``tokens``/``embd``, ``pos`` and ``out_ids`` may be host
     arrays or graph placeholders, and ``inp_attn`` may hold placeholders for the cache
-    tensors (:class:`accelerated.memory.kv_cache.GraphAttnInput`); nothing is read on the host,
-    so :class:`accelerated.context.Context` can trace it with ``mx.compile``. The inputs must
-    have been checked (:func:`reference.models.llama.check_forward_inputs`).
+    tensors
+    ([`accelerated.memory.kv_cache.GraphAttnInput`][accelerated.memory.kv_cache.GraphAttnInput]);
+    nothing is read on the host, so [`accelerated.context.Context`][accelerated.context.Context] can
+    trace it with ``mx.compile``. The inputs must have been checked
+    ([`reference.models.llama.check_forward_inputs`][reference.models.llama.check_forward_inputs]).
 
     Returns:
         logits ``(n_outputs, n_vocab)`` float32, lazy.
@@ -583,10 +595,11 @@ def llama_forward(
     out_ids: np.ndarray | None = None,
     embd: np.ndarray | None = None,
 ) -> mx.array:
-    """Twin of :func:`reference.models.llama.llama_forward`. The same checks, then MLX.
+    """Twin of [`reference.models.llama.llama_forward`][reference.models.llama.llama_forward]. The
+    same checks, then MLX.
 
-    ``weights`` may be raw (NumPy / quantized tensors: :func:`prepare_weights` runs on every
-    call then) or prepared once by :func:`prepare_weights` (what a caller should do).
+    ``weights`` may be raw (NumPy / quantized tensors: [`prepare_weights`][] runs on every
+    call then) or prepared once by [`prepare_weights`][] (what a caller should do).
 
     Returns:
         logits ``(n_outputs, n_vocab)``, a lazy float32 ``mx.array``.
@@ -619,10 +632,11 @@ def greedy(
     stop: tuple[int, ...] = (),
     n_ctx: int | None = None,
 ) -> list[int]:
-    """Twin of :func:`reference.models.llama.greedy`. The MLX forward and KV cache.
+    """Twin of [`reference.models.llama.greedy`][reference.models.llama.greedy]. The MLX forward and
+    KV cache.
 
-    The single-sequence cache is :class:`accelerated.memory.KVCache` with one stream; the
-    argmax is taken on the host after each step.
+    The single-sequence cache is [`accelerated.memory.KVCache`][accelerated.memory.kv_cache.KVCache]
+    with one stream; the argmax is taken on the host after each step.
 
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights

@@ -1,18 +1,19 @@
-r"""Twin of :mod:`reference.models.mamba`: Mamba and Mamba-2 (``llm_build_mamba``) on MLX.
+r"""Twin of [`reference.models.mamba`][reference.models.mamba]: Mamba and Mamba-2
+(``llm_build_mamba``) on MLX.
 
-The same graph, function for function, with the operators of :mod:`accelerated.ops`
+The same graph, function for function, with the operators of [`accelerated.ops`][accelerated.ops]
 (``ssm_conv``, ``ssm_scan``, ``rms_norm``, ``mul_mat``, ...). What differs:
 
-- **Weights** are MLX arrays, prepared once by :func:`prepare_weights` (each GGUF tensor
-  through :func:`accelerated.quants.load_weight`: Q4_0, Q4_1 and Q8_0 stay quantized and run
-  in ``mx.quantized_matmul``, other types are dequantized once). A dict that still holds NumPy
-  arrays or quantized tensors is converted tensor by tensor on each call, which is correct but
-  slower.
+- **Weights** are MLX arrays, prepared once by [`prepare_weights`][] (each GGUF tensor
+  through [`accelerated.quants.load_weight`][accelerated.quants.load_weight]: Q4_0, Q4_1 and Q8_0
+  stay quantized and run in ``mx.quantized_matmul``, other types are dequantized once). A dict that
+  still holds NumPy arrays or quantized tensors is converted tensor by tensor on each call, which is
+  correct but slower.
 - **Compute dtype** is float32 (MLX's float64 is CPU-only); float64 weights are rounded.
-- **Laziness**: the forward builds one lazy graph per ubatch; :func:`mamba_forward` evaluates
-  the logits, and the states written back through the :class:`RecurrentInput` stay lazy until
-  the memory evaluates them (:class:`SimpleRecurrentState`, or
-  :class:`accelerated.memory.recurrent.RecurrentMemory`).
+- **Laziness**: the forward builds one lazy graph per ubatch; [`mamba_forward`][] evaluates
+  the logits, and the states written back through the [`RecurrentInput`][] stay lazy until
+  the memory evaluates them ([`SimpleRecurrentState`][], or
+  [`accelerated.memory.recurrent.RecurrentMemory`][accelerated.memory.recurrent.RecurrentMemory]).
 
 Input checks, the error class and the ``RecurrentInput`` protocol are the reference's.
 """
@@ -49,11 +50,13 @@ Weight = mx.array | MLXQuantized
 
 # --8<-- [start:mamba_layer_weights]
 def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: object) -> dict:
-    """Twin of :func:`reference.models.mamba.mamba_layer_weights`.
+    """Twin of
+    [`reference.models.mamba.mamba_layer_weights`][reference.models.mamba.mamba_layer_weights].
 
-    The fields are ``mx.array`` (or :class:`accelerated.quants.MLXQuantized` for the matrices
-    of an exact quant type); ``dtype`` is accepted for the same signature and ignored: the
-    twin computes in float32.
+    The fields are ``mx.array`` (or
+    [`accelerated.quants.MLXQuantized`][accelerated.quants.MLXQuantized] for the matrices of an
+    exact quant type); ``dtype`` is accepted for the same signature and ignored: the twin computes
+    in float32.
 
     Examples:
         >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
@@ -82,9 +85,10 @@ def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: ob
 def build_conv(
     conv_state: mx.array, x: mx.array, ssm_conv1d: mx.array, ssm_conv1d_b: mx.array
 ) -> tuple[mx.array, mx.array]:
-    r"""Twin of :func:`reference.models.mamba.build_conv`.
+    r"""Twin of [`reference.models.mamba.build_conv`][reference.models.mamba.build_conv].
 
-    Lazy ``mx.concatenate`` and slices; the convolution is :func:`accelerated.ops.ssm_conv`.
+    Lazy ``mx.concatenate`` and slices; the convolution is
+    [`accelerated.ops.ssm_conv`][accelerated.ops.ssm.ssm_conv].
 
     Examples:
         >>> state = np.zeros((1, 1, 2), np.float32)
@@ -109,7 +113,7 @@ def build_conv(
 def build_rs_conv(
     inp: RecurrentInput, il: int, hparams: MambaHParams, x: mx.array, layer: dict
 ) -> mx.array:
-    """Twin of :func:`reference.models.mamba.build_rs_conv`.
+    """Twin of [`reference.models.mamba.build_rs_conv`][reference.models.mamba.build_rs_conv].
 
     ``inp.get_r`` may return NumPy or MLX rows; ``inp.cpy_r`` receives a lazy ``mx.array``.
     """
@@ -133,9 +137,10 @@ def build_rs_scan(
     B: mx.array,
     C: mx.array,
 ) -> mx.array:
-    """Twin of :func:`reference.models.mamba.build_rs_scan`.
+    """Twin of [`reference.models.mamba.build_rs_scan`][reference.models.mamba.build_rs_scan].
 
-    The scan is :func:`accelerated.ops.ssm_scan`; ``inp.cpy_s`` receives a lazy ``mx.array``.
+    The scan is [`accelerated.ops.ssm_scan`][accelerated.ops.ssm.ssm_scan]; ``inp.cpy_s`` receives a
+    lazy ``mx.array``.
     """
     n_seqs, _, n_head, head_dim = x.shape
     d_state = B.shape[-1]
@@ -151,7 +156,8 @@ def build_rs_scan(
 def build_mamba_layer(
     inp: RecurrentInput, cur: mx.array, layer: dict, hparams: MambaHParams, il: int
 ) -> mx.array:
-    r"""Twin of :func:`reference.models.mamba.build_mamba_layer`.
+    r"""Twin of
+    [`reference.models.mamba.build_mamba_layer`][reference.models.mamba.build_mamba_layer].
 
     The same steps on lazy MLX arrays; ``ssm_in``, ``ssm_x``, ``ssm_dt`` and ``ssm_out`` may
     be quantized (``mx.quantized_matmul``).
@@ -185,7 +191,8 @@ def build_mamba_layer(
 def build_mamba2_layer(
     inp: RecurrentInput, cur: mx.array, layer: dict, hparams: MambaHParams, il: int
 ) -> mx.array:
-    r"""Twin of :func:`reference.models.mamba.build_mamba2_layer`.
+    r"""Twin of
+    [`reference.models.mamba.build_mamba2_layer`][reference.models.mamba.build_mamba2_layer].
 
     The same steps on lazy MLX arrays; ``ssm_in`` and ``ssm_out`` may be quantized.
     """
@@ -228,13 +235,13 @@ def llm_build_mamba(
     inp_rs: RecurrentInput,
     out_ids: np.ndarray,
 ) -> mx.array:
-    """Twin of :func:`reference.models.mamba.llm_build_mamba`.
+    """Twin of [`reference.models.mamba.llm_build_mamba`][reference.models.mamba.llm_build_mamba].
 
     Returns lazy float32 logits ``(n_outputs, n_vocab)``. ``tokens`` and ``out_ids`` are
     host (NumPy) indices, checked by ``get_rows``; or ``mx.array`` placeholders of a traced
-    graph, already checked on the host (:func:`mamba_forward`'s checks, or the Context's),
-    gathered with a plain ``mx.take``: :class:`accelerated.context.Context` traces this
-    function once with ``mx.compile`` and reuses it, as it does the Llama graph.
+    graph, already checked on the host ([`mamba_forward`][]'s checks, or the Context's),
+    gathered with a plain ``mx.take``: [`accelerated.context.Context`][accelerated.context.Context]
+    traces this function once with ``mx.compile`` and reuses it, as it does the Llama graph.
     """
     n_tokens = tokens.shape[0] if isinstance(tokens, mx.array) else len(tokens)
     n_seq_tokens = n_tokens // n_seqs
@@ -278,11 +285,11 @@ def mamba_forward(
     out_ids: np.ndarray | None = None,
     n_seqs: int | None = None,
 ) -> mx.array:
-    """Twin of :func:`reference.models.mamba.mamba_forward`.
+    """Twin of [`reference.models.mamba.mamba_forward`][reference.models.mamba.mamba_forward].
 
-    The same checks (on the host, before any array work), then :func:`llm_build_mamba`;
+    The same checks (on the host, before any array work), then [`llm_build_mamba`][];
     the logits are evaluated (``mx.eval``) before they are returned, float32. Pass
-    :func:`prepare_weights` to convert the weights once.
+    [`prepare_weights`][] to convert the weights once.
 
     Examples:
         >>> from reference.testing import tiny_mamba_hparams, random_mamba_weights
@@ -304,10 +311,10 @@ def mamba_forward(
 
 
 def check_mamba_inputs(hparams: MambaHParams, tokens, out_ids=None, n_seqs: int | None = None):
-    """:func:`mamba_forward`'s checks on the host: ``(tokens, out_ids, n_seqs)`` normalized.
+    """[`mamba_forward`][]'s checks on the host: ``(tokens, out_ids, n_seqs)`` normalized.
 
     Raises:
-        MambaForwardError: see :func:`mamba_forward`.
+        MambaForwardError: see [`mamba_forward`][].
     """
     if hparams.arch not in MAMBA_ARCHS:
         raise MambaForwardError(f"arch {hparams.arch!r} is not one of {MAMBA_ARCHS}")
@@ -337,7 +344,8 @@ def check_mamba_inputs(hparams: MambaHParams, tokens, out_ids=None, n_seqs: int 
 
 # --8<-- [start:SimpleRecurrentState]
 class SimpleRecurrentState:
-    """Twin of :class:`reference.models.mamba.SimpleRecurrentState`.
+    """Twin of
+    [`reference.models.mamba.SimpleRecurrentState`][reference.models.mamba.SimpleRecurrentState].
 
     ``r_l``/``s_l`` are lists of ``mx.array``; ``cpy_r``/``cpy_s`` replace a layer's array
     by the (lazy) new one, and ``init_batch`` evaluates the states left by the previous

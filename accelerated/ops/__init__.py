@@ -1,4 +1,5 @@
-"""Twin of :mod:`reference.ops`: the operators on MLX, one function per ggml op, same names.
+"""Twin of [`reference.ops`][reference.ops]: the operators on MLX, one function per ggml op, same
+names.
 
 Every function takes ``mx.array`` (NumPy input is converted with ``mx.array()``; float64
 becomes float32, MLX's default) and returns a lazy ``mx.array``. Shapes are in NumPy order,

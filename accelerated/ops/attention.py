@@ -1,4 +1,5 @@
-r"""Twin of :mod:`reference.ops.attention`: ``ggml_soft_max_ext`` and ``build_attn_mha`` on MLX.
+r"""Twin of [`reference.ops.attention`][reference.ops.attention]: ``ggml_soft_max_ext`` and
+``build_attn_mha`` on MLX.
 
 ``soft_max_ext`` is written with MLX ops (``mx.softmax(..., precise=True)``, which
 accumulates in float32 where ggml and the reference sum in double). ``build_attn_mha`` uses
@@ -8,8 +9,9 @@ as ``mul_mat``'s block broadcast (query head $h$ reads KV head
 $\lfloor h / (n_\text{head}/n_\text{head\_kv}) \rfloor$) and an additive float mask; ALiBi is
 folded into that mask per head (slope times mask). The fused kernel returns NaN for a row
 whose keys are all hidden; the twin replaces such rows with zeros, as the reference does.
-The ALiBi slopes are the reference's (:func:`reference.ops.attention.alibi_slopes`, a tiny
-host-side array).
+The ALiBi slopes are the reference's
+([`reference.ops.attention.alibi_slopes`][reference.ops.attention.alibi_slopes], a tiny host-side
+array).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
 
 # --8<-- [start:alibi_slopes]
 def alibi_slopes(n_head: int, max_bias: float) -> mx.array:
-    r"""Twin of :func:`reference.ops.attention.alibi_slopes`.
+    r"""Twin of [`reference.ops.attention.alibi_slopes`][reference.ops.attention.alibi_slopes].
 
     Computed by the reference on the host (``n_head`` float32 values) and moved to MLX.
 
@@ -43,7 +45,7 @@ def soft_max_ext(
     scale: float = 1.0,
     max_bias: float = 0.0,
 ) -> mx.array:
-    r"""Twin of :func:`reference.ops.attention.soft_max_ext`.
+    r"""Twin of [`reference.ops.attention.soft_max_ext`][reference.ops.attention.soft_max_ext].
 
     Lazy MLX ops; the row sum is float32 (``mx.softmax(precise=True)``) instead of double. A
     fully masked row is zeros, as in the reference.
@@ -81,7 +83,7 @@ def build_attn_mha(
     kq_scale: float,
     max_bias: float = 0.0,
 ) -> mx.array:
-    r"""Twin of :func:`reference.ops.attention.build_attn_mha`.
+    r"""Twin of [`reference.ops.attention.build_attn_mha`][reference.ops.attention.build_attn_mha].
 
     One fused ``mx.fast.scaled_dot_product_attention`` call instead of ``mul_mat``,
     ``soft_max_ext``, ``mul_mat``: GQA is native (no repeat of K/V), the softmax accumulates

@@ -1,4 +1,5 @@
-r"""Twin of :mod:`reference.ops.elementwise`: ``ggml_add``, ``ggml_mul``, ``ggml_scale`` on MLX.
+r"""Twin of [`reference.ops.elementwise`][reference.ops.elementwise]: ``ggml_add``, ``ggml_mul``,
+``ggml_scale`` on MLX.
 
 The same *repeat* broadcast: ``b`` is tiled (``mx.tile``) to ``a``'s shape, then the op is
 applied lazily; the result has ``a``'s dtype.
@@ -19,7 +20,7 @@ def _repeat_like(b: mx.array, a: mx.array, op: str) -> mx.array:
 
 # --8<-- [start:add]
 def add(a: mx.array, b: mx.array) -> mx.array:
-    """Twin of :func:`reference.ops.elementwise.add`.
+    """Twin of [`reference.ops.elementwise.add`][reference.ops.elementwise.add].
 
     Lazy; ``b`` tiled with ``mx.tile`` (MLX's own broadcasting would only cover size-1
     dimensions).
@@ -38,7 +39,7 @@ def add(a: mx.array, b: mx.array) -> mx.array:
 
 # --8<-- [start:mul]
 def mul(a: mx.array, b: mx.array) -> mx.array:
-    """Twin of :func:`reference.ops.elementwise.mul`.
+    """Twin of [`reference.ops.elementwise.mul`][reference.ops.elementwise.mul].
 
     Lazy; ``b`` tiled with ``mx.tile``.
 
@@ -56,7 +57,7 @@ def mul(a: mx.array, b: mx.array) -> mx.array:
 
 # --8<-- [start:scale]
 def scale(a: mx.array, s: float) -> mx.array:
-    """Twin of :func:`reference.ops.elementwise.scale`.
+    """Twin of [`reference.ops.elementwise.scale`][reference.ops.elementwise.scale].
 
     Lazy; the Python scalar is cast to ``a``'s dtype by MLX's promotion rules.
 

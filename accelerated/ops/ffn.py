@@ -1,4 +1,5 @@
-r"""Twin of :mod:`reference.ops.ffn`: ``ggml_silu``, ``ggml_gelu``, ``swiglu``, ``geglu`` on MLX.
+r"""Twin of [`reference.ops.ffn`][reference.ops.ffn]: ``ggml_silu``, ``ggml_gelu``, ``swiglu``,
+``geglu`` on MLX.
 
 The same formulas, written with MLX element-wise ops (lazy; fused by ``mx.compile`` when the
 caller compiles the graph). GELU is the tanh approximation, computed in the input dtype like
@@ -16,7 +17,7 @@ from reference.ops.ffn import _check_same_shape
 
 # --8<-- [start:silu]
 def silu(x: mx.array) -> mx.array:
-    r"""Twin of :func:`reference.ops.ffn.silu`.
+    r"""Twin of [`reference.ops.ffn.silu`][reference.ops.ffn.silu].
 
     The same $x / (1 + e^{-x})$ form, so very negative ``x`` gives ``-0.0`` as in ggml.
 
@@ -34,7 +35,7 @@ def silu(x: mx.array) -> mx.array:
 
 # --8<-- [start:gelu]
 def gelu(x: mx.array) -> mx.array:
-    r"""Twin of :func:`reference.ops.ffn.gelu`.
+    r"""Twin of [`reference.ops.ffn.gelu`][reference.ops.ffn.gelu].
 
     Examples:
         >>> import numpy as np
@@ -51,7 +52,7 @@ def gelu(x: mx.array) -> mx.array:
 
 # --8<-- [start:swiglu]
 def swiglu(a: mx.array, b: mx.array) -> mx.array:
-    r"""Twin of :func:`reference.ops.ffn.swiglu`.
+    r"""Twin of [`reference.ops.ffn.swiglu`][reference.ops.ffn.swiglu].
 
     Examples:
         >>> import numpy as np
@@ -68,7 +69,7 @@ def swiglu(a: mx.array, b: mx.array) -> mx.array:
 
 # --8<-- [start:geglu]
 def geglu(a: mx.array, b: mx.array) -> mx.array:
-    r"""Twin of :func:`reference.ops.ffn.geglu`.
+    r"""Twin of [`reference.ops.ffn.geglu`][reference.ops.ffn.geglu].
 
     Examples:
         >>> import numpy as np

@@ -1,4 +1,4 @@
-r"""Twin of :mod:`reference.ops.matmul`: ``ggml_mul_mat`` on MLX.
+r"""Twin of [`reference.ops.matmul`][reference.ops.matmul]: ``ggml_mul_mat`` on MLX.
 
 Same convention (``mul_mat(a, b) = b @ a^T``, block broadcast of ``a``'s leading dimensions,
 ``np.repeat`` not ``np.tile``). ``mx.matmul`` only broadcasts size-1 dimensions, so ``a`` is
@@ -16,11 +16,11 @@ from reference.ops.matmul import _mul_mat_leading
 
 # --8<-- [start:mul_mat]
 def mul_mat(a: mx.array, b: mx.array) -> mx.array:
-    """Twin of :func:`reference.ops.matmul.mul_mat`.
+    """Twin of [`reference.ops.matmul.mul_mat`][reference.ops.matmul.mul_mat].
 
     Lazy ``mx.matmul``; ``a`` is block-repeated with ``mx.repeat`` (no copy is made when every
-    ratio is 1). The shape checks raise the reference's :class:`OpShapeError` with the same
-    rule (``ggml_can_mul_mat``).
+    ratio is 1). The shape checks raise the reference's
+    [`OpShapeError`][reference.ops.errors.OpShapeError] with the same rule (``ggml_can_mul_mat``).
 
     Examples:
         >>> import numpy as np

@@ -1,4 +1,4 @@
-r"""Twin of :mod:`reference.ops.norm`: ``ggml_norm`` and ``ggml_rms_norm`` on MLX.
+r"""Twin of [`reference.ops.norm`][reference.ops.norm]: ``ggml_norm`` and ``ggml_rms_norm`` on MLX.
 
 Both use MLX's fused kernels, ``mx.fast.layer_norm`` (no weight, no bias) and
 ``mx.fast.rms_norm`` (no weight), which compute the same formulas over the last axis.
@@ -16,7 +16,7 @@ import mlx.core as mx
 
 # --8<-- [start:norm]
 def norm(x: mx.array, eps: float) -> mx.array:
-    r"""Twin of :func:`reference.ops.norm.norm`.
+    r"""Twin of [`reference.ops.norm.norm`][reference.ops.norm.norm].
 
     ``mx.fast.layer_norm(x, None, None, eps)``: the same mean and biased variance, summed in
     float32 instead of double.
@@ -34,7 +34,7 @@ def norm(x: mx.array, eps: float) -> mx.array:
 
 # --8<-- [start:rms_norm]
 def rms_norm(x: mx.array, eps: float) -> mx.array:
-    r"""Twin of :func:`reference.ops.norm.rms_norm`.
+    r"""Twin of [`reference.ops.norm.rms_norm`][reference.ops.norm.rms_norm].
 
     ``mx.fast.rms_norm(x, None, eps)``: $x / \sqrt{\overline{x^2} + \epsilon}$, the mean
     square summed in float32 instead of double.

@@ -1,7 +1,7 @@
-r"""Twin of :mod:`reference.ops.rope`: ``ggml_rope_ext`` on MLX.
+r"""Twin of [`reference.ops.rope`][reference.ops.rope]: ``ggml_rope_ext`` on MLX.
 
 **Fused kernel where the semantics are the same.** Without YaRN (``ext_factor == 0``),
-:func:`rope_ext` calls ``mx.fast.rope`` with one "batch" entry per token and
+[`rope_ext`][] calls ``mx.fast.rope`` with one "batch" entry per token and
 ``offset = pos`` (a vector of per-token positions, negative ones included):
 
 - ``traditional=True`` is ggml's ``ROPE_TYPE_NORM`` (interleaved pairs $(x_{2j}, x_{2j+1})$),
@@ -12,13 +12,14 @@ r"""Twin of :mod:`reference.ops.rope`: ``ggml_rope_ext`` on MLX.
 - ``attn_factor`` (no parameter in MLX) multiplies the rotated dims afterwards.
 
 The kernel evaluates the closed form $p\,b^{-2j/n_{dims}}$ where ggml repeats a float32
-recurrence (see :func:`reference.ops.rope.rope_theta`); the angles differ by a few ulps,
-which the twin registry bounds (NMSE below $10^{-8}$ up to positions of 30000).
+recurrence (see [`reference.ops.rope.rope_theta`][reference.ops.rope.rope_theta]); the angles differ
+by a few ulps, which the twin registry bounds (NMSE below $10^{-8}$ up to positions of 30000).
 
 **YaRN is not in ``mx.fast.rope``.** With ``ext_factor != 0`` the twin builds the cos/sin
 cache with plain MLX ops, mirroring the reference function by function (the float32 angle
 recurrence, ``rope_yarn_ramp``, ``rope_yarn``, ``rotate_pairs``). The correction dims are
-host scalars: :func:`reference.ops.rope.rope_yarn_corr_dims` is imported, not re-written.
+host scalars: [`reference.ops.rope.rope_yarn_corr_dims`][reference.ops.rope.rope_yarn_corr_dims] is
+imported, not re-written.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _mx_dtype(dtype) -> mx.Dtype:
 
 # --8<-- [start:rope_yarn_ramp]
 def rope_yarn_ramp(low: float, high: float, i0: mx.array, dtype: type = np.float32) -> mx.array:
-    r"""Twin of :func:`reference.ops.rope.rope_yarn_ramp`.
+    r"""Twin of [`reference.ops.rope.rope_yarn_ramp`][reference.ops.rope.rope_yarn_ramp].
 
     Examples:
         >>> rope_yarn_ramp(1.0, 3.0, mx.arange(0, 10, 2)).tolist()
@@ -81,7 +82,7 @@ def rope_yarn(
     ext_factor: float,
     mscale: float,
 ) -> tuple[mx.array, mx.array]:
-    r"""Twin of :func:`reference.ops.rope.rope_yarn`.
+    r"""Twin of [`reference.ops.rope.rope_yarn`][reference.ops.rope.rope_yarn].
 
     ``mx.cos``/``mx.sin`` in the array's dtype (the reference rounds a float64 evaluation
     once; MLX's float32 functions may differ by an ulp).
@@ -110,7 +111,7 @@ def rope_yarn(
 def rope_theta(
     pos: mx.array, n_dims: int, freq_base: float, dtype: type = np.float32
 ) -> mx.array:
-    r"""Twin of :func:`reference.ops.rope.rope_theta`.
+    r"""Twin of [`reference.ops.rope.rope_theta`][reference.ops.rope.rope_theta].
 
     The same recurrence $\theta_{j+1} = \mathrm{fl}(\theta_j s)$ as lazy MLX multiplies
     (``n_dims // 2`` of them, stacked); ``theta_scale`` is computed once on the host, rounded
@@ -149,7 +150,7 @@ def rope_cache_init(
     attn_factor: float,
     dtype: type = np.float32,
 ) -> tuple[mx.array, mx.array]:
-    r"""Twin of :func:`reference.ops.rope.rope_cache_init`.
+    r"""Twin of [`reference.ops.rope.rope_cache_init`][reference.ops.rope.rope_cache_init].
 
     Examples:
         >>> c, s = rope_cache_init(mx.array([0, 1]), 2, 10000.0, 1.0, None, (0.0, 1.0), 0.0, 1.0)
@@ -172,7 +173,7 @@ def rope_cache_init(
 def rotate_pairs(
     x: mx.array, cos_theta: mx.array, sin_theta: mx.array, n_dims: int, mode: int
 ) -> mx.array:
-    r"""Twin of :func:`reference.ops.rope.rotate_pairs`.
+    r"""Twin of [`reference.ops.rope.rotate_pairs`][reference.ops.rope.rotate_pairs].
 
     MLX has no slice assignment by stride that is cheap to express, so the rotated halves are
     re-assembled with ``mx.stack`` (NORM: interleave) or ``mx.concatenate`` (NEOX).
@@ -219,7 +220,7 @@ def rope_fused(
     """The ``ext_factor == 0`` path: one ``mx.fast.rope`` with one offset per token.
 
     No checks and no host reads (``offset`` may be a traced placeholder), so a compiled
-    graph can call it; :func:`rope_ext` checks its arguments first.
+    graph can call it; [`rope_ext`][] checks its arguments first.
 
     Args:
         xt: ``(n_tokens, B, 1, head_dim)``: batch = token, sequence length 1.
@@ -267,12 +268,12 @@ def rope_ext(
     beta_slow: float = 1.0,
     freq_factors: mx.array | None = None,
 ) -> mx.array:
-    r"""Twin of :func:`reference.ops.rope.rope_ext`.
+    r"""Twin of [`reference.ops.rope.rope_ext`][reference.ops.rope.rope_ext].
 
     ``ext_factor == 0``: one fused ``mx.fast.rope`` call (``traditional`` = NORM mode,
     ``scale`` = ``freq_scale``, ``offset`` = ``pos`` per token, ``freqs`` from
     ``freq_factors``), then ``attn_factor`` on the rotated dims. ``ext_factor != 0`` (YaRN):
-    the plain-MLX cos/sin cache and :func:`rotate_pairs`. ``pos`` is read on the host to be
+    the plain-MLX cos/sin cache and [`rotate_pairs`][]. ``pos`` is read on the host to be
     validated. Computes in float32 for float16/bfloat16 input, like ggml.
 
     Examples:

@@ -1,4 +1,5 @@
-r"""Twin of :mod:`reference.ops.rows`: ``ggml_get_rows`` and ``ggml_set_rows`` on MLX.
+r"""Twin of [`reference.ops.rows`][reference.ops.rows]: ``ggml_get_rows`` and ``ggml_set_rows`` on
+MLX.
 
 The row indices are bookkeeping (token ids, KV cell indices): they are validated on the host,
 with the reference's own checks, before anything is gathered or written. The gather and the
@@ -15,7 +16,7 @@ from reference.ops.rows import _check_get_rows, _set_rows_targets
 
 # --8<-- [start:get_rows]
 def get_rows(a: mx.array, rows: mx.array) -> mx.array:
-    """Twin of :func:`reference.ops.rows.get_rows`.
+    """Twin of [`reference.ops.rows.get_rows`][reference.ops.rows.get_rows].
 
     ``rows`` is read on the host to be validated (an ``mx.array`` is evaluated for that); the
     gather is a lazy ``mx.take_along_axis``. float16/bfloat16 ``a`` gives float32, as in ggml.
@@ -39,7 +40,7 @@ def get_rows(a: mx.array, rows: mx.array) -> mx.array:
 
 # --8<-- [start:set_rows]
 def set_rows(dst: mx.array, src: mx.array, rows: mx.array) -> mx.array:
-    """Twin of :func:`reference.ops.rows.set_rows`.
+    """Twin of [`reference.ops.rows.set_rows`][reference.ops.rows.set_rows].
 
     MLX arrays are values, not buffers: the write is an indexed assignment on the ``dst``
     object (``dst[idx] = src``), which the caller sees, and ``dst`` is returned. A NumPy

@@ -1,4 +1,5 @@
-r"""Twin of :mod:`reference.ops.ssm`: ``ggml_ssm_conv`` and ``ggml_ssm_scan`` on MLX.
+r"""Twin of [`reference.ops.ssm`][reference.ops.ssm]: ``ggml_ssm_conv`` and ``ggml_ssm_scan`` on
+MLX.
 
 No fused kernel: both are written with lazy MLX ops in the reference's order. The
 convolution is ``d_conv`` shifted slices of ``sx`` (the self-overlapping view, one slice per
@@ -27,7 +28,7 @@ def _result_dtype(*arrays: mx.array) -> mx.Dtype:
 
 # --8<-- [start:ssm_conv]
 def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
-    r"""Twin of :func:`reference.ops.ssm.ssm_conv`.
+    r"""Twin of [`reference.ops.ssm.ssm_conv`][reference.ops.ssm.ssm_conv].
 
     The windows are ``d_conv`` shifted slices ``sx[..., k : k + T]`` (MLX has no
     ``as_strided`` view worth the name), each scaled by tap ``k`` and summed in tap order.
@@ -52,7 +53,7 @@ def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
 
 # --8<-- [start:compute_softplus]
 def compute_softplus(dt: mx.array) -> mx.array:
-    r"""Twin of :func:`reference.ops.ssm.compute_softplus`.
+    r"""Twin of [`reference.ops.ssm.compute_softplus`][reference.ops.ssm.compute_softplus].
 
     The same ``log(1 + exp(x))`` below the threshold (not ``log1p``), so
     ``compute_softplus(-20) == 0`` in float32 here too.
@@ -79,7 +80,7 @@ def ssm_scan(
     C: mx.array,
     ids: mx.array,
 ) -> tuple[mx.array, mx.array]:
-    r"""Twin of :func:`reference.ops.ssm.ssm_scan`.
+    r"""Twin of [`reference.ops.ssm.ssm_scan`][reference.ops.ssm.ssm_scan].
 
     A Python loop over tokens building one lazy MLX graph; groups of ``B``/``C`` are
     repeated for their heads with ``mx.repeat``; returns ``(y, states)`` as MLX arrays.

@@ -7,9 +7,9 @@ Three tests, named as llama-bench and llama-batched-bench name them:
   so the lm_head runs once.
 - ``tg{n}``: ``n`` one-token decodes into a growing cache, each next token the greedy argmax
   of the last logits (llama-bench's ``test_gen``). Ours run the generation loop of
-  ``llamaref generate`` (:class:`reference.generate.Generator`) with a greedy sampler: on
-  the MLX twin the argmax stays on the device and the loop runs ahead (token $t + 1$
-  launched before token $t$ is read back), as mlx-lm's ``generate_step`` does.
+  ``llamaref generate`` ([`reference.generate.Generator`][reference.generate.Generator]) with a
+  greedy sampler: on the MLX twin the argmax stays on the device and the loop runs ahead (token $t +
+  1$ launched before token $t$ is read back), as mlx-lm's ``generate_step`` does.
 - ``pl{n}`` (``--parallel``): ``n`` sequences decoded together, one token each per step, in
   one batch of ``n`` tokens, after a short prompt per sequence (not timed). The row reports
   the aggregate speed $n \cdot n_{\text{steps}} / t$.
@@ -18,29 +18,30 @@ Three tests, named as llama-bench and llama-batched-bench name them:
 tokens already in the cache, the row named ``tg64 @ d4096``. The cache is filled once per
 depth and backend (not timed), and put back to that depth before every run (the later
 positions removed; a recurrent state restored from a copy). Several depths
-(``-d 0,1000,4000``) make a **depth table** too (:func:`depth_table`): milliseconds per
+(``-d 0,1000,4000``) make a **depth table** too ([`depth_table`][]): milliseconds per
 generated token at each depth, its growth $t(d_{\max}) / t(0)$, and the ratio to the peer.
 
 **Models.** ``-m`` takes a GGUF file or a HF folder (default: SmolLM2), or the name of a
-shipped tiny model (``tiny``, ``tiny-mamba``, ``tiny-mamba2``: :mod:`llamaref.bench.tiny`),
-whose forward is so small that the table measures the work around it.
+shipped tiny model (``tiny``, ``tiny-mamba``, ``tiny-mamba2``:
+[`llamaref.bench.tiny`][llamaref.bench.tiny]), whose forward is so small that the table measures the
+work around it.
 
 Method: every test runs once to warm up (not timed), then ``repetitions`` times. When several
 backends are asked for, their runs *alternate* (ours, the peer, ours, the peer, ...), so a
 drift of the machine's load hits them alike. A row reports the median tokens per second over
 the runs and their spread as the slowest and the fastest run (min – max). The time is
-measured around the calls by :func:`time.perf_counter`, whatever the context reports itself.
+measured around the calls by `time.perf_counter`, whatever the context reports itself.
 
-``--vs`` adds a peer on the same weights (:mod:`llamaref.bench.peers`): ``mlx-lm`` (its own
-model, cache and loop, holding our tensors in the form the twin holds them, ``--matmul``:
-quantized, the MLX affine groups of :func:`accelerated.quants.to_mlx` go into
-``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` unchanged; dense, both dequantize them
-exactly to float32) or ``llama.cpp`` (through llama-cpp-python, on the same GGUF, with
-``--threads`` CPU threads). A row then also gives the ratio ours / peer of the medians. Only
-that ratio means something across machines: absolute numbers depend on the machine and on
-the BLAS that MLX was built with.
+``--vs`` adds a peer on the same weights ([`llamaref.bench.peers`][llamaref.bench.peers]):
+``mlx-lm`` (its own model, cache and loop, holding our tensors in the form the twin holds them,
+``--matmul``: quantized, the MLX affine groups of
+[`accelerated.quants.to_mlx`][accelerated.quants.to_mlx] go into ``nn.QuantizedLinear`` /
+``nn.QuantizedEmbedding`` unchanged; dense, both dequantize them exactly to float32) or
+``llama.cpp`` (through llama-cpp-python, on the same GGUF, with ``--threads`` CPU threads). A row
+then also gives the ratio ours / peer of the medians. Only that ratio means something across
+machines: absolute numbers depend on the machine and on the BLAS that MLX was built with.
 
-``--profile`` says where the accelerated forward spends its time (:func:`profile_ops`).
+``--profile`` says where the accelerated forward spends its time ([`profile_ops`][]).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class BenchRow:
         return None if self.baseline is None else self.tokens_per_second / self.baseline
 
     def markdown(self) -> str:
-        """The row as a Markdown table line (see :data:`HEADER`)."""
+        """The row as a Markdown table line (see `HEADER`)."""
         slowest, fastest = self.spread
         ratio = "" if self.ratio is None else f"{self.ratio:.2f}"
         return (
@@ -239,8 +240,9 @@ class GreedyHost:
 class GreedyDevice(GreedyHost):
     """The greedy sampler on the MLX device: ``mx.argmax``, and only the token comes back.
 
-    It can sample ahead (:meth:`sample_async`), so :class:`reference.generate.Generator` runs
-    its pipelined loop with it, as mlx-lm's ``generate_step`` with its greedy sampler.
+    It can sample ahead (`sample_async`), so
+    [`reference.generate.Generator`][reference.generate.Generator] runs its pipelined loop with it,
+    as mlx-lm's ``generate_step`` with its greedy sampler.
 
     Examples:
         >>> import mlx.core as mx
@@ -272,10 +274,11 @@ class GreedyDevice(GreedyHost):
 
 # --8<-- [start:ContextRunner]
 class ContextRunner:
-    """Times a :class:`reference.context.Context` (or its MLX twin) on the three tests.
+    """Times a [`reference.context.Context`][reference.context.Context] (or its MLX twin) on the
+    three tests.
 
-    ``tg`` runs :class:`reference.generate.Generator` with a greedy sampler
-    (:class:`GreedyHost`; on the twin :class:`GreedyDevice`, pipelined).
+    ``tg`` runs [`reference.generate.Generator`][reference.generate.Generator] with a greedy sampler
+    ([`GreedyHost`][]; on the twin [`GreedyDevice`][], pipelined).
 
     Args:
         context_cls: ``reference.context.Context`` or ``accelerated.context.Context``.
@@ -283,7 +286,7 @@ class ContextRunner:
         weights: the weights as the context takes them.
         n_ctx: cells for ``pp``/``tg`` after the depth (padded by the context).
         n_batch: the largest ``pp`` batch (``n_ubatch`` is the same: one forward per test;
-            at least :data:`N_BATCH_MIN`, to fill a depth in few forwards).
+            at least [`N_BATCH_MIN`][], to fill a depth in few forwards).
         **context_kwargs: more arguments of the context (the twin's ``matmul``, ...).
 
     Examples:
@@ -338,7 +341,7 @@ class ContextRunner:
         self._depth_state = ctx.state_seq_get_data(0) if recurrent else None
 
     def _rewind(self) -> None:
-        """Back to the cache :meth:`set_depth` left: later positions removed (a recurrent
+        """Back to the cache [`set_depth`][] left: later positions removed (a recurrent
         memory, which cannot remove a position, gets its state back)."""
         memory = self.ctx.memory
         if self._depth_state is not None:
@@ -405,7 +408,7 @@ class ContextRunner:
         """Seconds of ``n_steps`` steps of one token per sequence, after the prompts.
 
         Args:
-            ctx: a context from :meth:`parallel_context`.
+            ctx: a context from [`parallel_context`][].
             prompts: ``(n_seq, n_prompt)`` token ids, one prompt per sequence (not timed).
             n_steps: decode steps to time.
         """
@@ -523,7 +526,7 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
     """The ``pp``, ``tg`` and ``pl`` rows of every backend, runs alternating.
 
     Args:
-        info: the model's labels (:func:`model_info`).
+        info: the model's labels ([`model_info`][]).
         hparams: its hyperparameters.
         backends: the runners (ours first, the peer last).
         n_prompt: ``pp`` size (0: skip).
@@ -589,9 +592,10 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
 
 
 def _profile_targets() -> dict[str, Callable]:
-    """The functions to time: every public op of :mod:`accelerated.ops`, the quantized matmul
-    and dequantization of :mod:`accelerated.quants`, the model's ``linear`` (a matmul with a
-    weight: quantized, dense or pre-transposed) and its in-graph attention and RoPE."""
+    """The functions to time: every public op of [`accelerated.ops`][accelerated.ops], the quantized
+    matmul and dequantization of [`accelerated.quants`][accelerated.quants], the model's ``linear``
+    (a matmul with a weight: quantized, dense or pre-transposed) and its in-graph attention and
+    RoPE."""
     targets = {name: getattr(accelerated_ops, name) for name in accelerated_ops.__all__
                if callable(getattr(accelerated_ops, name))}
     for name in ("quantized_matmul", "dequantize_mlx"):
@@ -611,7 +615,7 @@ def _profile_targets() -> dict[str, Callable]:
 def profile_ops(stats: dict[str, list[float]]) -> Iterator[None]:
     """Time every accelerated op while inside: ``stats[op] = [calls, seconds]``.
 
-    Each target (:func:`_profile_targets`) is replaced, in every ``accelerated.*`` module
+    Each target (`_profile_targets`) is replaced, in every ``accelerated.*`` module
     that holds it, by a wrapper that first evaluates the op's pending inputs (their time
     goes to ``"(inputs: unwrapped work)"``: embedding rows, cache writes, reshapes), then
     calls the op and ``mx.eval``'s its result. An op called inside another (``soft_max_ext``
@@ -671,7 +675,7 @@ def profile_ops(stats: dict[str, list[float]]) -> Iterator[None]:
 
 
 def profile_table(stats: dict[str, list[float]], total: float, title: str) -> str:
-    """A Markdown table ``op | calls | ms | share`` of :func:`profile_ops`' stats.
+    """A Markdown table ``op | calls | ms | share`` of [`profile_ops`][]' stats.
 
     The row ``(outside the ops)`` is the rest of the measured ``total``: host bookkeeping
     (batch validation, slot search, masks), graph building and the logits' copy.
@@ -972,7 +976,9 @@ def twin_matmul(matmul: str | None) -> str:
 
     The comparison that counts is quantized weights in both (Q4_0/Q4_1/Q8_0 as MLX affine
     groups, read by ``mx.quantized_matmul``), whatever the twin's Context picks for itself
-    on the device (:func:`accelerated.models.llama.default_matmul`: dense on a CPU).
+    on the device
+    ([`accelerated.models.llama.default_matmul`][accelerated.models.llama.default_matmul]: dense on
+    a CPU).
 
     Examples:
         >>> twin_matmul(None), twin_matmul("dense")

@@ -3,9 +3,9 @@ r"""The peers of ``llamaref bench --vs``: mlx-lm and llama.cpp, on the same weig
 - **mlx-lm** (``--vs mlx-lm``), the twin's rival on the same array library: its own Llama,
   Mamba and Mamba-2 (``mlx_lm.models``), its caches (``make_prompt_cache``) and its
   generation loop (``generate_step``, greedy), built from *our* tensors at the same precision
-  (:func:`mlx_lm_model`). Only the ratio ours / mlx-lm means something across machines.
+  ([`mlx_lm_model`][]). Only the ratio ours / mlx-lm means something across machines.
 - **llama.cpp** (``--vs llama.cpp``), the reference's natural rival on a CPU: llama.cpp
-  through llama-cpp-python's low-level API on the same GGUF file (:class:`LlamaCppRunner`),
+  through llama-cpp-python's low-level API on the same GGUF file ([`LlamaCppRunner`][]),
   with its defaults (f16 KV cache, its own quantized matmuls), the same ``n_ctx`` and
   ``n_batch`` as our contexts, and ``--threads`` CPU threads (default: every core, as
   OpenBLAS, which the reference's matmuls call, uses).
@@ -91,15 +91,16 @@ def mlx_lm_model(hparams: LlamaHParams | MambaHParams, weights: dict,
 
     A llama: ``rope_traditional=True``: GGUF stores Q and K permuted for the interleaved
     RoPE (llama.cpp's "normal" mode), which is MLX's ``traditional`` RoPE. Each weight goes
-    through :func:`accelerated.quants.load_weight`: with ``matmul="quantized"`` a Q4_0, Q4_1
-    or Q8_0 tensor becomes :class:`accelerated.quants.MLXQuantized` (lossless) and its layer
-    ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` with that ``w_q``, ``scales`` and
-    ``biases``; with ``matmul="dense"`` every weight is dequantized (exactly) to float32 and
-    the layers stay ``nn.Linear`` / ``nn.Embedding``. Other weights are float32 either way.
-    A Mamba or Mamba-2: :func:`mlx_lm_mamba_model` (dense float32).
+    through [`accelerated.quants.load_weight`][accelerated.quants.load_weight]: with
+    ``matmul="quantized"`` a Q4_0, Q4_1 or Q8_0 tensor becomes
+    [`accelerated.quants.MLXQuantized`][accelerated.quants.MLXQuantized] (lossless) and its layer
+    ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` with that ``w_q``, ``scales`` and ``biases``;
+    with ``matmul="dense"`` every weight is dequantized (exactly) to float32 and the layers stay
+    ``nn.Linear`` / ``nn.Embedding``. Other weights are float32 either way. A Mamba or Mamba-2:
+    [`mlx_lm_mamba_model`][] (dense float32).
 
     Args:
-        hparams: a llama, mamba or mamba2 (:func:`check_mlx_lm_model`).
+        hparams: a llama, mamba or mamba2 ([`check_mlx_lm_model`][]).
         weights: GGUF-named weights (NumPy arrays or quantized tensors).
         matmul: ``"quantized"`` or ``"dense"``, as the twin's ``matmul``.
 
@@ -107,7 +108,7 @@ def mlx_lm_model(hparams: LlamaHParams | MambaHParams, weights: dict,
         ``mlx_lm.models.llama.Model`` (or ``mamba``/``mamba2``), parameters evaluated.
 
     Raises:
-        PeerError: see :func:`check_mlx_lm_model`; a weight with a bias.
+        PeerError: see [`check_mlx_lm_model`][]; a weight with a bias.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -184,7 +185,7 @@ def mlx_lm_mamba_model(hparams: MambaHParams, weights: dict) -> nn.Module:
     Every weight is dense float32.
 
     Raises:
-        PeerError: see :func:`check_mlx_lm_model`.
+        PeerError: see [`check_mlx_lm_model`][].
     """
     import mlx.core as mx
     from mlx_lm.models import mamba, mamba2
@@ -253,7 +254,7 @@ class MLXLMRunner:
     """Times mlx-lm on the three tests: its model, its caches, its ``generate_step``.
 
     Args:
-        model: from :func:`mlx_lm_model`.
+        model: from [`mlx_lm_model`][].
     """
 
     def __init__(self, model: nn.Module):
@@ -281,7 +282,7 @@ class MLXLMRunner:
             self._saved = [c.state for c in cache]
 
     def _cache_at_depth(self) -> list:
-        """The cache as :meth:`set_depth` left it (later tokens trimmed, or states put back)."""
+        """The cache as [`set_depth`][] left it (later tokens trimmed, or states put back)."""
         from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
         if self._cache is None:
@@ -332,7 +333,7 @@ class MLXLMRunner:
         return seconds
 
     def parallel_context(self, n_seq: int, n_prompt: int, n_steps: int) -> None:
-        """Nothing to build: mlx-lm's cache is made per run (see :meth:`pl`)."""
+        """Nothing to build: mlx-lm's cache is made per run (see [`pl`][])."""
         return None
 
     def pl(self, ctx: None, prompts: np.ndarray, n_steps: int) -> float:
@@ -412,7 +413,7 @@ class LlamaCppRunner:
         path: the GGUF file.
         n_ctx: cells for ``pp``/``tg``.
         n_batch: the largest batch (``n_ubatch`` is the same).
-        n_threads: CPU threads (:func:`default_threads`).
+        n_threads: CPU threads ([`default_threads`][]).
 
     Raises:
         PeerError: llama-cpp-python is missing, or llama.cpp cannot load the file.

@@ -4,8 +4,8 @@ On a model this small the forward costs a fraction of a millisecond, so what a g
 costs is the work *around* the forward: batch validation, the slot search, the KQ mask, the
 graph launch, the sampling, the loop. These models measure that overhead against mlx-lm's own
 loop on the same configuration and the same weights (``--vs mlx-lm``). Their weights are
-random (:mod:`reference.testing`, seeded): nothing is downloaded, the numbers are the same on
-every machine, and their text is noise.
+random ([`reference.testing`][reference.testing], seeded): nothing is downloaded, the numbers are
+the same on every machine, and their text is noise.
 
 | name | architecture | layers | ``n_embd`` | other |
 |---|---|---|---|---|
@@ -50,7 +50,7 @@ def tiny_model(name: str):
     """The hyperparameters and seeded random weights of a shipped tiny model.
 
     Raises:
-        KeyError: not a tiny model's name (:data:`TINY_MODELS`).
+        KeyError: not a tiny model's name ([`TINY_MODELS`][]).
 
     Examples:
         >>> hp, w = tiny_model("tiny")

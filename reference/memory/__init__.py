@@ -1,21 +1,22 @@
 """The memory of a context: the KV cache as cells (``llama_kv_cells``, ``llama_kv_cache``),
 or the recurrent memory (``llama_memory_recurrent``), behind one interface (``llama_memory_i``).
 
-- :mod:`reference.memory.interface`: the interface both implement, the memory context of a
-  batch (``llama_memory_context_i``) and its status;
-- :mod:`reference.memory.kv_cells`: the metadata of the cells (positions, sequence sets,
-  pending shifts);
-- :mod:`reference.memory.kv_cache`: the K/V tensors, streams, slot search, the memory API,
-  the K-shift, the KQ mask and the attention input of a ubatch;
-- :mod:`reference.memory.recurrent`: one cell of state rows per sequence (Mamba);
-- :mod:`reference.memory.state`: save and restore;
-- :func:`create_memory`: which memory a model gets (``llama_model::create_memory``).
+- [`reference.memory.interface`][reference.memory.interface]: the interface both implement, the
+  memory context of a batch (``llama_memory_context_i``) and its status;
+- [`reference.memory.kv_cells`][reference.memory.kv_cells]: the metadata of the cells (positions,
+  sequence sets, pending shifts);
+- [`reference.memory.kv_cache`][reference.memory.kv_cache]: the K/V tensors, streams, slot search,
+  the memory API, the K-shift, the KQ mask and the attention input of a ubatch;
+- [`reference.memory.recurrent`][reference.memory.recurrent]: one cell of state rows per sequence
+  (Mamba);
+- [`reference.memory.state`][reference.memory.state]: save and restore;
+- [`create_memory`][]: which memory a model gets (``llama_model::create_memory``).
 """
 
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.hparams import MAMBA_ARCHS
+from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
 from reference.memory.interface import Memory, MemoryContext, MemoryStatus
 from reference.memory.kv_cache import (
     KVCache,
@@ -53,14 +54,14 @@ __all__ = [
 
 
 # --8<-- [start:create_memory]
-def create_memory(hparams, n_ctx_seq: int, n_seq_max: int = 1, kv_unified: bool = True,
-                  swa_full: bool = True, n_ubatch: int = 512,
+def create_memory(hparams: LlamaHParams | MambaHParams, n_ctx_seq: int, n_seq_max: int = 1,
+                  kv_unified: bool = True, swa_full: bool = True, n_ubatch: int = 512,
                   dtype: DTypeLike = np.float32) -> Memory:
     """The memory a model gets, chosen by its architecture (``llama_model::create_memory``).
 
-    ``mamba`` / ``mamba2``: a :class:`RecurrentMemory` of ``max(1, n_seq_max)`` cells, one
+    ``mamba`` / ``mamba2``: a [`RecurrentMemory`][] of ``max(1, n_seq_max)`` cells, one
     per sequence (``kv_unified``, ``swa_full`` and ``n_ctx_seq`` do not apply). Every other
-    architecture: a :class:`KVCache` of ``n_ctx_seq`` cells per stream.
+    architecture: a [`KVCache`][] of ``n_ctx_seq`` cells per stream.
 
     Args:
         hparams: the model's hyperparameters.

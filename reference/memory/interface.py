@@ -3,8 +3,9 @@ r"""One memory interface: ``llama_memory_i`` and ``llama_memory_context_i`` (``l
 A context does not know which memory it holds. llama.cpp's ``llama_context::decode`` talks to
 a ``llama_memory_i``: the KV cache of an attention model and the recurrent memory of a Mamba
 model answer the same calls, and what differs (cells per token or per sequence, a slot or a
-range of cells, a K-shift or none) stays inside each. Here :class:`~reference.memory.KVCache`
-and :class:`~reference.memory.recurrent.RecurrentMemory` implement :class:`Memory`:
+range of cells, a K-shift or none) stays inside each. Here
+[`KVCache`][reference.memory.kv_cache.KVCache] and
+[`RecurrentMemory`][reference.memory.recurrent.RecurrentMemory] implement [`Memory`][]:
 
 | ours | llama.cpp |
 |---|---|
@@ -19,10 +20,10 @@ and :class:`~reference.memory.recurrent.RecurrentMemory` implement :class:`Memor
 | ``state_write(hparams, seq_id)``, ``state_read(hparams, data, dest_seq_id)`` | the same |
 | ``state_save_file``, ``state_load_file`` | ``llama_state_save_file`` / ``load_file`` |
 
-A *placement* is where a ubatch goes: a :class:`~reference.memory.kv_cache.SlotInfo` (one cell
+A *placement* is where a ubatch goes: a [`SlotInfo`][reference.memory.kv_cache.SlotInfo] (one cell
 per token) for the KV cache, a ``range`` of cells (one per sequence set) for the recurrent
-memory. :meth:`Memory.init_batch` returns a :class:`MemoryContext` that holds the ubatches
-with their placements and a :class:`MemoryStatus`; decode walks it as llama.cpp does::
+memory. `Memory.init_batch` returns a [`MemoryContext`][] that holds the ubatches
+with their placements and a [`MemoryStatus`][]; decode walks it as llama.cpp does::
 
     mctx = memory.init_batch(balloc, n_ubatch)      # FAILED_PREPARE: return 1
     while True:
@@ -32,7 +33,7 @@ with their placements and a :class:`MemoryStatus`; decode walks it as llama.cpp 
             break
 
 Who builds which memory is ``llama_model::create_memory``:
-:func:`reference.memory.create_memory`.
+[`reference.memory.create_memory`][reference.memory.create_memory].
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from reference.common import LlamarefError
 
 # --8<-- [start:MemoryStatus]
 class MemoryStatus(IntEnum):
-    """``llama_memory_status``: what a :class:`MemoryContext` holds.
+    """``llama_memory_status``: what a [`MemoryContext`][] holds.
 
     ``SUCCESS``: ubatches placed (or an update to apply); ``NO_UPDATE``: nothing to update;
     ``FAILED_PREPARE``: no valid split or no room: ``llama_decode`` returns 1;
@@ -65,19 +66,19 @@ class MemoryStatus(IntEnum):
 
 
 class MemoryContextError(LlamarefError, RuntimeError):
-    """A failed :class:`MemoryContext` was asked to apply (llama.cpp asserts)."""
+    """A failed [`MemoryContext`][] was asked to apply (llama.cpp asserts)."""
 
 
 # --8<-- [start:MemoryContext]
 class MemoryContext:
     """``llama_memory_context_i``: the ubatches of one batch and their placements, or an update.
 
-    Made by :meth:`Memory.init_batch` (or :meth:`Memory.init_update`), read by the context.
-    Only :meth:`apply` changes the memory, as in llama.cpp.
+    Made by `Memory.init_batch` (or `Memory.init_update`), read by the context.
+    Only [`apply`][] changes the memory, as in llama.cpp.
 
     Attributes:
         memory: the memory the context belongs to.
-        status: a :class:`MemoryStatus`.
+        status: a [`MemoryStatus`][].
         ubatches: the ubatches of the batch, in order (none for an update).
         placements: where each ubatch goes (a ``SlotInfo`` or a ``range`` of cells).
         error: why the status is a failure, else None.
@@ -129,7 +130,7 @@ class MemoryContext:
 
         Returns:
             For a batch, True. For an update, whether a K-shift turned some key
-            (:meth:`Memory.update`; llama.cpp returns True for any applied update).
+            (`Memory.update`; llama.cpp returns True for any applied update).
 
         Raises:
             MemoryContextError: the status is a failure (nothing to apply).
@@ -142,16 +143,16 @@ class MemoryContext:
         return True
 
     def graph_input(self) -> Any:
-        """What the forward reads and writes for the current ubatch (after :meth:`apply`).
+        """What the forward reads and writes for the current ubatch (after [`apply`][]).
 
-        A :class:`~reference.memory.kv_cache.KVCacheAttnInput` (K/V and the KQ mask) from a
-        KV cache, a :class:`~reference.memory.recurrent.RecurrentMemoryInput` (the state
-        rows) from a recurrent memory.
+        A [`KVCacheAttnInput`][reference.memory.kv_cache.KVCacheAttnInput] (K/V and the KQ mask)
+        from a KV cache, a [`RecurrentMemoryInput`][reference.memory.recurrent.RecurrentMemoryInput]
+        (the state rows) from a recurrent memory.
         """
         return self.memory.graph_input(self.get_placement(), self.get_ubatch())
 
     def remove_ubatch(self) -> None:
-        """Undo the current ubatch, applied but not computed (:meth:`Memory.remove_ubatch`)."""
+        """Undo the current ubatch, applied but not computed (`Memory.remove_ubatch`)."""
         self.memory.remove_ubatch(self.get_placement(), self.get_ubatch())
 # --8<-- [end:MemoryContext]
 
@@ -165,7 +166,7 @@ def batch_context(memory: Memory, balloc: BatchAllocr,
     nothing is left and asks the memory for a placement of every ubatch, all or nothing.
 
     Returns:
-        A :class:`MemoryContext`; ``FAILED_PREPARE`` when some tokens cannot be split (coupled
+        A [`MemoryContext`][]; ``FAILED_PREPARE`` when some tokens cannot be split (coupled
         sequences on a per-sequence split) or some ubatch finds no room. Nothing changed then.
     """
     balloc.split_reset()

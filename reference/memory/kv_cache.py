@@ -8,38 +8,39 @@ $$
 
 (``k_l[il]`` and ``v_l[il]``; V is stored like K, one row per cell: llama.cpp's
 ``v_trans = false`` layout, the one it uses with flash attention; the transposed layout
-holds the same numbers). What each row means is kept by :class:`KVCells`, one per stream.
+holds the same numbers). What each row means is kept by [`KVCells`][], one per stream.
 
 Streams. With ``kv_unified=True`` there is one stream of ``kv_size`` cells shared by every
 sequence: sequences can share cells (``seq_cp`` costs nothing). With ``kv_unified=False``
 there are ``n_seq_max`` streams of ``kv_size`` cells each, sequence $s$ living in stream $s$
 (``seq_to_stream``); ``kv_size`` is then llama_context's ``n_ctx_seq`` (see
-:func:`n_ctx_seq`), and ``seq_cp`` between streams copies the whole stream at the next
-:meth:`KVCache.update`.
+[`n_ctx_seq`][]), and ``seq_cp`` between streams copies the whole stream at the next
+[`KVCache.update`][].
 
 Decoding a batch goes through these steps, as in llama.cpp; they are the memory interface
-(:mod:`reference.memory.interface`) that the recurrent memory implements too:
+([`reference.memory.interface`][reference.memory.interface]) that the recurrent memory implements
+too:
 
-1. :meth:`KVCache.init_batch` cuts the batch into ubatches (``split_simple`` for one stream,
-   ``split_equal(sequential=True)`` for one stream per sequence) and :meth:`KVCache.prepare`
-   finds a slot (a :class:`SlotInfo`: cell indices) for every ubatch by placing them one
+1. [`KVCache.init_batch`][] cuts the batch into ubatches (``split_simple`` for one stream,
+   ``split_equal(sequential=True)`` for one stream per sequence) and [`KVCache.prepare`][]
+   finds a slot (a [`SlotInfo`][]: cell indices) for every ubatch by placing them one
    after the other, then restores the cells: all or nothing;
-2. :meth:`KVCache.apply_ubatch` writes the ubatch's positions and sequence ids into its
+2. [`KVCache.apply_ubatch`][] writes the ubatch's positions and sequence ids into its
    slot;
-3. :meth:`KVCache.graph_input` (:meth:`KVCache.attn_input`) gives the model its
-   :class:`KVCacheAttnInput`: it writes the new K/V rows into the slot and reads the first
-   ``n_kv`` cells back with the KQ mask; :meth:`KVCache.remove_ubatch` undoes a ubatch that
+3. [`KVCache.graph_input`][] ([`KVCache.attn_input`][]) gives the model its
+   [`KVCacheAttnInput`][]: it writes the new K/V rows into the slot and reads the first
+   ``n_kv`` cells back with the KQ mask; [`KVCache.remove_ubatch`][] undoes a ubatch that
    was applied but not computed;
-4. :meth:`KVCache.update`, before the next batch, re-ropes the keys of the cells whose
+4. [`KVCache.update`][], before the next batch, re-ropes the keys of the cells whose
    position changed (``seq_add``/``seq_div``): the lazy K-shift.
 
 The array work of these steps is in small methods the MLX twin overrides
-(:meth:`KVCache.copy_stream`, :meth:`KVCache.apply_k_shift`, :meth:`KVCache.on_host`); the
+([`KVCache.copy_stream`][], [`KVCache.apply_k_shift`][], [`KVCache.on_host`][]); the
 bookkeeping around them is written once, here.
 
 The memory API (``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add``, ``seq_div``,
 ``seq_pos_min``, ``seq_pos_max``, ``clear``, ``can_shift``) has llama.cpp's edge cases;
-where llama.cpp asserts, :class:`KVCacheError` is raised before anything changes.
+where llama.cpp asserts, [`KVCacheError`][] is raised before anything changes.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def n_ctx_seq(n_ctx: int, n_seq_max: int, kv_unified: bool) -> tuple[int, int]:
         kv_unified: one shared stream (True) or one stream per sequence.
 
     Returns:
-        ``(n_ctx, n_ctx_seq)``; ``n_ctx_seq`` is the ``kv_size`` of :class:`KVCache`.
+        ``(n_ctx, n_ctx_seq)``; ``n_ctx_seq`` is the ``kv_size`` of [`KVCache`][].
 
     Examples:
         >>> n_ctx_seq(100, 1, True), n_ctx_seq(1000, 4, False), n_ctx_seq(256, 3, False)
@@ -165,7 +166,7 @@ class SlotInfo:
 
 # --8<-- [start:k_shift_rope_params]
 def k_shift_rope_params(hparams: LlamaHParams) -> dict:
-    r"""The ``rope_ext`` arguments of the K-shift: :func:`rope_cparams`, magnitude 1.
+    r"""The ``rope_ext`` arguments of the K-shift: [`rope_cparams`][], magnitude 1.
 
     A K-shift must only *turn* the keys: by additivity,
     $R(\Delta)\,R(p)\,k = R(p + \Delta)\,k$. With YaRN, ``rope_ext`` also multiplies by
@@ -244,8 +245,8 @@ def set_input_kq_mask(
     The columns are the first ``n_kv`` cells of each stream of ``strm``, block after block
     (one block when unified); a token sees nothing in another stream's block. Each block is
     the formula above over the arrays of its cells, for all tokens at once
-    (:func:`is_masked_swa` is written with operators that work elementwise on arrays);
-    :func:`set_input_kq_mask_per_cell` is the same rule one cell at a time, and a property
+    ([`is_masked_swa`][] is written with operators that work elementwise on arrays);
+    [`set_input_kq_mask_per_cell`][] is the same rule one cell at a time, and a property
     test holds the two equal.
 
     Args:
@@ -253,8 +254,8 @@ def set_input_kq_mask(
         seq_to_stream: stream of each sequence id.
         pos: positions of the ubatch ``(n_tokens,)``.
         seq_id: sequence ids of each token.
-        strm: the streams of the ubatch's slot (:attr:`SlotInfo.strm`).
-        n_kv: cells per stream in view (:meth:`KVCache.get_n_kv`).
+        strm: the streams of the ubatch's slot (`SlotInfo.strm`).
+        n_kv: cells per stream in view ([`KVCache.get_n_kv`][]).
         n_swa: sliding window (0: none).
         swa_type: one of ``SWA_TYPE_*``.
         dtype: mask dtype.
@@ -301,10 +302,10 @@ def set_input_kq_mask_per_cell(
     swa_type: int,
     dtype: DTypeLike = np.float32,
 ) -> np.ndarray:
-    """The rule of :func:`set_input_kq_mask`, one token and one cell at a time.
+    """The rule of [`set_input_kq_mask`][], one token and one cell at a time.
 
     The readable definition (llama.cpp's loop without its reuse of a sequence's previous
-    row); :func:`set_input_kq_mask` must equal it on every cell state. Same arguments.
+    row); [`set_input_kq_mask`][] must equal it on every cell state. Same arguments.
 
     Examples:
         >>> cells = KVCells(3)
@@ -337,14 +338,14 @@ def set_input_kq_mask_per_cell(
 class KVCacheAttnInput:
     """The attention input of one ubatch (``llm_graph_input_attn_kv`` + the cache context).
 
-    Implements :class:`reference.models.llama.AttnInput`. Built by :meth:`KVCache.attn_input`
-    after :meth:`KVCache.apply_ubatch`; ``n_kv`` and the mask are fixed then, as llama.cpp
-    fixes them when it builds the graph.
+    Implements [`reference.models.llama.AttnInput`][reference.models.llama.AttnInput]. Built by
+    [`KVCache.attn_input`][] after [`KVCache.apply_ubatch`][]; ``n_kv`` and the mask are fixed then,
+    as llama.cpp fixes them when it builds the graph.
 
     - ``k_idxs``: the global row of each token, ``stream * kv_size + cell`` (``k_idxs``);
     - ``get_k``/``get_v``: the first ``n_kv`` cells of each stream of the slot, streams
       concatenated: ``(len(strm) * n_kv, n_head_kv, d)``;
-    - ``get_kq_mask``: :func:`set_input_kq_mask`; the same for every layer (every layer of
+    - ``get_kq_mask``: [`set_input_kq_mask`][]; the same for every layer (every layer of
       this cache is a SWA layer when ``n_swa > 0``).
 
     With several streams llama.cpp runs one attention per stream (a 4-D view and a mask per
@@ -363,7 +364,7 @@ class KVCacheAttnInput:
         self.set_kq_mask()
 
     def set_kq_mask(self) -> None:
-        """Build the ubatch's KQ mask (:func:`set_input_kq_mask`): the array step of the input.
+        """Build the ubatch's KQ mask ([`set_input_kq_mask`][]): the array step of the input.
 
         The MLX twin replaces only this step (it builds the mask on the device, lazily).
         """
@@ -411,14 +412,14 @@ class KVCache:
 
     Args:
         hparams: the model's hyperparameters (sizes, RoPE for the K-shift, ``n_swa``).
-        kv_size: cells per stream (llama_context's ``n_ctx_seq``, see :func:`n_ctx_seq`).
+        kv_size: cells per stream (llama_context's ``n_ctx_seq``, see [`n_ctx_seq`][]).
         n_seq_max: the number of sequences (and of streams when not unified).
         kv_unified: one stream shared by all sequences, or one per sequence.
         n_pad: ``kv_size`` must be a multiple of it; ``n_kv`` is padded to
             ``max(n_pad, 256)`` (llama.cpp creates the llama cache with ``n_pad = 1``).
         swa_full: with ``n_swa > 0`` and ``swa_full=False`` the cache keeps only
-            :func:`kv_size_swa` cells (every layer of this cache is a SWA layer).
-        n_ubatch: the ubatch size, used by :func:`kv_size_swa`.
+            [`kv_size_swa`][] cells (every layer of this cache is a SWA layer).
+        n_ubatch: the ubatch size, used by [`kv_size_swa`][].
         dtype: dtype of K, V and the mask.
 
     Raises:
@@ -484,8 +485,8 @@ class KVCache:
         shifted cells were freed since (moved below 0, removed) or their shifts cancelled:
         a K-shift that turns no key. Here such a flag does not count, so the answer depends
         only on the cells' positions and shifts, which a state blob saves: a restored memory
-        answers as the one it was saved from (:mod:`reference.memory.state`). O(1): the
-        cells count their non-zero shifts (``n_shifted``).
+        answers as the one it was saved from ([`reference.memory.state`][reference.memory.state]).
+        O(1): the cells count their non-zero shifts (``n_shifted``).
         """
         return any(cells.n_shifted > 0 for cells in self.v_cells)
 
@@ -554,7 +555,7 @@ class KVCache:
         In one stream nothing is copied: ``seq_id_dst`` joins the cells' sequence sets.
         Across streams (``kv_unified=False``) the destination stream is emptied and gets the
         source's cells of ``seq_id_src`` (as ``seq_id_dst``, same indices, same pending
-        shifts); the K/V rows are copied at the next :meth:`update`. Only a full copy is
+        shifts); the K/V rows are copied at the next [`update`][]. Only a full copy is
         supported there.
 
         Raises:
@@ -611,7 +612,7 @@ class KVCache:
         A cell is moved once, for *every* sequence that shares it (its position is one
         number): sharing sequences move too. A cell whose position goes below 0 is freed.
         No-op when ``shift == 0`` or the range is empty (``p0 == p1`` after ``p0 < 0 -> 0``,
-        ``p1 < 0 -> inf``). The keys are re-roped at the next :meth:`update`. The search head
+        ``p1 < 0 -> inf``). The keys are re-roped at the next [`update`][]. The search head
         goes to the first freed cell, else to 0.
 
         Raises:
@@ -723,7 +724,7 @@ class KVCache:
         r"""The search of ``find_slot`` in one stream, over the array of usable cells.
 
         llama.cpp tests the cells one at a time from the head, wrapping around once. Its
-        result is, with $u$ the usable cells (:meth:`_can_use`) and $h$ the head:
+        result is, with $u$ the usable cells (`_can_use`) and $h$ the head:
 
         - ``cont=False``: the first ``n_tokens`` usable cells in the order
           $h, h+1, \dots, size-1, 0, \dots, h-1$;
@@ -779,7 +780,7 @@ class KVCache:
     def apply_ubatch(self, placement: SlotInfo, ubatch) -> None:
         """Write the ubatch's positions and sequence ids into the cells of its slot.
 
-        ``placement`` is the ubatch's :class:`SlotInfo` (from :meth:`prepare`).
+        ``placement`` is the ubatch's [`SlotInfo`][] (from [`prepare`][]).
 
         ``llama_kv_cache::apply_ubatch``. A cell being reused (SWA-masked, one sequence) is
         emptied first; then, so that every position between a sequence's ``pos_min`` and
@@ -813,15 +814,15 @@ class KVCache:
     def prepare(self, ubatches: list) -> list[SlotInfo] | None:
         """Slots for all ``ubatches`` or for none: place them in order, then restore.
 
-        ``llama_kv_cache::prepare``: each ubatch is placed (:meth:`find_slot` then
-        :meth:`apply_ubatch`) so that the next one sees it; then the cells and heads are
+        ``llama_kv_cache::prepare``: each ubatch is placed ([`find_slot`][] then
+        [`apply_ubatch`][]) so that the next one sees it; then the cells and heads are
         restored. Returns None when a ubatch does not fit (decode's return code 1).
 
         llama.cpp restores only the cells of the slots, so the SWA purge of
-        :meth:`apply_ubatch` (which touches other cells) and the heads of streams other
+        [`apply_ubatch`][] (which touches other cells) and the heads of streams other
         than stream 0 are not restored after a failure. Here the cells and heads are
         restored exactly (a divergence; decode's "memory unchanged" holds), by the cells'
-        undo journal (:meth:`undone`): the cost is what the ubatches changed.
+        undo journal ([`undone`][]): the cost is what the ubatches changed.
         """
         res: list[SlotInfo] = []
         with self.undone():
@@ -838,7 +839,7 @@ class KVCache:
     def undone(self) -> Iterator[None]:
         """Whatever changes the cells and heads inside the ``with`` is undone on leaving it.
 
-        The journal of every stream's :class:`KVCells` (``begin`` / ``rollback``) and a
+        The journal of every stream's [`KVCells`][] (``begin`` / ``rollback``) and a
         copy of the heads (one number per stream).
         """
         heads = list(self.v_heads)
@@ -859,7 +860,7 @@ class KVCache:
 
         One stream: ``split_simple`` (the next ``n_ubatch`` tokens in batch order). One
         stream per sequence: ``split_equal(sequential=True)`` (equal runs of consecutive
-        sequences, each ubatch touching each stream once). Then :meth:`prepare`.
+        sequences, each ubatch touching each stream once). Then [`prepare`][].
 
         Args:
             balloc: the validated batch.
@@ -867,8 +868,8 @@ class KVCache:
             embd_all: every token outputs embeddings (no effect on the KV cache's split).
 
         Returns:
-            A :class:`~reference.memory.interface.MemoryContext` of the ubatches and their
-            :class:`SlotInfo`; ``FAILED_PREPARE`` (decode's 1) when the batch cannot be split
+            A [`MemoryContext`][reference.memory.interface.MemoryContext] of the ubatches and their
+            [`SlotInfo`][]; ``FAILED_PREPARE`` (decode's 1) when the batch cannot be split
             or a ubatch finds no slot, the cells then unchanged.
         """
         if self.n_stream == 1:
@@ -882,7 +883,7 @@ class KVCache:
 
         ``NO_UPDATE`` when no position changed since the last update (the cells'
         ``has_shift`` flags, as llama.cpp) and no stream copy is pending; otherwise a context
-        whose ``apply()`` runs :meth:`update`.
+        whose ``apply()`` runs [`update`][].
         """
         if not any(cells.get_has_shift() for cells in self.v_cells) and not self.sc_info:
             return MemoryContext(self, MemoryStatus.NO_UPDATE)
@@ -913,11 +914,11 @@ class KVCache:
 
     # --8<-- [start:attn_input]
     def attn_input(self, ubatch, sinfo: SlotInfo) -> KVCacheAttnInput:
-        """The :class:`KVCacheAttnInput` of ``ubatch`` (call after :meth:`apply_ubatch`)."""
+        """The [`KVCacheAttnInput`][] of ``ubatch`` (call after [`apply_ubatch`][])."""
         return KVCacheAttnInput(self, ubatch, sinfo)
 
     def graph_input(self, placement: SlotInfo, ubatch) -> KVCacheAttnInput:
-        """The memory interface's name for :meth:`attn_input` (placement first)."""
+        """The memory interface's name for [`attn_input`][] (placement first)."""
         return self.attn_input(ubatch, placement)
     # --8<-- [end:attn_input]
 
@@ -928,8 +929,8 @@ class KVCache:
         llama.cpp's decode does this when a ubatch's compute fails or is aborted, for the
         *first* seq id of each token only; a token shared by several sequences then stays
         in the others, its K/V possibly unwritten. Here every seq id of the ubatch is
-        cleaned (a divergence, see :mod:`reference.context`'s chapter). The placement is
-        not needed: positions say what to remove.
+        cleaned (a divergence, see [`reference.context`][reference.context]'s chapter). The
+        placement is not needed: positions say what to remove.
         """
         pos_min: dict[int, int] = {}
         for p, ids in zip(ubatch.pos.tolist(), ubatch.seq_id, strict=True):
@@ -944,10 +945,10 @@ class KVCache:
         """Apply the pending stream copies, then the K-shift (``llama_kv_cache::update``).
 
         Stream copies (from ``seq_cp`` across streams) copy the K/V rows of the whole
-        stream (:meth:`copy_stream`). The K-shift turns the key of every cell with a non-zero
-        recorded shift by that shift (:meth:`apply_k_shift`), in every layer, then forgets
+        stream ([`copy_stream`][]). The K-shift turns the key of every cell with a non-zero
+        recorded shift by that shift ([`apply_k_shift`][]), in every layer, then forgets
         the shifts. (llama.cpp turns every cell, by 0 for the others: the identity, except
-        that under YaRN it rescales them, see :func:`k_shift_rope_params`.)
+        that under YaRN it rescales them, see [`k_shift_rope_params`][].)
 
         Args:
             rope_factors: the model's ``rope_freqs.weight``, if it has one.
@@ -974,9 +975,9 @@ class KVCache:
     # --8<-- [start:apply_k_shift]
     def apply_k_shift(self, stream: int, rows: list[int], shift: np.ndarray,
                       rope_factors: np.ndarray | None = None) -> None:
-        """The array step of :meth:`update`: turn the keys of ``rows`` of ``stream`` by ``shift``.
+        """The array step of [`update`][]: turn the keys of ``rows`` of ``stream`` by ``shift``.
 
-        In every layer, :func:`build_rope_shift` on the rows' keys, written back in place.
+        In every layer, [`build_rope_shift`][] on the rows' keys, written back in place.
 
         Args:
             stream: the stream.
@@ -991,7 +992,7 @@ class KVCache:
             k[stream, rows] = k_rows.reshape(len(rows), -1)  # (n_rows, n_embd_k_gqa)
 
     def copy_stream(self, ssrc: int, sdst: int) -> None:
-        """The other array step of :meth:`update`: stream ``sdst``'s K/V rows become ``ssrc``'s."""
+        """The other array step of [`update`][]: stream ``sdst``'s K/V rows become ``ssrc``'s."""
         for t in self.k_l + self.v_l:
             t[sdst] = t[ssrc]
     # --8<-- [end:apply_k_shift]
@@ -1003,31 +1004,38 @@ class KVCache:
     def on_host(self) -> Iterator[None]:
         """The K/V tensors as NumPy arrays inside the ``with``: already so in the reference.
 
-        The state functions of :mod:`reference.memory.state` read and write ``k_l``/``v_l``
-        as NumPy; a twin whose tensors live elsewhere overrides this to move them for the
-        duration (:meth:`accelerated.memory.KVCache.on_host`).
+        The state functions of [`reference.memory.state`][reference.memory.state] read and write
+        ``k_l``/``v_l`` as NumPy; a twin whose tensors live elsewhere overrides this to move them
+        for the duration
+        ([`accelerated.memory.KVCache.on_host`][accelerated.memory.kv_cache.KVCache.on_host]).
         """
         yield
 
     def state_write(self, hparams: LlamaHParams, seq_id: int = -1) -> bytes:
-        """The memory, or one sequence, as bytes: :func:`reference.memory.state.state_write`."""
+        """The memory, or one sequence, as bytes:
+        [`reference.memory.state.state_write`][reference.memory.state.state_write]."""
         with self.on_host():
             return state_io.state_write(self, hparams, seq_id)
 
     def state_read(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1) -> None:
-        """Restore a blob of :meth:`state_write`: :func:`reference.memory.state.state_read`."""
+        """Restore a blob of [`state_write`][]:
+        [`reference.memory.state.state_read`][reference.memory.state.state_read]."""
         with self.on_host():
             state_io.state_read(self, hparams, data, dest_seq_id)
 
     def state_save_file(self, path: str | Path, hparams: LlamaHParams, tokens: ArrayLike,
                         seq_id: int = -1) -> int:
-        """Save to a file (:func:`reference.memory.state.state_save_file`); its size."""
+        """Save to a file
+        ([`reference.memory.state.state_save_file`][reference.memory.state.state_save_file]); its
+        size."""
         with self.on_host():
             return state_io.state_save_file(path, self, hparams, tokens, seq_id)
 
     def state_load_file(self, path: str | Path, hparams: LlamaHParams,
                         dest_seq_id: int = -1) -> np.ndarray:
-        """Restore a file (:func:`reference.memory.state.state_load_file`); its tokens."""
+        """Restore a file
+        ([`reference.memory.state.state_load_file`][reference.memory.state.state_load_file]); its
+        tokens."""
         with self.on_host():
             return state_io.state_load_file(path, self, hparams, dest_seq_id)
     # --8<-- [end:state]

@@ -30,6 +30,7 @@ Invariants (checked by the tests after every operation):
 $$
 pos_i = -1 \iff \neg\exists s:\ seq_{i,s}, \qquad pos_i = -1 \implies shift_i = 0,
 $$
+
 $$
 \mathrm{seq\_pos}[s] = \mathrm{sorted}\,\{(pos_i, i) : seq_{i,s}\}, \qquad
 n_{used} = |\{ i : pos_i \ne -1 \}|, \qquad n_{shifted} = |\{ i : shift_i \ne 0 \}|.
@@ -45,14 +46,14 @@ cell indices (``seq_rm_cells(idxs, seq_id)``): the cache's operations over range
 call those, once, instead of looping over the cells.
 
 **Undo journal.** A decode places its ubatches for real to see whether they fit, then puts
-the cells back (all or nothing). Between :meth:`KVCells.begin` and :meth:`KVCells.rollback`
+the cells back (all or nothing). Between [`KVCells.begin`][] and [`KVCells.rollback`][]
 ``_assign`` records the old row of each cell it touches, once: a failed decode costs what it
 changed, not what the cache holds.
 
 Every method has the name of its C++ twin and the same contract. One method differs on
-purpose: :meth:`KVCells.pos_div` records the shift with the sign :meth:`KVCells.pos_add`
+purpose: [`KVCells.pos_div`][] records the shift with the sign [`KVCells.pos_add`][]
 uses (new minus old); llama.cpp records old minus new there, which rotates the keys the
-wrong way after ``seq_div`` (see :func:`pos_div_shift_llamacpp` and the K-shift chapter).
+wrong way after ``seq_div`` (see [`pos_div_shift_llamacpp`][] and the K-shift chapter).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def pos_div_shift(p_old, d: int):
 def pos_div_shift_llamacpp(p_old: int, d: int) -> int:
     """The shift llama.cpp's ``llama_kv_cells::pos_div`` records: ``p_old - p_new``.
 
-    The opposite of :func:`pos_div_shift`: at the pinned commit the keys of a divided cell
+    The opposite of [`pos_div_shift`][]: at the pinned commit the keys of a divided cell
     are turned *forward* by ``p_old - p_new`` instead of back, so they end up roped at
     ``2 p_old - p_new`` rather than ``p_new``. Kept only to pin the divergence in tests.
 
@@ -282,7 +283,7 @@ class KVCells:
     # ---- save / restore of some cells ------------------------------------------------
 
     def cp(self, idxs: ArrayLike) -> KVCells:
-        """The cells ``idxs`` as a new :class:`KVCells` of ``len(idxs)`` cells (``cp``)."""
+        """The cells ``idxs`` as a new [`KVCells`][] of ``len(idxs)`` cells (``cp``)."""
         idxs = _idx(idxs)
         assert not self.shift[idxs].any()
         res = KVCells(len(idxs))
@@ -332,7 +333,7 @@ class KVCells:
     def pos_div(self, i: int, d: int) -> None:
         """Divide the position of the non-empty cell ``i`` by ``d`` (integer division).
 
-        Records the shift ``p_new - p_old`` (:func:`pos_div_shift`), as :meth:`pos_add`
+        Records the shift ``p_new - p_old`` ([`pos_div_shift`][]), as [`pos_add`][]
         does; llama.cpp records ``p_old - p_new`` here (a divergence, see the module).
         """
         assert self.pos[i] != -1
@@ -417,13 +418,13 @@ class KVCells:
     # ---- the undo journal -----------------------------------------------------------------
 
     def begin(self) -> None:
-        """Start recording: :meth:`rollback` will put back every cell changed from now on."""
+        """Start recording: [`rollback`][] will put back every cell changed from now on."""
         assert self._journal is None, "journals do not nest"
         self._journal = {}
         self._journal_has_shift = self.has_shift
 
     def rollback(self) -> None:
-        """Put back the cells changed since :meth:`begin` (and ``has_shift``); stop recording."""
+        """Put back the cells changed since [`begin`][] (and ``has_shift``); stop recording."""
         journal, self._journal = self._journal, None
         if journal:
             pos, seq, shift = zip(*journal.values(), strict=True)
@@ -431,7 +432,7 @@ class KVCells:
         self.has_shift = self._journal_has_shift
 
     def commit(self) -> None:
-        """Keep the changes since :meth:`begin`; stop recording."""
+        """Keep the changes since [`begin`][]; stop recording."""
         self._journal = None
 
     # ---- the one door: write rows, keep seq_pos and the counts -----------------------------

@@ -28,33 +28,33 @@ with the KV cache):
   position touches nothing (there are no cells for earlier positions) and returns True.
 - ``seq_cp``: the destination *shares* the source's cell (its ``tail`` points to it); the
   range is ignored, the whole state is shared. The first ubatch that writes to a shared cell
-  copies it to a free cell first (:meth:`RecurrentMemory.find_slot`): copy on write.
+  copies it to a free cell first ([`RecurrentMemory.find_slot`][]): copy on write.
 - ``seq_add`` / ``seq_div``: only the position of the tail cell changes. There is no K-shift
   (a state is not rotated by position), so ``can_shift`` is True and costs nothing.
 
 Decoding a batch goes through the steps of the memory interface
-(:mod:`reference.memory.interface`), the KV cache's steps with a range of cells in place of
-a slot:
+([`reference.memory.interface`][reference.memory.interface]), the KV cache's steps with a range of
+cells in place of a slot:
 
-1. :meth:`RecurrentMemory.init_batch` cuts the batch with ``split_equal(sequential=True)``
+1. [`RecurrentMemory.init_batch`][] cuts the batch with ``split_equal(sequential=True)``
    (``n_seqs`` sequence sets of ``n_seq_tokens`` tokens, token ``t`` of set ``s`` at index
-   ``s * n_seq_tokens + t``), and :meth:`RecurrentMemory.prepare` runs
-   :meth:`RecurrentMemory.find_slot` on every ubatch, then restores the cells: all or
+   ``s * n_seq_tokens + t``), and [`RecurrentMemory.prepare`][] runs
+   [`RecurrentMemory.find_slot`][] on every ubatch, then restores the cells: all or
    nothing; each ubatch's placement is the ``range`` of cells its graph touches;
-2. :meth:`RecurrentMemory.apply_ubatch` runs ``find_slot`` for real: the ubatch's sequences
+2. [`RecurrentMemory.apply_ubatch`][] runs ``find_slot`` for real: the ubatch's sequences
    get the contiguous cells ``head .. head + n_seqs - 1``, set ``s`` in cell ``head + s``,
    then moves the state rows as the graph's ``build_rs`` does (``s_copy``: each cell of
    ``head .. head + n`` takes the row of its ``src0``; a cell with no source takes the
-   zeroed row ``rs_z``); :meth:`RecurrentMemory.remove_ubatch` puts the cells and rows back
+   zeroed row ``rs_z``); [`RecurrentMemory.remove_ubatch`][] puts the cells and rows back
    as they were before it;
-3. :meth:`RecurrentMemory.graph_input` (:meth:`RecurrentMemory.rs_input`) gives the model
-   its :class:`RecurrentMemoryInput`: ``get_r``/``get_s`` read the ``n_seqs`` rows,
+3. [`RecurrentMemory.graph_input`][] ([`RecurrentMemory.rs_input`][]) gives the model
+   its [`RecurrentMemoryInput`][]: ``get_r``/``get_s`` read the ``n_seqs`` rows,
    ``cpy_r``/``cpy_s`` write the final states;
-4. there is no update: :meth:`RecurrentMemory.init_update` answers ``NO_UPDATE``.
+4. there is no update: [`RecurrentMemory.init_update`][] answers ``NO_UPDATE``.
 
 The row moves are small array methods the MLX twin overrides
-(:meth:`RecurrentMemory.move_rows`, :meth:`RecurrentMemory.save_rows`,
-:meth:`RecurrentMemory.load_rows`, :meth:`RecurrentMemory.on_host`); the bookkeeping around
+([`RecurrentMemory.move_rows`][], [`RecurrentMemory.save_rows`][],
+[`RecurrentMemory.load_rows`][], [`RecurrentMemory.on_host`][]); the bookkeeping around
 them is written once, here.
 
 Where this differs from llama.cpp at the pinned commit (each with a test):
@@ -72,13 +72,14 @@ Where this differs from llama.cpp at the pinned commit (each with a test):
   ``build_rs`` does it at the start of every layer of the graph that follows); the rows the
   model reads are the same.
 - invalid calls (a sequence id out of ``[0, n_seq_max)``, ``d < 1``) raise
-  :class:`RecurrentMemoryError` before anything changes; llama.cpp logs and returns False,
+  [`RecurrentMemoryError`][] before anything changes; llama.cpp logs and returns False,
   ignores the call, or divides by zero.
 - rollback snapshots (``n_rs_seq > 0``) are not modelled: llama.cpp enables them only for
   some hybrid architectures, never for Mamba (``llm_arch_supports_rs_rollback``).
 
 State save/restore uses the header, checksum and refusal rules of
-:mod:`reference.memory.state` with its own magic ``b"LRRS"``: see :func:`state_write`.
+[`reference.memory.state`][reference.memory.state] with its own magic ``b"LRRS"``: see
+[`state_write`][].
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class RecurrentMemoryInput:
     """The recurrent-state input of one ubatch (``llm_graph_input_rs`` + the memory context).
 
     Implements the ``RecurrentInput`` protocol the Mamba models use. Built by
-    :meth:`RecurrentMemory.rs_input` after :meth:`RecurrentMemory.apply_ubatch`: sequence set
+    [`RecurrentMemory.rs_input`][] after [`RecurrentMemory.apply_ubatch`][]: sequence set
     ``s`` of the ubatch (tokens ``s * n_seq_tokens ..``) owns cell ``head + s``, whose rows
     already hold its state (zeros for a sequence that starts fresh).
 
@@ -393,7 +394,7 @@ class RecurrentMemory:
 
         The destination leaves its own cell (freed if nobody else holds it) and joins the
         source's tail cell; nothing is copied until a ubatch writes to the shared cell
-        (copy on write, :meth:`find_slot`). The range ``[p0, p1)`` is ignored: a state is
+        (copy on write, [`find_slot`][]). The range ``[p0, p1)`` is ignored: a state is
         all of a sequence's past. An empty source leaves the destination empty.
 
         Raises:
@@ -530,7 +531,7 @@ class RecurrentMemory:
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id``; -1 if it has none.
 
-        A sequence has one cell, so this is also :meth:`seq_pos_max`: a recurrent memory
+        A sequence has one cell, so this is also [`seq_pos_max`][]: a recurrent memory
         only knows the *last* position its state has absorbed.
 
         Raises:
@@ -555,7 +556,7 @@ class RecurrentMemory:
     # ---- placing ubatches -------------------------------------------------------------------
 
     def _snapshot(self) -> tuple:
-        """The cells and counters, for :meth:`_restore` (one small cell per sequence).
+        """The cells and counters, for `_restore` (one small cell per sequence).
 
         Field by field rather than ``copy.deepcopy``: a snapshot is taken twice per decode,
         and a generic deep copy costs ten times more.
@@ -568,11 +569,11 @@ class RecurrentMemory:
 
     # --8<-- [start:backup]
     def backup(self) -> tuple:
-        """The cells and every state row, for :meth:`restore`."""
+        """The cells and every state row, for [`restore`][]."""
         return self._snapshot(), self.save_rows(range(self.size))
 
     def restore(self, backup: tuple) -> None:
-        """Put back what :meth:`backup` saved."""
+        """Put back what [`backup`][] saved."""
         snap, rows = backup
         self._restore(snap)
         self.load_rows(range(self.size), rows)
@@ -582,7 +583,7 @@ class RecurrentMemory:
         return [t[cells.start: cells.stop].copy() for t in self.r_l + self.s_l]
 
     def load_rows(self, cells: range, saved: list[np.ndarray]) -> None:
-        """Write back rows that :meth:`save_rows` saved from ``cells``."""
+        """Write back rows that [`save_rows`][] saved from ``cells``."""
         for t, rows in zip(self.r_l + self.s_l, saved, strict=True):
             t[cells.start: cells.stop] = rows
     # --8<-- [end:backup]
@@ -591,13 +592,14 @@ class RecurrentMemory:
     def find_slot(self, ubatch: Ubatch) -> bool:
         """Give each sequence set of ``ubatch`` its own cell, contiguous (``find_slot``).
 
-        Changes the cells (unlike :meth:`reference.memory.KVCache.find_slot`); the rows are
-        moved later by :meth:`apply_ubatch`. Steps, as llama.cpp:
+        Changes the cells (unlike
+        [`reference.memory.KVCache.find_slot`][reference.memory.kv_cache.KVCache.find_slot]); the
+        rows are moved later by [`apply_ubatch`][]. Steps, as llama.cpp:
 
         1. a set's extra sequence ids (``seq_id[i][1:]``, coupled sequences) leave their
            cells: after this ubatch they share the first id's state;
         2. each set's first sequence needs a cell it owns alone: if its tail is shared (after
-           :meth:`seq_cp`) or missing, it takes the next empty cell, which inherits the
+           [`seq_cp`][]) or missing, it takes the next empty cell, which inherits the
            shared cell's ``pos`` and ``src`` (**copy on write**: the row is copied from
            ``src``, the shared cell is untouched);
         3. the cells are swapped so that set ``s`` is in cell ``min + s`` (tails follow);
@@ -608,7 +610,7 @@ class RecurrentMemory:
 
         Returns:
             False when a sequence id has no cell (``>= mem_size``); the cells may then be
-            partly changed (:meth:`prepare` restores them).
+            partly changed ([`prepare`][] restores them).
 
         Raises:
             RecurrentMemoryError: the ubatch is not made of equal sequence sets.
@@ -724,7 +726,7 @@ class RecurrentMemory:
     def prepare(self, ubatches: list[Ubatch]) -> list[range] | None:
         """Where every ubatch of a batch goes, placing them in order; changes nothing.
 
-        ``llama_memory_recurrent::prepare``: :meth:`find_slot` on each ubatch, then the
+        ``llama_memory_recurrent::prepare``: [`find_slot`][] on each ubatch, then the
         cells, ``used`` and ``head`` are restored (whether it fit or not). Here ``n`` and
         ``rs_z`` are restored too.
 
@@ -752,10 +754,10 @@ class RecurrentMemory:
         ``llama_memory_recurrent::init_batch`` always cuts with
         ``split_equal(sequential=True)``: the conv and the scan run on ``n_seqs`` sets of
         ``n_seq_tokens`` tokens; with ``split_seq`` when every token outputs embeddings
-        (``embd_all``). Then :meth:`prepare`.
+        (``embd_all``). Then [`prepare`][].
 
         Returns:
-            A :class:`~reference.memory.interface.MemoryContext` of the ubatches and their
+            A [`MemoryContext`][reference.memory.interface.MemoryContext] of the ubatches and their
             cell ranges; ``FAILED_PREPARE`` (decode's 1) when the batch cannot be split or
             does not fit, the cells then unchanged.
         """
@@ -774,19 +776,19 @@ class RecurrentMemory:
 
     # --8<-- [start:apply_ubatch]
     def apply_ubatch(self, placement: range, ubatch: Ubatch) -> None:
-        """Place ``ubatch`` (:meth:`find_slot`) and move the state rows (``build_rs``).
+        """Place ``ubatch`` ([`find_slot`][]) and move the state rows (``build_rs``).
 
-        ``placement`` is what :meth:`prepare` found for the ubatch; ``find_slot`` runs again
+        ``placement`` is what [`prepare`][] found for the ubatch; ``find_slot`` runs again
         (as llama.cpp's ``apply``) and must land there. Then, for every layer and both
-        states, as the graph of the ubatch does before the layer runs (:meth:`move_rows`):
+        states, as the graph of the ubatch does before the layer runs ([`move_rows`][]):
         zero row ``rs_z``, then every cell ``i`` of ``head .. head + n`` takes the row of
         its source ``src0`` (all rows are read before any is written). After this, cell
         ``head + s`` holds the state sequence set ``s`` continues from: its own, the shared
-        one it copied on write, or zeros. What :meth:`remove_ubatch` needs is kept.
+        one it copied on write, or zeros. What [`remove_ubatch`][] needs is kept.
 
         Raises:
             RecurrentMemoryError: the ubatch does not fit, or not at ``placement`` (call
-                :meth:`prepare` first); the memory is then unchanged.
+                [`prepare`][] first); the memory is then unchanged.
 
         Examples:
             >>> from types import SimpleNamespace
@@ -821,7 +823,7 @@ class RecurrentMemory:
 
     # --8<-- [start:move_rows]
     def move_rows(self, cells: range, src: list[int], rs_z: int) -> None:
-        """The array step of :meth:`apply_ubatch`: zero row ``rs_z``, then ``cells`` take ``src``.
+        """The array step of [`apply_ubatch`][]: zero row ``rs_z``, then ``cells`` take ``src``.
 
         Args:
             cells: the cells of the ubatch, ``head .. head + n``.
@@ -836,7 +838,7 @@ class RecurrentMemory:
 
     # --8<-- [start:remove_ubatch]
     def remove_ubatch(self, placement: range, ubatch: Ubatch) -> None:
-        """Undo the last :meth:`apply_ubatch`, whose ubatch was not computed (an abort).
+        """Undo the last [`apply_ubatch`][], whose ubatch was not computed (an abort).
 
         A state cannot forget its last tokens (``seq_rm`` of a partial range returns
         False), so the cells and the state rows of ``placement`` are put back as they were
@@ -859,11 +861,11 @@ class RecurrentMemory:
 
     # --8<-- [start:rs_input]
     def rs_input(self, ubatch: Ubatch) -> RecurrentMemoryInput:
-        """The :class:`RecurrentMemoryInput` of ``ubatch`` (call after :meth:`apply_ubatch`)."""
+        """The [`RecurrentMemoryInput`][] of ``ubatch`` (call after [`apply_ubatch`][])."""
         return RecurrentMemoryInput(self, ubatch)
 
     def graph_input(self, placement: range, ubatch: Ubatch) -> RecurrentMemoryInput:
-        """The memory interface's name for :meth:`rs_input` (the memory knows the cells)."""
+        """The memory interface's name for [`rs_input`][] (the memory knows the cells)."""
         return self.rs_input(ubatch)
     # --8<-- [end:rs_input]
 
@@ -875,29 +877,29 @@ class RecurrentMemory:
         """The state rows as NumPy arrays inside the ``with``: already so in the reference.
 
         A twin whose rows live elsewhere overrides this to move them for the duration
-        (:meth:`accelerated.memory.recurrent.RecurrentMemory.on_host`).
+        ([`accelerated.memory.recurrent.RecurrentMemory.on_host`][accelerated.memory.recurrent.RecurrentMemory.on_host]).
         """
         yield
 
     def state_write(self, hparams: RecurrentHParams, seq_id: int = -1) -> bytes:
-        """The memory, or one sequence, as bytes: the module's :func:`state_write`."""
+        """The memory, or one sequence, as bytes: the module's [`state_write`][]."""
         with self.on_host():
             return state_write(self, hparams, seq_id)
 
     def state_read(self, hparams: RecurrentHParams, data: bytes, dest_seq_id: int = -1) -> None:
-        """Restore a blob of :meth:`state_write`: the module's :func:`state_read`."""
+        """Restore a blob of [`state_write`][]: the module's [`state_read`][]."""
         with self.on_host():
             state_read(self, hparams, data, dest_seq_id)
 
     def state_save_file(self, path: str | Path, hparams: RecurrentHParams, tokens: ArrayLike,
                         seq_id: int = -1) -> int:
-        """Save to a file (the module's :func:`state_save_file`); its size."""
+        """Save to a file (the module's [`state_save_file`][]); its size."""
         with self.on_host():
             return state_save_file(path, self, hparams, tokens, seq_id)
 
     def state_load_file(self, path: str | Path, hparams: RecurrentHParams,
                         dest_seq_id: int = -1) -> np.ndarray:
-        """Restore a file (the module's :func:`state_load_file`); its tokens."""
+        """Restore a file (the module's [`state_load_file`][]); its tokens."""
         with self.on_host():
             return state_load_file(path, self, hparams, dest_seq_id)
     # --8<-- [end:state]
@@ -916,7 +918,9 @@ class RecurrentState:
 
     Attributes:
         arch: architecture name.
-        fingerprint: :func:`reference.memory.state.hparams_fingerprint` of the writer.
+        fingerprint:
+            [`reference.memory.state.hparams_fingerprint`][reference.memory.state.hparams_fingerprint]
+            of the writer.
         r_type: ggml type of the conv-state rows; ``s_type`` of the SSM-state rows.
         seq_id: the saved sequence, -1 for the whole memory.
         pos: position of each saved cell ``(cell_count,)``.
@@ -952,7 +956,7 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
     r"""Save the whole recurrent memory, or one sequence, as bytes.
 
     ``llama_memory_recurrent::state_write`` in the envelope of
-    :func:`reference.memory.state.state_write` (little-endian):
+    [`reference.memory.state.state_write`][reference.memory.state.state_write] (little-endian):
 
     | field | type | value |
     |---|---|---|
@@ -1104,17 +1108,17 @@ def state_check(memory: RecurrentMemory, hparams: RecurrentHParams, state: Recur
 # --8<-- [start:state_read]
 def state_read(memory: RecurrentMemory, hparams: RecurrentHParams, data: bytes,
                dest_seq_id: int = -1) -> None:
-    """Restore a blob of :func:`state_write`; everything is checked before anything changes.
+    """Restore a blob of [`state_write`][]; everything is checked before anything changes.
 
     Whole blob: the memory is cleared (rows zeroed) and the saved cells become cells
     ``0 .. n-1``, each its own source. Sequence blob: ``dest_seq_id`` is removed, then its
-    cell is placed by :meth:`RecurrentMemory.find_slot` on a one-token ubatch at the saved
+    cell is placed by [`RecurrentMemory.find_slot`][] on a one-token ubatch at the saved
     position (as ``state_read_meta``) and the rows are written there; an empty sequence blob
     just empties ``dest_seq_id``. llama.cpp removes ``dest_seq_id`` before it knows the blob
     fits and clears it on a failed read; here a refused blob changes nothing.
 
     Raises:
-        StateError: any refusal (:func:`state_parse`, :func:`state_check`); the memory is
+        StateError: any refusal ([`state_parse`][], [`state_check`][]); the memory is
             then bit-identical to before.
     """
     state = state_parse(data)
@@ -1164,11 +1168,12 @@ def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: Recurren
                     tokens: ArrayLike, seq_id: int = -1) -> int:
     """Save the memory (or one sequence) and its tokens to a file; returns its size.
 
-    The file layout of :func:`reference.memory.state.state_save_file` (magic ``b"LRSF"``,
-    the tokens, a blob, a checksum) with a recurrent blob inside, written atomically.
+    The file layout of
+    [`reference.memory.state.state_save_file`][reference.memory.state.state_save_file] (magic
+    ``b"LRSF"``, the tokens, a blob, a checksum) with a recurrent blob inside, written atomically.
 
     Raises:
-        StateError: token ids beyond int32; as :func:`state_write`.
+        StateError: token ids beyond int32; as [`state_write`][].
     """
     toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
     if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
@@ -1186,7 +1191,7 @@ def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: Recurren
 # --8<-- [start:state_load_file]
 def state_load_file(path: str | Path, memory: RecurrentMemory, hparams: RecurrentHParams,
                     dest_seq_id: int = -1) -> np.ndarray:
-    """Restore a file of :func:`state_save_file`; returns its tokens ``(n,)`` int32.
+    """Restore a file of [`state_save_file`][]; returns its tokens ``(n,)`` int32.
 
     Raises:
         StateError: a refused file or blob (memory unchanged). OSError: unreadable file.

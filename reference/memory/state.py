@@ -46,17 +46,17 @@ Where this format differs from llama.cpp's (it is *not* byte-compatible with it)
   is never turned. Here the restored cell gets the same un-shifted key *and* the same
   pending shift, so the next K-shift turns it exactly as it turns the source's. The
   stream's "a shift is pending" answer is not saved as such:
-  :meth:`~reference.memory.KVCache.get_has_shift` is computed from the cells (some used cell
-  with a non-zero shift), so the restored memory answers as the source does. (llama.cpp's
-  flag also stays set after the shifted cells are freed, a shift below 0 for instance,
-  when no key is left to turn; that flag is not state.) Pending stream copies (``seq_cp``
-  across streams) are resolved when writing (the rows are read from the copy's source);
+  [`get_has_shift`][reference.memory.kv_cache.KVCache.get_has_shift] is computed from the cells
+  (some used cell with a non-zero shift), so the restored memory answers as the source does.
+  (llama.cpp's flag also stays set after the shifted cells are freed, a shift below 0 for instance,
+  when no key is left to turn; that flag is not state.) Pending stream copies (``seq_cp`` across
+  streams) are resolved when writing (the rows are read from the copy's source);
 - everything is checked *before* anything changes. llama.cpp removes ``dest_seq_id`` before
   it knows the blob fits, and on a failed read clears the destination (the whole memory for
   a whole restore); here a refused blob leaves the memory exactly as it was;
 - restoring an empty sequence blob empties ``dest_seq_id`` (llama.cpp leaves it untouched).
 
-The context wrapper (:func:`context_state_write`) adds the output buffer (logits and output
+The context wrapper ([`context_state_write`][]) adds the output buffer (logits and output
 ids). At the pinned commit llama.cpp's ``llama_context::state_write_data`` no longer saves it
 (it writes the architecture name and the memory); it is kept here so that a restored context
 answers ``get_logits`` without re-decoding its last token.
@@ -138,7 +138,7 @@ class _Writer:
 
 
 class _Reader:
-    """``llama_io_read_buffer``: reads past the end raise :class:`StateError`."""
+    """``llama_io_read_buffer``: reads past the end raise [`StateError`][]."""
 
     def __init__(self, data: bytes, what: str) -> None:
         self.data = memoryview(data)
@@ -178,7 +178,8 @@ def hparams_fingerprint(hparams: LlamaHParams) -> bytes:
     save), as llama.cpp does not check them either.
 
     Args:
-        hparams: a dataclass of hyperparameters (:class:`reference.hparams.LlamaHParams`).
+        hparams: a dataclass of hyperparameters
+            ([`reference.hparams.LlamaHParams`][reference.hparams.LlamaHParams]).
 
     Returns:
         32 bytes.
@@ -245,11 +246,11 @@ class StreamState:
 # --8<-- [start:KVState]
 @dataclass
 class KVState:
-    """A memory blob, parsed: the header fields and one :class:`StreamState` per stream.
+    """A memory blob, parsed: the header fields and one [`StreamState`][] per stream.
 
     Attributes:
         arch: architecture name (``general.architecture``).
-        fingerprint: :func:`hparams_fingerprint` of the writer's hyperparameters.
+        fingerprint: [`hparams_fingerprint`][] of the writer's hyperparameters.
         k_type: ggml type of the key rows; ``v_type`` of the value rows.
         n_stream: streams of the writer's cache.
         seq_id: the saved sequence, -1 for the whole memory.
@@ -348,7 +349,7 @@ def write_layer_rows(io: _Writer, rows: np.ndarray) -> None:
     """One layer's block of rows: its ggml type (i32), its row size in bytes (u64), the rows.
 
     The same block carries K and V rows here and the conv and SSM state rows of the
-    recurrent memory (:mod:`reference.memory.recurrent`).
+    recurrent memory ([`reference.memory.recurrent`][reference.memory.recurrent]).
     """
     io.write("iQ", _ggml_type(rows.dtype), rows.dtype.itemsize * rows.shape[-1])
     io.write_array(rows)  # (cell_count, row_size)
@@ -357,7 +358,7 @@ def write_layer_rows(io: _Writer, rows: np.ndarray) -> None:
 def read_layer_rows(
     io: _Reader, kind: str, t_ref: int, n_layer: int, cell_count: int
 ) -> list[np.ndarray]:
-    """Read ``n_layer`` blocks written by :func:`write_layer_rows`, checking each type.
+    """Read ``n_layer`` blocks written by [`write_layer_rows`][], checking each type.
 
     Raises:
         StateError: a layer's type differs from the header's ``t_ref``, or its row size is
@@ -390,7 +391,7 @@ def state_write(memory: KVCache, hparams: LlamaHParams, seq_id: int = -1) -> byt
     | version | u32 | 1 |
     | total size | u64 | bytes of the whole blob, checksum included |
     | arch | u32 length + UTF-8 | ``hparams.arch`` |
-    | fingerprint | 32 bytes | :func:`hparams_fingerprint` |
+    | fingerprint | 32 bytes | [`hparams_fingerprint`][] |
     | k_type, v_type | i32, i32 | ggml type of the cache (0 f32, 1 f16, 28 f64) |
     | n_stream | u32 | streams of the cache |
     | seq_id | i32 | the saved sequence, -1 for all |
@@ -485,13 +486,13 @@ def state_parse(data: bytes) -> KVState:
     """Parse a memory blob, checking its magic, version, size and checksum first.
 
     Pure: reads nothing but ``data``. Whether the blob fits a given memory is
-    :func:`state_check`'s question.
+    [`state_check`][]'s question.
 
     Args:
-        data: a blob from :func:`state_write`.
+        data: a blob from [`state_write`][].
 
     Returns:
-        The :class:`KVState`.
+        The [`KVState`][].
 
     Raises:
         StateError: bad magic, another version, truncated or too long, checksum mismatch,
@@ -554,7 +555,7 @@ def state_check(memory: KVCache, hparams: LlamaHParams, state: KVState, dest_seq
     a whole blob for a whole restore and a sequence blob for a sequence restore, per layer
     the row widths of this cache, positions $\ge 0$, sequence ids in range and in their
     stream, and the cell count within the stream size. Whether a sequence finds room is
-    checked by the slot search in :func:`state_read`.
+    checked by the slot search in [`state_read`][].
 
     Raises:
         StateError: the first rule that fails, named.
@@ -618,7 +619,7 @@ def _check_stream(memory: KVCache, st: StreamState, s: int, seq_id: int, n_k: in
 
 
 def _apply_pending_copies(memory: KVCache) -> None:
-    """Do the K/V part of :meth:`KVCache.update` now: pending stream copies."""
+    """Do the K/V part of [`KVCache.update`][] now: pending stream copies."""
     for ssrc, sdst in memory.sc_info:
         for t in memory.k_l + memory.v_l:
             t[sdst] = t[ssrc]
@@ -660,7 +661,7 @@ def state_read_seq(memory: KVCache, state: KVState, dest_seq_id: int) -> None:
     As ``state_read_meta``: ``seq_rm(dest_seq_id)``, then ``find_slot`` on a ubatch of the
     saved positions (any free cells, contiguous or not), then ``apply_ubatch``. If no slot
     is found, the cells and head of the stream are put back (the cells' undo journal) and
-    :class:`StateError` is raised: the memory is unchanged.
+    [`StateError`][] is raised: the memory is unchanged.
     """
     strm = memory.seq_to_stream[dest_seq_id]
     cells, head = memory.v_cells[strm], memory.v_heads[strm]
@@ -692,9 +693,9 @@ def state_read_seq(memory: KVCache, state: KVState, dest_seq_id: int) -> None:
 
 # --8<-- [start:state_read]
 def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1) -> None:
-    """Restore a blob of :func:`state_write` (``llama_state_set_data`` / ``seq_set_data``).
+    """Restore a blob of [`state_write`][] (``llama_state_set_data`` / ``seq_set_data``).
 
-    Everything is checked first (:func:`state_parse`, :func:`state_check`); only then does
+    Everything is checked first ([`state_parse`][], [`state_check`][]); only then does
     the memory change. A whole blob (``dest_seq_id = -1``) replaces the memory; a sequence
     blob goes into ``dest_seq_id`` wherever the slot search finds room.
 
@@ -705,7 +706,7 @@ def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id:
         dest_seq_id: -1 for a whole blob; the destination sequence for a sequence blob.
 
     Raises:
-        StateError: any refusal (see :func:`state_parse`, :func:`state_check`; no room for
+        StateError: any refusal (see [`state_parse`][], [`state_check`][]; no room for
             the sequence). The memory is then exactly as before the call.
 
     Examples:
@@ -767,7 +768,7 @@ def state_save_file(
     |---|---|
     | magic ``b"LRSF"``, version, total size | 4 bytes, u32, u64 |
     | n_token_count, tokens | u32, ``n_token_count`` x i32 |
-    | the memory blob | :func:`state_write` |
+    | the memory blob | [`state_write`][] |
     | checksum | SHA-256 of every byte before it |
 
     written to a temporary file in the same folder and renamed over ``path``, so that a
@@ -784,7 +785,7 @@ def state_save_file(
         The file's size in bytes.
 
     Raises:
-        StateError: as :func:`state_write`.
+        StateError: as [`state_write`][].
     """
     toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
     if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
@@ -803,10 +804,10 @@ def state_save_file(
 def state_load_file(
     path: str | Path, memory: KVCache, hparams: LlamaHParams, dest_seq_id: int = -1
 ) -> np.ndarray:
-    """Restore a file of :func:`state_save_file`; returns its tokens.
+    """Restore a file of [`state_save_file`][]; returns its tokens.
 
     ``llama_state_load_file`` / ``llama_state_seq_load_file``: the file's checksum is checked
-    first, then its memory blob is restored as :func:`state_read` does.
+    first, then its memory blob is restored as [`state_read`][] does.
 
     Args:
         path: the file.
@@ -865,9 +866,10 @@ def context_state_write(
     ``output_ids`` is stored as the Context keeps it (any int32 sequence, for example the
     logits row of each batch index, -1 for none); it is given back unchanged.
 
-    The memory writes its own blob (:meth:`~reference.memory.KVCache.state_write`: this
-    module's :func:`state_write` for a KV cache,
-    :func:`reference.memory.recurrent.state_write` for a recurrent memory).
+    The memory writes its own blob ([`state_write`][reference.memory.kv_cache.KVCache.state_write]:
+    this module's [`state_write`][] for a KV cache,
+    [`reference.memory.recurrent.state_write`][reference.memory.recurrent.state_write] for a
+    recurrent memory).
 
     Args:
         memory: the context's memory.
@@ -880,7 +882,7 @@ def context_state_write(
 
     Raises:
         StateError: logits not 2-D or of an unsupported dtype; output ids beyond int32; as
-            :func:`state_write`.
+            [`state_write`][].
     """
     body = _Writer()
     if logits is None:
@@ -907,7 +909,7 @@ def context_state_write(
 def context_state_read(
     memory: Memory, hparams: LlamaHParams, data: bytes
 ) -> tuple[np.ndarray | None, np.ndarray]:
-    """Restore a blob of :func:`context_state_write`; returns ``(logits, output_ids)``.
+    """Restore a blob of [`context_state_write`][]; returns ``(logits, output_ids)``.
 
     The whole blob, the memory blob included (read by ``memory.state_read``), is checked
     before the memory changes.

@@ -29,8 +29,9 @@ the last layer, the final norm and the lm_head: llama.cpp ``get_rows``'s them ou
 after the last attention (``build_inp_out_ids``).
 
 The memory is not part of the model. ``build_attn`` writes the new K/V through an
-:class:`AttnInput` and reads back all visible K/V and the KQ mask from it
-(``llm_graph_input_attn_kv``): :class:`reference.models.simple_cache.SimpleKVCache` is the
+[`AttnInput`][] and reads back all visible K/V and the KQ mask from it
+(``llm_graph_input_attn_kv``):
+[`reference.models.simple_cache.SimpleKVCache`][reference.models.simple_cache.SimpleKVCache] is the
 single-sequence one, the multi-sequence KV cache plugs into the same calls.
 
 Weights are a dict keyed by GGUF tensor names (``"blk.0.attn_q.weight"``), matrices in
@@ -209,7 +210,7 @@ def build_qkv(
     """The Q, K, V projections (separate weights, optional biases), split into heads.
 
     Args:
-        layer: :func:`layer_weights` of the block.
+        layer: [`layer_weights`][] of the block.
         cur: normed activations ``(n_tokens, n_embd)``.
         n_embd_head: head width ``d``.
         n_head: query heads.
@@ -260,7 +261,7 @@ def build_attn(
     runs ``build_attn_mha`` (GQA: head ``h`` reads KV head ``h // n_gqa``), then ``wo``.
 
     Args:
-        inp: the attention input of the ubatch (:class:`AttnInput`).
+        inp: the attention input of the ubatch ([`AttnInput`][]).
         wo: output projection ``(n_embd, n_head * d_v)``.
         wo_b: optional output bias ``(n_embd,)``.
         q_cur: roped queries ``(n_tokens, n_head, d_k)``.
@@ -294,7 +295,7 @@ def build_ffn(cur: np.ndarray, layer: dict) -> np.ndarray:
 
     Args:
         cur: normed activations ``(n_tokens, n_embd)``.
-        layer: :func:`layer_weights` of the block (``ffn_up``, ``ffn_gate``, ``ffn_down`` and
+        layer: [`layer_weights`][] of the block (``ffn_up``, ``ffn_gate``, ``ffn_down`` and
             optional biases).
 
     Returns:
@@ -375,7 +376,7 @@ def llm_build_llama(
         embd: input embeddings ``(n_tokens, n_embd)`` instead of token ids.
 
     Returns:
-        logits ``(n_outputs, n_vocab)`` in the dtype of :func:`model_dtype`.
+        logits ``(n_outputs, n_vocab)`` in the dtype of [`model_dtype`][].
     """
     dtype = model_dtype(weights)
     n_embd_head = hparams.n_embd_head_k
@@ -423,7 +424,7 @@ def check_forward_inputs(
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray | None]:
     """The contract of a forward's inputs, checked on the host before any array work.
 
-    Shared by :func:`llama_forward` and its MLX twin.
+    Shared by [`llama_forward`][] and its MLX twin.
 
     Returns:
         ``(tokens, pos, out_ids, embd)`` as int64 / float arrays; ``out_ids`` defaults to every
@@ -478,7 +479,7 @@ def llama_forward(
     out_ids: np.ndarray | None = None,
     embd: np.ndarray | None = None,
 ) -> np.ndarray:
-    """One forward pass of a ubatch: checks the inputs, then :func:`llm_build_llama`.
+    """One forward pass of a ubatch: checks the inputs, then [`llm_build_llama`][].
 
     Args:
         weights: GGUF-named weights; their dtype (``token_embd.weight``'s) is the compute

@@ -37,14 +37,14 @@ llama.cpp stores them as one *row per cell* (``r_l[il]``: ``n_embd_r()`` values,
 ``n_embd_s()`` values); only the model knows a row's shape. In NumPy order a conv row is
 ``(conv_dim, d_conv - 1)`` (ggml views it as ``ne = [d_conv - 1, conv_dim]``) and an ssm row is
 ``(n_head, head_dim, d_state)``. The graph reads the rows of the ubatch's sequences and writes
-the final ones back through a :class:`RecurrentInput` (``llm_graph_input_rs``).
+the final ones back through a [`RecurrentInput`][] (``llm_graph_input_rs``).
 
-**The ubatch** comes from ``split_equal`` (:meth:`reference.batch.BatchAllocr.split_equal`):
-``n_seqs`` sequence sets of ``n_seq_tokens`` tokens each, set after set, so token $i$ of set
-$s$ is row $s \cdot n_{seq\_tokens} + i$ of the flat ubatch and ``tokens.reshape(n_seqs,
-n_seq_tokens)`` gives one row per sequence. Every set has the same number of tokens
-(``ubatch.equal_seqs()``), which is what lets the conv and the scan run on
-``(n_seqs, n_seq_tokens, ...)`` arrays.
+**The ubatch** comes from ``split_equal``
+([`reference.batch.BatchAllocr.split_equal`][reference.batch.BatchAllocr.split_equal]): ``n_seqs``
+sequence sets of ``n_seq_tokens`` tokens each, set after set, so token $i$ of set $s$ is row $s
+\cdot n_{seq\_tokens} + i$ of the flat ubatch and ``tokens.reshape(n_seqs, n_seq_tokens)`` gives one
+row per sequence. Every set has the same number of tokens (``ubatch.equal_seqs()``), which is what
+lets the conv and the scan run on ``(n_seqs, n_seq_tokens, ...)`` arrays.
 
 Weights are a dict keyed by GGUF tensor names (``blk.{il}.ssm_in.weight``,
 ``blk.{il}.ssm_a`` without suffix, ...), matrices in NumPy order ``(n_out, n_in)``.
@@ -204,14 +204,14 @@ def build_conv(
 def build_rs_conv(
     inp: RecurrentInput, il: int, hparams: MambaHParams, x: np.ndarray, layer: dict
 ) -> np.ndarray:
-    """The conv step through the memory: read the conv rows, :func:`build_conv`, write back.
+    """The conv step through the memory: read the conv rows, [`build_conv`][], write back.
 
     Args:
         inp: the ubatch's recurrent input.
         il: layer index.
         hparams: the model's hyperparameters (``conv_dim()``, ``ssm_d_conv``).
         x: the conv's inputs ``(n_seqs, n_seq_tokens, conv_dim)``.
-        layer: :func:`mamba_layer_weights` of the block.
+        layer: [`mamba_layer_weights`][] of the block.
 
     Returns:
         ``(n_seqs, n_seq_tokens, conv_dim)``.
@@ -239,7 +239,7 @@ def build_rs_scan(
     """The selective scan through the memory: read the ssm rows, ``ssm_scan``, write back.
 
     ``build_rs`` with ``get_ssm_rows``: the ubatch's states are rows ``0 .. n_seqs - 1`` of
-    what :meth:`RecurrentInput.get_s` returns, so the scan's ``ids`` are ``0, 1, ...``.
+    what `RecurrentInput.get_s` returns, so the scan's ``ids`` are ``0, 1, ...``.
 
     Args:
         inp: the ubatch's recurrent input.
@@ -276,6 +276,7 @@ def build_mamba_layer(
     [x; z] = W_{in} u, \quad \bar x = \mathrm{silu}(\mathrm{conv}(x)), \quad
     [dt_r; B; C] = W_x \bar x, \quad dt = W_{dt}\, dt_r + b_{dt},
     $$
+
     $$
     y = \mathrm{scan}(\bar x, dt, A, B, C) + D \odot \bar x, \qquad
     \mathrm{out} = W_{out}\,(y \odot \mathrm{silu}(z)).
@@ -286,7 +287,7 @@ def build_mamba_layer(
     Args:
         inp: the ubatch's recurrent input.
         cur: normed activations ``(n_seqs, n_seq_tokens, n_embd)``.
-        layer: :func:`mamba_layer_weights` of the block.
+        layer: [`mamba_layer_weights`][] of the block.
         hparams: the model's hyperparameters.
         il: layer index.
 
@@ -342,7 +343,7 @@ def build_mamba2_layer(
     Args:
         inp: the ubatch's recurrent input.
         cur: normed activations ``(n_seqs, n_seq_tokens, n_embd)``.
-        layer: :func:`mamba_layer_weights` of the block.
+        layer: [`mamba_layer_weights`][] of the block.
         hparams: the model's hyperparameters.
         il: layer index.
 
@@ -402,7 +403,7 @@ def llm_build_mamba(
 
     Returns:
         logits ``(n_outputs, n_vocab)`` in the dtype of
-        :func:`reference.models.llama.model_dtype`.
+        [`reference.models.llama.model_dtype`][reference.models.llama.model_dtype].
     """
     dtype = model_dtype(weights)
     n_tokens = len(tokens)
@@ -439,12 +440,13 @@ def mamba_forward(
     out_ids: np.ndarray | None = None,
     n_seqs: int | None = None,
 ) -> np.ndarray:
-    """One forward pass of a ubatch: checks the inputs, then :func:`llm_build_mamba`.
+    """One forward pass of a ubatch: checks the inputs, then [`llm_build_mamba`][].
 
     Args:
         weights: GGUF-named weights; their dtype (``token_embd.weight``'s) is the compute
             dtype, float32 for quantized weights.
-        hparams: :class:`reference.hparams.MambaHParams` (arch ``mamba`` or ``mamba2``).
+        hparams: [`reference.hparams.MambaHParams`][reference.hparams.MambaHParams] (arch ``mamba``
+            or ``mamba2``).
         tokens: ``(n_seqs, n_seq_tokens)`` token ids, one row per sequence set, or flat
             ``(n_tokens,)`` (set after set, as ``split_equal`` lays them out) with ``n_seqs``.
         inp_rs: the memory's recurrent input for this ubatch, its rows in the order of the
@@ -509,7 +511,7 @@ class SimpleRecurrentState:
     ``seq_rm``/``seq_cp`` and no cell search: that is the recurrent memory's job
     (``llama_memory_recurrent``); the model does not see the difference.
 
-    It is its own :class:`RecurrentInput`: ``init_batch()`` returns ``self``.
+    It is its own [`RecurrentInput`][]: ``init_batch()`` returns ``self``.
 
     Args:
         hparams: the model's hyperparameters.

@@ -1,9 +1,9 @@
 r"""The simplest memory: one sequence, cell ``i`` holds position ``i``.
 
 The model graph does not own its keys and values: it asks the *memory* for them, through the
-attention input of :class:`reference.models.llama.AttnInput` (llama.cpp's
-``llm_graph_input_attn_kv`` together with ``llama_kv_cache_context``). Per layer ``il`` the
-memory
+attention input of [`reference.models.llama.AttnInput`][reference.models.llama.AttnInput]
+(llama.cpp's ``llm_graph_input_attn_kv`` together with ``llama_kv_cache_context``). Per layer ``il``
+the memory
 
 1. stores the ubatch's new keys and values in its cells (``cpy_k`` / ``cpy_v``: a
    ``ggml_set_rows`` at the ubatch's cell indices ``k_idxs``),
@@ -16,7 +16,7 @@ This module is that memory for the simplest case: a single sequence whose positi
 ``0, 1, ..., n_past - 1``, stored in cells ``0 .. n_past - 1``, so the cell index *is* the
 position. The KQ mask is then causal (a token at position $p$ sees a cell at position $p_k$
 iff $p_k \le p$), narrowed by the sliding window when the model has one
-(:func:`is_masked_swa`, llama.cpp's ``llama_hparams::is_masked_swa``):
+([`is_masked_swa`][], llama.cpp's ``llama_hparams::is_masked_swa``):
 
 $$
 \mathrm{mask}_{t, j} =
@@ -85,9 +85,9 @@ def build_kq_mask(
 class SimpleKVCacheContext:
     """The attention input of one ubatch, as the simple cache prepares it.
 
-    Implements :class:`reference.models.llama.AttnInput`. ``k_idxs`` are the cells the ubatch
-    writes (here: its positions); ``n_kv`` is the number of cells it may read (here: all used
-    cells, ``n_past`` after the ubatch).
+    Implements [`reference.models.llama.AttnInput`][reference.models.llama.AttnInput]. ``k_idxs``
+    are the cells the ubatch writes (here: its positions); ``n_kv`` is the number of cells it may
+    read (here: all used cells, ``n_past`` after the ubatch).
     """
 
     def __init__(self, cache: SimpleKVCache, pos: np.ndarray):
@@ -168,7 +168,7 @@ class SimpleKVCache:
                 ``n_past, n_past + 1, ...``.
 
         Returns:
-            The :class:`SimpleKVCacheContext` to pass to the forward.
+            The [`SimpleKVCacheContext`][] to pass to the forward.
 
         Raises:
             KVCacheError: if the positions do not continue the sequence or do not fit; the

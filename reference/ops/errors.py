@@ -3,7 +3,7 @@
 ggml checks an operator's arguments with ``GGML_ASSERT`` when the graph is built (shapes) or
 when it runs (row indices), and aborts the process. The specification raises a typed
 exception instead, with a message that says which argument was wrong, before anything is
-computed or written. Every exception derives from :class:`OpError`, and from the built-in
+computed or written. Every exception derives from [`OpError`][], and from the built-in
 exception a Python reader expects (``ValueError`` for shapes, ``IndexError`` for indices,
 ``TypeError`` for dtypes), so ``except ValueError`` keeps working.
 """

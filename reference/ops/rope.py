@@ -51,7 +51,7 @@ ROPE_TYPE_NEOX = 2  # halves (x_i, x_{i + n_dims/2}): HF's rotate_half
 
 # --8<-- [start:RopeError]
 class RopeError(LlamarefError, ValueError):
-    """Invalid arguments to :func:`rope_ext` (odd ``n_dims``, wrong ``pos`` length, bad mode)."""
+    """Invalid arguments to [`rope_ext`][] (odd ``n_dims``, wrong ``pos`` length, bad mode)."""
 
 
 # --8<-- [end:RopeError]
@@ -146,7 +146,7 @@ def rope_yarn_ramp(low: float, high: float, i0: np.ndarray, dtype: type = np.flo
     $$
 
     Args:
-        low: first correction dim (from :func:`rope_yarn_corr_dims`).
+        low: first correction dim (from [`rope_yarn_corr_dims`][]).
         high: last correction dim.
         i0: even dimension indices, any shape, integer.
         dtype: arithmetic type (ggml: float32).
@@ -192,10 +192,10 @@ def rope_yarn(
     Args:
         theta_extrap: unscaled angles, any shape, float32 or float64.
         freq_scale: $s$; 1 means no interpolation.
-        corr_dims: ``(low, high)`` from :func:`rope_yarn_corr_dims`.
+        corr_dims: ``(low, high)`` from [`rope_yarn_corr_dims`][].
         i0: even dimension index of each angle, broadcastable to ``theta_extrap``.
         ext_factor: YaRN's mix $\epsilon$; 0 disables YaRN (then $m$ is left as given).
-        mscale: magnitude $m$ (``attn_factor`` when called from :func:`rope_cache_init`).
+        mscale: magnitude $m$ (``attn_factor`` when called from [`rope_cache_init`][]).
 
     Returns:
         ``(cos_theta, sin_theta)``, each shaped like ``theta_extrap``: $m\cos\theta$, $m\sin\theta$.
@@ -281,7 +281,7 @@ def rope_cache_init(
     r"""The per-token cos/sin cache: ``ggml_rope_cache_init`` for every position at once.
 
     Pair $j$ of a token at position $p$ gets angle $\theta_j(p) / f_j$ (``freq_factors`` $f$,
-    used by Llama 3 and Phi-3 long-context scaling; 1 when absent), then :func:`rope_yarn`.
+    used by Llama 3 and Phi-3 long-context scaling; 1 when absent), then [`rope_yarn`][].
 
     Args:
         pos: positions, shape (n_tokens,), integer.
@@ -289,7 +289,7 @@ def rope_cache_init(
         freq_base: the base $b$.
         freq_scale: linear interpolation factor $s$.
         freq_factors: per-pair divisors, shape (>= n_dims // 2,), or None.
-        corr_dims: ``(low, high)`` from :func:`rope_yarn_corr_dims`.
+        corr_dims: ``(low, high)`` from [`rope_yarn_corr_dims`][].
         ext_factor: YaRN mix $\epsilon$.
         attn_factor: magnitude $m$ before YaRN's correction.
         dtype: arithmetic type (ggml: float32).
@@ -326,7 +326,7 @@ def rotate_pairs(
 
     Args:
         x: (..., n_tokens, n_head, head_dim), in the compute dtype.
-        cos_theta: (n_tokens, n_dims // 2), from :func:`rope_cache_init`.
+        cos_theta: (n_tokens, n_dims // 2), from [`rope_cache_init`][].
         sin_theta: (n_tokens, n_dims // 2).
         n_dims: number of rotated dimensions (even, <= head_dim).
         mode: ``ROPE_TYPE_NORM`` or ``ROPE_TYPE_NEOX``.
@@ -360,7 +360,7 @@ def rotate_pairs(
 
 
 def _check_rope_args(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: int, freq_factors) -> None:
-    """Raise :class:`RopeError` for arguments ggml would assert on (or silently misuse)."""
+    """Raise [`RopeError`][] for arguments ggml would assert on (or silently misuse)."""
     if x.ndim < 3:
         raise RopeError(f"x must be (..., n_tokens, n_head, head_dim), got shape {x.shape}")
     head_dim = x.shape[-1]

@@ -15,7 +15,7 @@ Two indexing ops carry everything that is looked up or stored by index in llama.
   ne11`` in the CPU kernel).
 
 Both check every index: ggml asserts ``0 <= row < n_rows``, the specification raises
-:class:`~reference.ops.errors.OpIndexError` (NumPy's negative indices would silently wrap).
+[`OpIndexError`][reference.ops.errors.OpIndexError] (NumPy's negative indices would silently wrap).
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def ssm_scan(
     r"""``ggml_ssm_scan(s, x, dt, A, B, C, ids, K=1)``: the selective scan of a ubatch.
 
     Sequence $i$ starts from state row ``s[ids[i]]`` and runs over its ``n_seq_tokens``
-    tokens; for each token, with $\Delta = \mathrm{softplus}(dt)$ (:func:`compute_softplus`,
+    tokens; for each token, with $\Delta = \mathrm{softplus}(dt)$ ([`compute_softplus`][],
     applied *inside* the op) and head $h$ reading group $g = \lfloor h / (n_{head} /
     n_{group}) \rfloor$ of $B$ and $C$ (consecutive heads share a group, like GQA;
     ggml's comment: ``repeat_interleave``):
