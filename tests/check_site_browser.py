@@ -55,6 +55,7 @@ SCREENSHOTS = {
     "decode/index.html": "decode",
     "sampling/index.html": "sampling",
     "performance/index.html": "performance",
+    "map/index.html": "map",
     "api/index.html": "api",
     "api/reference.context/index.html": "api-reference-context",
 }
