@@ -51,6 +51,7 @@ SCREENSHOTS = {
     "index.html": "home",
     "architecture/index.html": "architecture",
     "conventions/index.html": "conventions",
+    "trace/index.html": "trace",
     "memory/cells/index.html": "memory-cells",
     "decode/index.html": "decode",
     "sampling/index.html": "sampling",
