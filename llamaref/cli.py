@@ -12,6 +12,9 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 - ``llamaref tokenize`` prints token ids like ``llama-tokenize``;
 - ``llamaref verify`` runs the equivalence harness on a model
   ([`llamaref.verify`][llamaref.verify]);
+- ``llamaref perplexity -f FILE -c N`` measures perplexity, or the KL divergence against a
+  base logits file, like ``llama-perplexity``
+  ([`reference.perplexity`][reference.perplexity]);
 - ``llamaref info`` prints a model's hyperparameters; ``llamaref bench`` times the forward
   ([`llamaref.bench`][llamaref.bench]).
 
@@ -37,6 +40,13 @@ from llamaref.verify import run_verify
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.generate import ChatSession, Generator, Perf, eog_tokens
 from reference.model import load_model
+from reference.perplexity import (
+    context_params,
+    kl_divergence,
+    perplexity,
+    plan_chunks,
+    read_logits_file,
+)
 from reference.sampling import SamplerParams
 from reference.tokenizer import StreamDecoder, load_tokenizer
 
@@ -338,6 +348,97 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+# ---- perplexity ------------------------------------------------------------------------------
+
+# --8<-- [start:cmd_perplexity]
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    """Perplexity of a text, or KL divergence against a base file, as ``llama-perplexity``.
+
+    Everything is checked (flags, the text's length, the base file's header and size) before
+    the weights are prepared; a base file is written under a temporary name and renamed once
+    complete, so a failed run leaves nothing behind.
+    """
+    check_perplexity_flags(args)
+    path = model_path(args)
+    hparams, weights = load_model(path)
+    tokenizer = load_tokenizer(path)
+    bos = tokenizer.bos_id if tokenizer.add_bos else None  # llama_vocab_get_add_bos
+    if args.kl_divergence:
+        base = read_logits_file(args.kl_divergence_base, hparams.n_vocab)
+        if args.ctx_size is not None and args.ctx_size < base.n_ctx:
+            raise CLIError(f"{base.path} was computed with n_ctx = {base.n_ctx}, the context "
+                           f"is {args.ctx_size}: increase it with -c")
+        n_ctx = base.n_ctx
+    else:
+        text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
+        tokens = tokenizer.tokenize(text, add_special=True, parse_special=False)
+        n_ctx = 512 if args.ctx_size is None else args.ctx_size
+        plan_chunks(len(tokens), n_ctx, args.batch_size, args.chunks, args.ppl_stride)
+    backend = pick_backend(args.backend, hparams)
+    log(f"llamaref: backend {backend}" + (" (auto)" if args.backend == "auto" else ""))
+    ctx = make_context(backend, hparams, prepare_weights(weights, backend),
+                       n_ubatch=args.ubatch_size, **context_params(n_ctx, args.batch_size))
+    if args.kl_divergence:
+        kl_divergence(ctx, base, args.batch_size, bos, out=_write, info=log)
+    else:
+        perplexity(ctx, tokens, n_ctx, args.batch_size, args.chunks, args.ppl_stride, bos,
+                   base_path=args.kl_divergence_base, out=_write, info=log)
+    return 0
+# --8<-- [end:cmd_perplexity]
+
+
+def check_perplexity_flags(args: argparse.Namespace) -> None:
+    """The flag combinations ``llamaref perplexity`` refuses, before anything is read."""
+    if args.ctx_size is not None and args.ctx_size <= 0:
+        raise CLIError(f"-c/--ctx-size = {args.ctx_size}: perplexity requires a context > 0")
+    if args.batch_size < 1 or args.ubatch_size < 1:
+        raise CLIError("-b/--batch-size and -ub/--ubatch-size must be >= 1")
+    if args.kl_divergence and args.kl_divergence_base is None:
+        raise CLIError("--kl-divergence needs the base file: --kl-divergence-base FILE")
+    if args.kl_divergence and args.ppl_stride:
+        raise CLIError("--kl-divergence compares the standard chunks: drop --ppl-stride")
+    if not args.kl_divergence and args.file is None:
+        raise CLIError("no text: give it with -f FILE")
+    if args.ppl_stride and args.kl_divergence_base is not None:
+        raise CLIError("--kl-divergence-base writes the standard chunks: drop --ppl-stride")
+    if args.file is not None and not Path(args.file).is_file():
+        raise CLIError(f"-f {args.file}: no such file")
+
+
+def _add_perplexity_command(sub) -> None:
+    p = sub.add_parser(
+        "perplexity", help="perplexity of a text, or KL divergence (like llama-perplexity)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="llama-perplexity's procedure: chunks of -c tokens, the first replaced by "
+                    "BOS when the vocabulary adds one, the second half of each scored; the "
+                    "running [i] estimates on stdout, the final estimate on stderr.",
+        epilog="examples:\n"
+               "  llamaref perplexity -f wiki.test.raw -c 512\n"
+               "  llamaref perplexity -f text.txt -c 256 --kl-divergence-base base.bin "
+               "--backend reference\n"
+               "  llamaref perplexity --kl-divergence-base base.bin --kl-divergence "
+               "--backend accelerated")
+    _add_model_flags(p)
+    p.add_argument("-f", "--file", metavar="FNAME", help="the text to evaluate")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
+                   help="tokens per chunk (default: 512; with --kl-divergence, the file's)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="logical batch size: b / c chunks share one decode (default: 2048)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="physical batch size (default: 512)")
+    p.add_argument("--chunks", type=int, default=-1, metavar="N",
+                   help="max number of chunks to process (default: -1 = all)")
+    p.add_argument("--ppl-stride", type=int, default=0, metavar="N",
+                   help="strided perplexity: slide the window by N, score its last N tokens "
+                        "(default: 0 = off)")
+    p.add_argument("--kl-divergence-base", "--save-all-logits", dest="kl_divergence_base",
+                   metavar="FNAME", help="the base logits file: written by a perplexity run, "
+                                         "read with --kl-divergence")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="compute the KL divergence to the logits of --kl-divergence-base")
+    p.set_defaults(func=cmd_perplexity)
+
+
 # ---- the parser ------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
@@ -449,6 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--n-tokens", type=int, default=12, metavar="N",
                      help="prompt length of the checks (default: 12)")
     ver.set_defaults(func=cmd_verify)
+
+    _add_perplexity_command(sub)
 
     info = sub.add_parser("info", help="print a model's hyperparameters and tensors")
     info.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
