@@ -18,7 +18,9 @@ table: check, measured value, threshold, PASS or FAIL. Four groups:
     ``soft_max_ext``).
 2. **Context twin**: the accelerated Context against the reference Context on a short prompt,
    every position's logits: NMSE <= 1e-6 and the same argmax (a position whose reference
-   top-2 margin is below 1e-3 logits is a tie and does not count).
+   top-2 margin is below 1e-3 logits is a tie and does not count), and the next-token
+   distributions: KL divergence <= 1e-4 nats at every position (the measure
+   ``llamaref perplexity --kl-divergence`` reports over a whole text).
 3. **Properties** of decoding, on the chosen backend: a batch of two sequences in small
    ubatches equals each sequence alone; token-by-token decoding equals one prefill; a branch
    made by ``seq_cp`` equals an independent decode; a K-shift (``seq_add``) equals a fresh
@@ -67,6 +69,10 @@ MAX_NMSE = MAX_NMSE_OP  # per operator (test-backend-ops)
 MAX_NMSE_CONTEXT = MAX_NMSE_TWIN  # the twin Context against the reference
 MAX_NMSE_PROPERTY = MAX_NMSE_TWIN  # one float32 decode against another order of it
 TIE_MARGIN = 1e-3
+#: the twin's next-token distribution against the reference's, in nats per position: the
+#: lossless 4-bit path measures ~1e-10 on SmolLM2, llama.cpp's Q4_1 inference 3e-3 on average
+#: (docs/perplexity.md), so 1e-4 tells "the same model" from "another quantization"
+MAX_KLD_CONTEXT = 1e-4
 MIN_TOP1 = 0.95
 MAX_KL = 5e-3
 
@@ -291,7 +297,25 @@ def context_checks(hparams, weights_ref: dict, weights_acc: dict | None, tokens)
     checks.append(Check("context", "argmax agreement (ties excluded)",
                         f"{int(agree.sum())}/{len(agree)}", f"{len(agree)}/{len(agree)}",
                         "PASS" if agree.all() else "FAIL"))
+    checks.append(kld_check(ref, out))
     return checks
+
+
+def kld_check(ref: np.ndarray, out: np.ndarray) -> Check:
+    r"""The twin's next-token distributions against the reference's: the largest
+    $\mathrm{KL}(P_{ref} \,\|\, P_{twin})$ over the positions, in nats, must stay below
+    ``MAX_KLD_CONTEXT`` (llama-perplexity's KL divergence, taken here from the exact logits
+    rather than its 16-bit base file).
+
+    Examples:
+        >>> ref = np.array([[0.0, 1.0, 2.0]])
+        >>> kld_check(ref, ref).status, kld_check(ref, ref[:, ::-1]).status
+        ('PASS', 'FAIL')
+    """
+    kl = kl_divergence(ref, out)  # (n,)
+    return Check("context", f"max KL(reference || accelerated), nats (n={len(kl)})",
+                 f"{kl.max():.2e}", f"<= {MAX_KLD_CONTEXT:.0e}",
+                 "PASS" if kl.max() <= MAX_KLD_CONTEXT else "FAIL")
 # --8<-- [end:context_checks]
 
 

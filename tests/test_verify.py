@@ -54,6 +54,7 @@ def test_smollm2_passes_every_check():
     for op in ("GET_ROWS", "RMS_NORM", "ROPE_EXT", "SOFT_MAX_EXT", "ATTN", "SWIGLU", "MUL_MAT"):
         assert op in names
     assert "llama.cpp top-1 agreement (Q4_1/Q8_0/f32, n=64)" in names
+    assert statuses(report)["max KL(reference || accelerated), nats (n=8)"] == "PASS"
     assert text.splitlines()[3].startswith("| group")
 
 
