@@ -15,6 +15,8 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 - ``llamaref perplexity -f FILE -c N`` measures perplexity, or the KL divergence against a
   base logits file, like ``llama-perplexity``
   ([`reference.perplexity`][reference.perplexity]);
+- ``llamaref passkey`` runs llama.cpp's passkey-retrieval example, with Self-Extend's
+  ``--grp-attn-n`` ([`llamaref.passkey`][llamaref.passkey]);
 - ``llamaref info`` prints a model's hyperparameters; ``llamaref bench`` times the forward
   ([`llamaref.bench`][llamaref.bench]).
 
@@ -36,6 +38,7 @@ from llamaref import __version__
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.bench import add_bench_command
 from llamaref.common import CLIError, log, model_path
+from llamaref.passkey import add_passkey_command
 from llamaref.verify import run_verify
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.generate import ChatSession, Generator, Perf, eog_tokens
@@ -48,6 +51,7 @@ from reference.perplexity import (
     read_logits_file,
 )
 from reference.sampling import SamplerParams
+from reference.self_extend import check_group_attention
 from reference.tokenizer import StreamDecoder, load_tokenizer
 
 #: models at least this large get a progress bar while loading, even when stderr is no TTY
@@ -180,7 +184,10 @@ def new_generator(args, hparams, weights, tokenizer, backend, perf):
                        n_ubatch=args.ubatch_size)
     sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,
                                       tokenizer)
-    return Generator(ctx, sampler, shift=args.context_shift, perf=perf, on_device=on_device)
+    ga_n, ga_w = getattr(args, "grp_attn_n", 1), getattr(args, "grp_attn_w", 512)
+    # llama-completion: with Self-Extend (ga_n > 1) the context never shifts
+    return Generator(ctx, sampler, shift=args.context_shift and ga_n == 1, perf=perf,
+                     on_device=on_device, ga_n=ga_n, ga_w=ga_w)
 
 
 def print_perf(gen) -> None:
@@ -203,6 +210,7 @@ def _write(text: str) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt; the perf report goes to stderr."""
     check_flags(args)
+    check_group_attention(args.grp_attn_n, args.grp_attn_w)  # Self-Extend's -gan / -gaw
     prompt = args.prompt if args.prompt is not None else args.prompt_flag
     if prompt is None:
         raise CLIError("no prompt: give it as an argument or with -p/--prompt")
@@ -516,6 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-escape", dest="escape", action="store_false",
                      help="do not process escapes (\\n, \\t, \\xNN, ...) in the prompt")
     _add_generation_flags(gen, n_predict=-1)
+    se = gen.add_argument_group("Self-Extend (llama-completion's group attention)")
+    se.add_argument("-gan", "--grp-attn-n", type=int, default=1, metavar="N",
+                    help="group-attention factor G (default: 1 = off; > 1: no context shift)")
+    se.add_argument("-gaw", "--grp-attn-w", type=int, default=512, metavar="N",
+                    help="group-attention width W, a multiple of G (default: 512)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat on stdin with the model's chat template",
@@ -558,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--tensors", action="store_true", help="list every tensor")
     info.set_defaults(func=cmd_info)
     add_bench_command(sub)
+    add_passkey_command(sub)
     return parser
 
 

@@ -24,6 +24,14 @@ $n_{past} - n_{discard}$ tokens of context. llama.cpp's default at the pinned co
 (``ctx_shift = false`` in ``common.h``); ``llamaref generate`` turns it on unless
 ``--no-context-shift`` is given.
 
+**Self-Extend** (``--grp-attn-n G --grp-attn-w W``, [`reference.self_extend`][]). With
+$G > 1$ there is no context shift: before every decode (a prompt chunk or a sampled token)
+the loop of ``llama-completion`` groups each complete block of $W$ ungrouped positions
+([`apply_group_attention`][reference.self_extend.apply_group_attention]), so the cache holds
+token $t$ at $\lfloor t/G \rfloor$ or $t - K(W - W/G)$
+([`self_extend_positions`][reference.self_extend.self_extend_positions]). Every token still
+takes a cell: the context must hold them all, and generation stops when it is full.
+
 **Chat keeps the cache.** A chat turn renders the whole conversation with the model's chat
 template, tokenizes it, and compares it with the tokens already in the cache: only the new
 suffix is decoded (``seq_rm`` drops whatever differs, e.g. a reply the template re-renders
@@ -55,6 +63,7 @@ from typing import Any
 from reference.batch import Batch
 from reference.common import LlamarefError
 from reference.context import Context, ContextError, context_shift
+from reference.self_extend import SelfExtendError, apply_group_attention, check_group_attention
 from reference.tokenizer import StreamDecoder
 
 #: ``llama-completion`` keeps 4 cells free: a prompt longer than ``n_ctx - 4`` is refused here.
@@ -139,10 +148,19 @@ class Generator:
         perf: where decode times are counted.
         on_device: sample from ``ctx.get_logits_ith_device`` (an ``mx.array``; the MLX
             sampler) instead of the NumPy row.
+        ga_n: Self-Extend's group size ``G`` (``--grp-attn-n``; 1: none).
+        ga_w: Self-Extend's block width ``W`` (``--grp-attn-w``), a multiple of ``ga_n``.
 
     Attributes:
         tokens: the tokens in the cache, in position order (``tokens[p]`` is at position
-            ``p``); ``len(tokens)`` is llama.cpp's ``n_past``.
+            ``p``; with Self-Extend at
+            [`self_extend_positions`][reference.self_extend.self_extend_positions]);
+            ``len(tokens)`` is llama.cpp's ``n_past`` (without Self-Extend).
+        ga_i: positions grouped so far (llama.cpp's ``ga_i``).
+
+    Raises:
+        SelfExtendError: ``ga_n > 1`` with ``shift`` (no context shift with Self-Extend), a
+            bad ``ga_w``, or a memory that cannot move positions.
 
     Examples:
         >>> import numpy as np
@@ -158,7 +176,16 @@ class Generator:
     """
 
     def __init__(self, ctx: Context, sampler: Any, n_keep: int = 0, shift: bool = True,
-                 perf: Perf | None = None, on_device: bool = False):
+                 perf: Perf | None = None, on_device: bool = False, ga_n: int = 1,
+                 ga_w: int = 512):
+        check_group_attention(ga_n, ga_w)
+        if ga_n > 1 and shift:
+            raise SelfExtendError("Self-Extend (--grp-attn-n > 1) replaces the context shift: "
+                                  "use shift=False (--no-context-shift)")
+        if ga_n > 1 and (ctx.recurrent or not ctx.memory.can_shift()):
+            raise SelfExtendError("Self-Extend groups the positions of a KV cache: a recurrent "
+                                  "model has none to group (use --grp-attn-n 1)")
+        self.ga_n, self.ga_w, self.ga_i = ga_n, ga_w, 0
         self.ctx = ctx
         self.on_device = on_device and hasattr(ctx, "get_logits_ith_device")
         # the token can stay on the device: decode it before reading it back
@@ -182,6 +209,8 @@ class Generator:
             When it started (``time.perf_counter``): without ``sync`` the caller counts the
             time once it has waited.
         """
+        if self.ga_n > 1:
+            self.group_attention()
         t0 = time.perf_counter()
         ret = self.ctx.decode(Batch(token=tokens))
         if ret != 0:
@@ -191,6 +220,15 @@ class Generator:
             self.ctx.synchronize()  # the time counted is the computation's, as llama.cpp's
             self.perf.add(len(tokens), time.perf_counter() - t0)
         return t0
+
+    def group_attention(self) -> None:
+        """Self-Extend before a decode: ``llama-completion``'s loop on sequence 0.
+
+        ``n_past`` is the cache's (``seq_pos_max(0) + 1``), as the decode's positions are.
+        """
+        n_past = self.ctx.memory.seq_pos_max(0) + 1
+        self.ga_i, _ = apply_group_attention(self.ctx.memory, self.ga_i, n_past, self.ga_n,
+                                             self.ga_w)
 
     def _error(self, n_tokens: int, ret: int) -> GenerateError:
         reason = getattr(self.ctx, "last_error", None) or "no reason given"
@@ -332,7 +370,8 @@ class Generator:
 
     def _can_run_ahead(self) -> bool:
         """A step can be undone, and needs no context shift first."""
-        return not self.ctx.recurrent and self.n_past + 1 < self.ctx.n_ctx
+        return (not self.ctx.recurrent and self.ga_n == 1  # a grouping cannot be undone
+                and self.n_past + 1 < self.ctx.n_ctx)
 
     def _decode_ahead(self, cur):
         """Decode ``cur``'s token while it is on the device; launch the next sample behind it.
@@ -372,6 +411,9 @@ class Generator:
             >>> g.sync_prefix([1, 2]), g.tokens
             ([2], [1])
         """
+        if self.ga_n > 1:
+            raise SelfExtendError("a prefix of a Self-Extended cache is not at its own "
+                                  "positions: sync_prefix needs ga_n = 1")
         tokens = [int(t) for t in tokens]
         n_common = 0
         for a, b in zip(self.tokens, tokens, strict=False):

@@ -1,0 +1,95 @@
+"""``llamaref passkey``: llama.cpp's passkey-retrieval example, on either backend.
+
+The flags are ``llama-passkey``'s: ``--junk`` (junk sentences, default 250), ``--pos`` (the
+sentence the key goes before, default random), ``--keep`` (tokens kept when shifting, default
+32), ``-gan/--grp-attn-n`` (Self-Extend's group size, default 1), ``-b/--batch-size`` (the chunk,
+also Self-Extend's block, default 2048). One addition: ``-c/--ctx-size`` sets the cache
+(default 0: ``passkey.cpp``'s ``n_ctx_train * G + n_keep``).
+
+llama.cpp's information lines go to stderr, the 16-token answer to stdout; the last line on
+stderr says whether the key was found. The semantics are [`reference.passkey`][reference.passkey].
+
+Examples: ``llamaref passkey --junk 250 --pos 90 --grp-attn-n 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llamaref.backends import make_context, pick_backend, prepare_weights
+from llamaref.common import CLIError, log, model_path
+from reference.model import load_model
+from reference.passkey import run_passkey
+from reference.tokenizer import load_tokenizer
+
+
+def check_passkey_flags(args: argparse.Namespace) -> None:
+    """The values ``llama-passkey`` cannot run with, refused before the model is loaded."""
+    if args.junk < 1:
+        raise CLIError(f"--junk {args.junk} must be >= 1")
+    if args.pos < -1:
+        raise CLIError(f"--pos {args.pos} must be >= 0 (or -1: random)")
+    if args.keep < 0:
+        raise CLIError(f"--keep {args.keep} must be >= 0")
+    if args.grp_attn_n < 1:
+        raise CLIError(f"--grp-attn-n {args.grp_attn_n} must be >= 1")
+    if args.batch_size < 1 or args.batch_size % args.grp_attn_n != 0:
+        raise CLIError(f"n_batch must be divisible by n_grp: -b {args.batch_size}, "
+                       f"--grp-attn-n {args.grp_attn_n}")
+    if args.ctx_size < 0 or args.ubatch_size < 1:
+        raise CLIError("-c/--ctx-size must be >= 0 and -ub/--ubatch-size >= 1")
+
+
+# --8<-- [start:cmd_passkey]
+def cmd_passkey(args: argparse.Namespace) -> int:
+    """Run the passkey example; exit 0 whether or not the key is found (as llama.cpp)."""
+    check_passkey_flags(args)
+    path = model_path(args)
+    hparams, weights = load_model(path)
+    tokenizer = load_tokenizer(path)
+    backend = pick_backend(args.backend, hparams)
+    log(f"llamaref: backend {backend}" + (" (auto)" if args.backend == "auto" else ""))
+    weights = prepare_weights(weights, backend)
+
+    def new_context(n_ctx: int, n_batch: int):
+        return make_context(backend, hparams, weights, n_ctx=n_ctx, n_batch=n_batch,
+                            n_ubatch=min(args.ubatch_size, n_batch))
+
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    res = run_passkey(new_context, tokenizer, hparams.n_ctx_train, n_junk=args.junk,
+                      n_keep=args.keep, i_pos=args.pos, n_grp=args.grp_attn_n,
+                      n_batch=args.batch_size, n_ctx=args.ctx_size or None, out=out, info=log)
+    log(f"llamaref: passkey {res.passkey} {'found' if res.found else 'NOT found'} in the answer")
+    return 0
+# --8<-- [end:cmd_passkey]
+
+
+def add_passkey_command(sub) -> None:
+    """Register ``llamaref passkey`` on the CLI's subparsers (the CLI calls this)."""
+    p = sub.add_parser("passkey", help="passkey retrieval in a long text (like llama-passkey)",
+                       description="llama.cpp's examples/passkey: a pass key hidden in junk "
+                                   "text, 16 greedy tokens to find it; --grp-attn-n G > 1 groups "
+                                   "the positions (Self-Extend).")
+    p.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
+    p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
+                   help="auto: accelerated (MLX) when MLX's default device is a GPU, else "
+                        "reference (NumPy) (default: auto)")
+    p.add_argument("--junk", type=int, default=250, metavar="N",
+                   help="number of times to repeat the junk text (default: 250)")
+    p.add_argument("--pos", type=int, default=-1, metavar="N",
+                   help="position of the passkey in the junk text (default: -1 = random)")
+    p.add_argument("--keep", type=int, default=32, metavar="N",
+                   help="tokens kept at the start when the prompt is shifted in (default: 32)")
+    p.add_argument("-gan", "--grp-attn-n", type=int, default=1, metavar="N",
+                   help="group-attention factor (default: 1)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="chunk size, also the grouped block (default: 2048)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="physical batch size (default: 512)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="cache size (default: 0 = n_ctx_train * G + --keep, as llama-passkey)")
+    p.set_defaults(func=cmd_passkey)

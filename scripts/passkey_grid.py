@@ -1,0 +1,162 @@
+"""Passkey retrieval on SmolLM2-135M: ours and llama.cpp's, without and with Self-Extend.
+
+Usage::
+
+    python scripts/passkey_grid.py --lengths 4000,8000 --positions 3 --groups 1,2,4
+
+For each prompt length (tokens, approximately: ``--junk`` is chosen to reach it), each key
+position (``--positions`` evenly spaced junk sentences) and each group size ``G``, the passkey
+example ([`reference.passkey.run_passkey`]) runs twice on the same GGUF (SmolLM2-135M-Instruct
+Q4_1, ``n_batch`` 2048, so the grouped block is 2048 tokens):
+
+- **ours**: the reference Context (the GGUF dequantized to float32), our ``seq_div``;
+- **llama.cpp**: the same loop driving llama.cpp's own context through llama-cpp-python
+  (``tests/llamacpp_lowlevel.py``: f32 KV cache, no flash attention), so its ``seq_div`` sign
+  does what it does.
+
+``G = 1`` runs with a cache that holds the whole prompt at its own positions (positions past
+``n_ctx_train`` = 8192 when the prompt is longer), not with ``passkey.cpp``'s shift loop.
+
+Results are appended to ``docs/assets/self-extend/passkey.json`` after every run (a rerun skips
+what is there), and the table ``passkey.md`` and the plot ``passkey.svg`` beside it are rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from reference.model import default_model_path, load_model  # noqa: E402
+from reference.passkey import passkey_n_ctx, passkey_prompt, run_passkey  # noqa: E402
+from reference.tokenizer import load_tokenizer  # noqa: E402
+
+OUT = REPO / "docs" / "assets" / "self-extend"
+N_KEEP, N_BATCH = 32, 2048
+
+
+def n_junk_for(length: int, tok) -> int:
+    """Junk sentences that make a prompt of about ``length`` tokens."""
+    per = (len(tok.tokenize(passkey_prompt(101, 0, 12345))) -
+           len(tok.tokenize(passkey_prompt(1, 0, 12345)))) / 100
+    return max(1, round((length - 60) / per))
+
+
+def run_one(impl: str, hp, weights, tok, path, n_junk: int, i_pos: int, g: int) -> dict:
+    n_tokens = len(tok.tokenize(passkey_prompt(n_junk, i_pos, 1)))
+    n_ctx = None if g > 1 else max(passkey_n_ctx(hp.n_ctx_train, 1, N_KEEP), n_tokens + 64)
+    opened = []
+
+    def new_context(n_ctx: int, n_batch: int):
+        if impl == "ours":
+            from reference.context import Context
+
+            return Context(hp, weights, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512)
+        from tests.llamacpp_lowlevel import LlamaCppContext
+
+        ctx = LlamaCppContext(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=2)
+        opened.append(ctx)
+        return ctx
+
+    t0 = time.perf_counter()
+    try:
+        res = run_passkey(new_context, tok, hp.n_ctx_train, n_junk=n_junk, n_keep=N_KEEP,
+                          i_pos=i_pos, n_grp=g, n_batch=N_BATCH, n_ctx=n_ctx)
+    finally:
+        for ctx in opened:
+            ctx.close()
+    return dict(impl=impl, n_junk=n_junk, i_pos=i_pos, g=g, n_tokens=res.n_tokens_all,
+                passkey=res.passkey, answer=res.text, found=res.found,
+                seconds=round(time.perf_counter() - t0, 1))
+
+
+def write_table(results: list[dict]) -> None:
+    """``passkey.md``: one row per (length, G), one column per key position, ours / llama.cpp."""
+    rows = {}
+    for r in results:
+        key = (r["n_junk"], r["g"])
+        rows.setdefault(key, {}).setdefault(r["i_pos"], {})[r["impl"]] = r
+    lines = ["| prompt tokens | G | key at (sentence / junk): ours, llama.cpp | found: ours | "
+             "found: llama.cpp |", "|---:|---:|---|---:|---:|"]
+    for (_n_junk, g), by_pos in sorted(rows.items()):
+        n_tok = max(r["n_tokens"] for p in by_pos.values() for r in p.values())
+        cells, ours, theirs = [], [0, 0], [0, 0]
+        for i_pos, by_impl in sorted(by_pos.items()):
+            marks = []
+            for impl, count in (("ours", ours), ("llama.cpp", theirs)):
+                r = by_impl.get(impl)
+                marks.append("·" if r is None else ("✓" if r["found"] else "✗"))
+                if r is not None:
+                    count[0] += r["found"]
+                    count[1] += 1
+            cells.append(f"{i_pos}: {marks[0]} {marks[1]}")
+        lines.append(f"| {n_tok} | {g} | {', '.join(cells)} | {ours[0]}/{ours[1]} | "
+                     f"{theirs[0]}/{theirs[1]} |")
+    (OUT / "passkey.md").write_text("\n".join(lines) + "\n")
+
+
+def write_plot(results: list[dict]) -> None:
+    """``passkey.svg``: the fraction of key positions found against the prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    series: dict = {}
+    for r in results:
+        series.setdefault((r["impl"], r["g"]), {}).setdefault(r["n_junk"], []).append(r)
+    for (impl, g), by_len in sorted(series.items()):
+        xs = [max(r["n_tokens"] for r in rs) for _, rs in sorted(by_len.items())]
+        ys = [sum(r["found"] for r in rs) / len(rs) for _, rs in sorted(by_len.items())]
+        ax.plot(xs, ys, marker="o" if impl == "ours" else "x",
+                linestyle="-" if impl == "ours" else "--",
+                label=f"{impl}, {'no Self-Extend' if g == 1 else f'G = {g}'}")
+    ax.axvline(8192, color="grey", linewidth=0.8)
+    ax.set_xlabel("prompt tokens (trained context: 8192)")
+    ax.set_ylabel("key positions found")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "passkey.svg", metadata={"Date": None})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="4000,8000,12000,16000")
+    ap.add_argument("--positions", type=int, default=5)
+    ap.add_argument("--groups", default="1,2,4")
+    ap.add_argument("--impls", default="ours,llama.cpp")
+    args = ap.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    store = OUT / "passkey.json"
+    results = json.loads(store.read_text()) if store.exists() else []
+    path = default_model_path()
+    hp, weights = load_model(path)
+    tok = load_tokenizer(path)
+    for length in map(int, args.lengths.split(",")):
+        n_junk = n_junk_for(length, tok)
+        for k in range(args.positions):
+            i_pos = int((k + 0.5) * n_junk / args.positions)
+            for g in map(int, args.groups.split(",")):
+                for impl in args.impls.split(","):
+                    done = any((r["impl"], r["n_junk"], r["i_pos"], r["g"]) ==
+                               (impl, n_junk, i_pos, g) for r in results)
+                    if done:
+                        continue
+                    r = run_one(impl, hp, weights, tok, path, n_junk, i_pos, g)
+                    print(json.dumps(r), flush=True)
+                    results.append(r)
+                    store.write_text(json.dumps(results, indent=1) + "\n")
+                    write_table(results)
+                    write_plot(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
