@@ -19,7 +19,7 @@ differs:
   [`accelerated.models.llama.llm_build_llama`][accelerated.models.llama.llm_build_llama] as a pure
   function of the ubatch's inputs and the cache tensors,
 
-    $$ (\text{tokens}, \text{pos}, \text{out\_ids}, \text{kq\_mask}, \text{k\_idxs},
+    $$ (\text{tokens}, \text{pos}, \text{out\_ids}, \text{kq\_mask}, \text{k\_rows},
        K_0 \dots K_{L-1}, V_0 \dots V_{L-1}) \mapsto
        (\text{logits}, K'_0 \dots K'_{L-1}, V'_0 \dots V'_{L-1}), $$
 
@@ -66,7 +66,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.memory import KVCache, create_memory
-from accelerated.memory.kv_cache import GraphAttnInput, kq_mask_device
+from accelerated.memory.kv_cache import GraphAttnInput, head_rows, kq_mask_device
 from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
 from accelerated.models.mamba import check_mamba_inputs, llm_build_mamba, mamba_forward
 from reference import context as ref
@@ -165,17 +165,19 @@ def kv_view(memory: KVCache, sinfo, n_kv: int) -> int:
 
 def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.array,
                  pos: mx.array, out_ids: mx.array, p_cell: mx.array, member: mx.array,
-                 k_idxs: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+                 k_rows: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
     """The ubatch's forward as a pure function: ``(logits, *K', *V')`` from the inputs and caches.
 
     ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``;
     ``p_cell`` and ``member`` what the KQ mask is built from, in the graph
     ([`accelerated.memory.kv_cache.kq_mask_device`][accelerated.memory.kv_cache.kq_mask_device]);
-    ``kv`` the ``n_layer`` K tensors then the ``n_layer`` V tensors.
+    ``k_rows`` where the tokens' heads are written
+    ([`accelerated.memory.kv_cache.head_rows`][accelerated.memory.kv_cache.head_rows]);
+    ``kv`` the ``n_layer`` K tensors then the ``n_layer`` V tensors (head-major).
     """
     n_layer = hparams.n_layer
     kq_mask = kq_mask_device(p_cell, member, pos, hparams.n_swa, hparams.swa_type)
-    inp = GraphAttnInput(kv[:n_layer], kv[n_layer:], k_idxs, kq_mask, key.n_kv, key.strm,
+    inp = GraphAttnInput(kv[:n_layer], kv[n_layer:], k_rows, kq_mask, key.n_kv, key.strm,
                          hparams.n_head_kv)
     tokens, embd = (None, x) if key.embd else (x, None)
     logits = llm_build_llama(weights, hparams, tokens, pos, inp, out_ids, embd)
@@ -455,6 +457,7 @@ class Context(ref.Context):
                                                           out_ids, ubatch.embd)
         n_view = kv_view(mem, sinfo, inp.n_kv)  # the columns past it would all be masked
         p_cell, member = inp.kq_mask_inputs(n_view)  # the mask is built in the graph
+        k_rows = head_rows(inp.k_idxs, mem.get_size(), self.hparams.n_head_kv)  # (n_tokens, hkv)
         key = GraphKey(embd is not None, len(pos), len(out_ids), n_view, tuple(sinfo.strm))
         if embd is not None:
             x = mx.array(embd, mx.float32)  # (n_tokens, n_embd)
@@ -465,7 +468,7 @@ class Context(ref.Context):
         kv = [*mem.k_l, *mem.v_l]
         outs = self.graph(key)(x, mx.array(pos.astype(np.int32)),
                                mx.array(out_ids.astype(np.int32)), mx.array(p_cell),
-                               mx.array(member), mx.array(inp.k_idxs.astype(np.int32)), *kv)
+                               mx.array(member), mx.array(k_rows.astype(np.int32)), *kv)
         n_layer = self.hparams.n_layer
         # the graph holds the old tensors now: with no other reference left, the writes into
         # them can reuse their buffers (MLX donates an input that nothing else holds)

@@ -6,9 +6,16 @@ tensors.
 ``remove_ubatch``, ``update``) and the state methods are inherited unchanged. What differs
 is the array steps they call:
 
-- ``k_l[il]`` / ``v_l[il]`` are ``mx.array`` of the reference's shapes
-  ``(n_stream, kv_size, n_embd_k_gqa)``; MLX arrays are values, so a write replaces the
-  list entry (``k_l[il] = ...``) instead of writing through a NumPy view;
+- ``k_l[il]`` / ``v_l[il]`` are ``mx.array`` laid out **head by head**,
+  ``(n_stream, n_head_kv, kv_size, d)``, where the reference (and llama.cpp) keeps one row per
+  cell with the heads side by side, ``(n_stream, kv_size, n_head_kv * d)``: the attention reads
+  each KV head's keys as one contiguous ``(n_kv, d)`` block, a matrix MLX's matmul takes as it
+  is, where a head's strided slice of the cell rows is first copied (the copy cost a fifth of
+  the attention at 16k cells; ``docs/performance.md``). ``get_k``/``get_v`` still return the
+  reference's ``(n_kv, n_head_kv, d)`` shape, as a transposed view ([`to_head_major`][] and
+  [`to_cell_major`][] convert whole tensors, [`head_rows`][] says where a cell's heads go).
+  MLX arrays are values, so a write replaces the list entry (``k_l[il] = ...``) instead of
+  writing through a NumPy view;
 - the KQ mask is built on the device ([`kq_mask_device`][]): the host gathers what the
   formula reads, the positions of the cells in view and whether each holds the token's
   sequence ([`KVCacheAttnInput.kq_mask_inputs`][]), and MLX evaluates the formula of
@@ -60,6 +67,8 @@ __all__ = [
     "SlotInfo",
     "build_rope_shift",
     "ggml_pad",
+    "head_major_view",
+    "head_rows",
     "kq_mask_device",
     "k_shift_rope_params",
     "kv_size_swa",
@@ -67,6 +76,8 @@ __all__ = [
     "n_ctx_seq",
     "set_input_kq_mask",
     "set_input_kq_mask_per_cell",
+    "to_cell_major",
+    "to_head_major",
 ]
 
 _MX_DTYPES = {
@@ -86,6 +97,82 @@ def mx_dtype(dtype: DTypeLike) -> mx.Dtype:
     """
     return _MX_DTYPES.get(np.dtype(dtype), mx.float32)
 # --8<-- [end:mx_dtype]
+
+
+# --8<-- [start:head_major]
+def to_head_major(t: np.ndarray | mx.array, n_head_kv: int, dtype: mx.Dtype) -> mx.array:
+    """The reference's K or V tensor ``(n_stream, kv_size, n_head_kv * d)`` in the twin's
+    layout ``(n_stream, n_head_kv, kv_size, d)``, contiguous.
+
+    Examples:
+        >>> t = np.arange(12.0).reshape(1, 3, 4)  # 3 cells, 2 heads of 2
+        >>> to_head_major(t, 2, mx.float32)[0, 1].tolist()  # head 1 of each cell
+        [[2.0, 3.0], [6.0, 7.0], [10.0, 11.0]]
+    """
+    n_stream, kv_size, _ = t.shape
+    t = mx.array(t).astype(dtype).reshape(n_stream, kv_size, n_head_kv, -1)
+    return mx.contiguous(t.transpose(0, 2, 1, 3))  # (n_stream, n_head_kv, kv_size, d)
+
+
+def to_cell_major(t: mx.array, dtype: DTypeLike) -> np.ndarray:
+    """The inverse of [`to_head_major`][]: NumPy ``(n_stream, kv_size, n_head_kv * d)``.
+
+    Examples:
+        >>> t = np.arange(12.0).reshape(1, 3, 4)
+        >>> bool((to_cell_major(to_head_major(t, 2, mx.float32), np.float64) == t).all())
+        True
+    """
+    n_stream, n_head_kv, kv_size, d = t.shape
+    rows = t.transpose(0, 2, 1, 3).reshape(n_stream, kv_size, n_head_kv * d)
+    return np.array(rows).astype(dtype)
+
+
+def head_rows(k_idxs: np.ndarray, kv_size: int, n_head_kv: int) -> np.ndarray:
+    r"""Where the heads of a cell go in a head-major tensor seen as rows of ``d``.
+
+    Token $i$ is stored in global row ``k_idxs[i]`` $= s \cdot kv\_size + c$ (stream $s$, cell
+    $c$; the reference's [`KVCacheAttnInput`][] index); in ``t.reshape(-1, d)`` of a
+    ``(n_stream, n_head_kv, kv_size, d)`` tensor its head $h$ is row
+    $(s \cdot n\_head\_kv + h) \cdot kv\_size + c$. Host bookkeeping (NumPy): the compiled
+    graph gets the rows as an input ([`GraphAttnInput`][]).
+
+    Args:
+        k_idxs: ``(n_tokens,)`` global rows.
+        kv_size: cells per stream.
+        n_head_kv: KV heads.
+
+    Returns:
+        ``(n_tokens, n_head_kv)`` row indices.
+
+    Examples:
+        >>> head_rows(np.array([1, 6]), kv_size=4, n_head_kv=2).tolist()  # cell 1; stream 1 cell 2
+        [[1, 5], [10, 14]]
+    """
+    k_idxs = np.asarray(k_idxs)
+    stream, cell = k_idxs // kv_size, k_idxs % kv_size  # (n_tokens,) each
+    heads = np.arange(n_head_kv)[None, :]  # (1, n_head_kv)
+    return (stream[:, None] * n_head_kv + heads) * kv_size + cell[:, None]  # (n_tokens, n_head_kv)
+
+
+def head_major_view(t: mx.array, strm: tuple[int, ...], n_kv: int) -> mx.array:
+    """The first ``n_kv`` cells of streams ``strm`` in the reference's shape, without a copy.
+
+    ``t[s, :, :n_kv]`` is each head's contiguous block ``(n_head_kv, n_kv, d)``; the
+    transpose to ``(n_kv, n_head_kv, d)`` is a view, which the attention transposes back,
+    so its matmuls read the blocks as they are. Several streams are concatenated (a copy,
+    as in the reference).
+
+    Examples:
+        >>> t = mx.arange(16.0).reshape(1, 2, 4, 2)  # 1 stream, 2 heads, 4 cells, d = 2
+        >>> head_major_view(t, (0,), 2).tolist()  # cells 0 and 1, both heads
+        [[[0.0, 1.0], [8.0, 9.0]], [[2.0, 3.0], [10.0, 11.0]]]
+    """
+    if len(strm) == 1:
+        block = t[strm[0], :, :n_kv]  # (n_head_kv, n_kv, d)
+    else:
+        block = mx.concatenate([t[s, :, :n_kv] for s in strm], axis=1)  # (n_head_kv, ns*n_kv, d)
+    return block.transpose(1, 0, 2)  # (ns * n_kv, n_head_kv, d)
+# --8<-- [end:head_major]
 
 
 # --8<-- [start:build_rope_shift]
@@ -227,10 +314,12 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         return self._kq_mask
 
     def _store(self, tensors: list, il: int, cur: mx.array) -> None:
-        t = tensors[il]
-        rows = t.reshape(-1, t.shape[-1])  # (n_stream * kv_size, n_embd_gqa)
-        set_rows(rows, mx.array(cur).reshape(len(self.k_idxs), -1), self.k_idxs)
-        tensors[il] = rows.reshape(t.shape)  # (n_stream, kv_size, n_embd_gqa)
+        t = tensors[il]  # (n_stream, n_head_kv, kv_size, d)
+        n_stream, n_head_kv, kv_size, d = t.shape
+        rows = t.reshape(-1, d)  # (n_stream * n_head_kv * kv_size, d)
+        idx = head_rows(self.k_idxs, kv_size, n_head_kv)  # (n_tokens, n_head_kv)
+        set_rows(rows, mx.array(cur).reshape(-1, d), idx.reshape(-1))
+        tensors[il] = rows.reshape(t.shape)  # (n_stream, n_head_kv, kv_size, d)
 
     def cpy_k(self, il: int, k_cur: mx.array) -> None:
         """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` in the slot's cells of layer ``il``."""
@@ -240,22 +329,13 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` in the slot's cells of layer ``il``."""
         self._store(self.cache.v_l, il, v_cur)
 
-    def _view(self, t: mx.array, d: int) -> mx.array:
-        n_head_kv = self.cache.hparams.n_head_kv
-        strm = self.sinfo.strm
-        if len(strm) == 1:
-            block = t[strm[0], : self.n_kv]  # (n_kv, n_embd_gqa)
-        else:
-            block = mx.concatenate([t[s, : self.n_kv] for s in strm])  # (ns * n_kv, n_embd_gqa)
-        return block.reshape(-1, n_head_kv, d)  # (ns * n_kv, n_head_kv, d)
-
     def get_k(self, il: int) -> mx.array:
         """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
-        return self._view(self.cache.k_l[il], self.cache.hparams.n_embd_head_k)
+        return head_major_view(self.cache.k_l[il], self.sinfo.strm, self.n_kv)
 
     def get_v(self, il: int) -> mx.array:
         """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
-        return self._view(self.cache.v_l[il], self.cache.hparams.n_embd_head_v)
+        return head_major_view(self.cache.v_l[il], self.sinfo.strm, self.n_kv)
 
     def get_kq_mask(self, il: int) -> mx.array:
         """The KQ mask ``(n_tokens, ns * n_kv)`` as an ``mx.array`` (the same for every layer)."""
@@ -268,67 +348,63 @@ class GraphAttnInput:
     """The attention input of one ubatch as a pure value, for a traced (compiled) forward.
 
     Implements [`reference.models.llama.AttnInput`][reference.models.llama.AttnInput] on its own
-    lists ``k_l``/``v_l`` (one ``(n_stream, kv_size, n_embd_gqa)`` tensor per layer):
+    lists ``k_l``/``v_l`` (one head-major ``(n_stream, n_head_kv, kv_size, d)`` tensor per
+    layer, as [`KVCache`][] holds them):
     ``cpy_k``/``cpy_v`` replace a layer's entry by the scattered tensor, so after the forward
     ``k_l``/``v_l`` are the written cache, to be returned by the graph and stored by the caller. The
-    ubatch's geometry (``n_kv``, ``strm``) is static; ``k_idxs`` and ``kq_mask`` are arrays (inputs
+    ubatch's geometry (``n_kv``, ``strm``) is static; ``k_rows`` and ``kq_mask`` are arrays (inputs
     of the graph). Nothing is read on the host.
 
     Args:
         k_l: K tensors, one per layer.
         v_l: V tensors, one per layer.
-        k_idxs: the global row (``stream * kv_size + cell``) of each token ``(n_tokens,)``.
+        k_rows: where each token's heads go in a tensor seen as rows of ``d``
+            ([`head_rows`][] of the reference's ``k_idxs``), ``(n_tokens, n_head_kv)``.
         kq_mask: the KQ mask ``(n_tokens, len(strm) * n_kv)``.
         n_kv: cells of each stream in view.
         strm: the streams of the ubatch's slot.
         n_head_kv: KV heads.
 
     Examples:
-        >>> k = [mx.zeros((1, 4, 2))]
-        >>> inp = GraphAttnInput(k, [mx.zeros((1, 4, 2))], mx.array([2]), mx.zeros((1, 4)),
+        >>> k = [mx.zeros((1, 1, 4, 2))]  # 1 stream, 1 head, 4 cells, d = 2
+        >>> inp = GraphAttnInput(k, [mx.zeros((1, 1, 4, 2))], mx.array([[2]]), mx.zeros((1, 4)),
         ...                      4, (0,), 1)
         >>> inp.cpy_k(0, mx.ones((1, 1, 2)))
-        >>> inp.k_l[0][0, :, 0].tolist(), k[0].sum().item(), inp.get_k(0).shape
+        >>> inp.k_l[0][0, 0, :, 0].tolist(), k[0].sum().item(), inp.get_k(0).shape
         ([0.0, 0.0, 1.0, 0.0], 0.0, (4, 1, 2))
     """
 
-    def __init__(self, k_l: list, v_l: list, k_idxs: mx.array, kq_mask: mx.array, n_kv: int,
+    def __init__(self, k_l: list, v_l: list, k_rows: mx.array, kq_mask: mx.array, n_kv: int,
                  strm: tuple[int, ...], n_head_kv: int):
         self.k_l, self.v_l = list(k_l), list(v_l)
-        self.k_idxs = k_idxs  # (n_tokens,)
+        self.k_rows = k_rows  # (n_tokens, n_head_kv)
         self.kq_mask = kq_mask  # (n_tokens, ns * n_kv)
         self.n_kv = n_kv
         self.strm = tuple(strm)
         self.n_head_kv = n_head_kv
 
     def _store(self, tensors: list, il: int, cur: mx.array) -> None:
-        t = tensors[il]
-        rows = t.reshape(-1, t.shape[-1])  # (n_stream * kv_size, n_embd_gqa)
-        rows[self.k_idxs] = cur.reshape(self.k_idxs.shape[0], -1).astype(t.dtype)  # set_rows
-        tensors[il] = rows.reshape(t.shape)  # (n_stream, kv_size, n_embd_gqa)
+        t = tensors[il]  # (n_stream, n_head_kv, kv_size, d)
+        d = t.shape[-1]
+        rows = t.reshape(-1, d)  # (n_stream * n_head_kv * kv_size, d)
+        rows[self.k_rows.reshape(-1)] = cur.reshape(-1, d).astype(t.dtype)  # set_rows
+        tensors[il] = rows.reshape(t.shape)  # (n_stream, n_head_kv, kv_size, d)
 
     def cpy_k(self, il: int, k_cur: mx.array) -> None:
-        """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` at ``k_idxs`` of layer ``il``."""
+        """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` at ``k_rows`` of layer ``il``."""
         self._store(self.k_l, il, k_cur)
 
     def cpy_v(self, il: int, v_cur: mx.array) -> None:
-        """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` at ``k_idxs`` of layer ``il``."""
+        """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` at ``k_rows`` of layer ``il``."""
         self._store(self.v_l, il, v_cur)
-
-    def _view(self, t: mx.array) -> mx.array:
-        if len(self.strm) == 1:
-            block = t[self.strm[0], : self.n_kv]  # (n_kv, n_embd_gqa)
-        else:
-            block = mx.concatenate([t[s, : self.n_kv] for s in self.strm])  # (ns * n_kv, E)
-        return block.reshape(block.shape[0], self.n_head_kv, -1)  # (ns * n_kv, n_head_kv, d)
 
     def get_k(self, il: int) -> mx.array:
         """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
-        return self._view(self.k_l[il])
+        return head_major_view(self.k_l[il], self.strm, self.n_kv)
 
     def get_v(self, il: int) -> mx.array:
         """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
-        return self._view(self.v_l[il])
+        return head_major_view(self.v_l[il], self.strm, self.n_kv)
 
     def get_kq_mask(self, il: int) -> mx.array:
         """The KQ mask ``(n_tokens, ns * n_kv)`` (the same for every layer)."""
@@ -341,21 +417,22 @@ class KVCache(ref.KVCache):
     """Twin of [`reference.memory.kv_cache.KVCache`][reference.memory.kv_cache.KVCache]: the same
     cells, MLX tensors.
 
-    Constructor arguments are the reference's; ``k_l``/``v_l`` become ``mx.array`` zeros of
-    the same shapes (dtype by [`mx_dtype`][]). Every bookkeeping method is inherited.
+    Constructor arguments are the reference's; ``k_l``/``v_l`` become ``mx.array`` zeros
+    laid out head by head, ``(n_stream, n_head_kv, kv_size, d)`` (the module docstring says
+    why; dtype by [`mx_dtype`][]). Every bookkeeping method is inherited.
 
     Examples:
         >>> from reference.testing import tiny_hparams
         >>> cache = KVCache(tiny_hparams(), kv_size=16, n_seq_max=2, kv_unified=False)
         >>> cache.k_l[0].shape, cache.k_l[0].dtype, cache.get_n_stream()
-        ((2, 16, 8), mlx.core.float32, 2)
+        ((2, 2, 16, 4), mlx.core.float32, 2)
     """
 
     def __init__(self, hparams: LlamaHParams, *args, **kwargs):
         super().__init__(hparams, *args, **kwargs)
         dt = mx_dtype(self.dtype)
-        self.k_l = [mx.zeros(t.shape, dtype=dt) for t in self.k_l]
-        self.v_l = [mx.zeros(t.shape, dtype=dt) for t in self.v_l]
+        self.k_l = [to_head_major(t, hparams.n_head_kv, dt) for t in self.k_l]
+        self.v_l = [to_head_major(t, hparams.n_head_kv, dt) for t in self.v_l]
 
     def clear(self, data: bool = True) -> None:
         """Empty every cell; with ``data`` also zero the K/V tensors (``llama_memory_clear``).
@@ -388,12 +465,14 @@ class KVCache(ref.KVCache):
         shifts) is the reference's ``update``.
         """
         hp = self.hparams
-        idx = mx.array(np.array(rows, dtype=np.int32))  # (n_rows,)
+        kv_size = self.get_size()
+        cells = stream * kv_size + np.asarray(rows, dtype=np.int32)  # (n_rows,) global rows
+        idx = mx.array(head_rows(cells, kv_size, hp.n_head_kv))  # (n_rows, n_head_kv)
         for il, k in enumerate(self.k_l):
-            k_rows = k[stream][idx].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
-            k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
-            k[stream, idx] = k_rows.reshape(len(rows), -1).astype(k.dtype)  # (n_rows, E)
-            self.k_l[il] = k
+            flat = k.reshape(-1, hp.n_embd_head_k)  # (n_stream * n_head_kv * kv_size, d_k)
+            k_rows = build_rope_shift(flat[idx], shift, hp, rope_factors)  # (n_rows, n_hkv, d_k)
+            flat[idx.reshape(-1)] = k_rows.reshape(-1, hp.n_embd_head_k).astype(k.dtype)
+            self.k_l[il] = flat.reshape(k.shape)
 
     def copy_stream(self, ssrc: int, sdst: int) -> None:
         """Twin of
@@ -411,19 +490,20 @@ class KVCache(ref.KVCache):
         """The K/V tensors as NumPy (``self.dtype``) inside the ``with``, MLX again after.
 
         The reference's state functions run on them (``state_write``, ``state_read`` and
-        the file forms are inherited); a restore comes back as MLX tensors, even after an
-        error. Re-entrant: inside, the tensors are already on the host.
+        the file forms are inherited), in the reference's layout ([`to_cell_major`][]); a
+        restore comes back as MLX tensors, head-major again, even after an error.
+        Re-entrant: inside, the tensors are already on the host.
         """
         if isinstance(self.k_l[0], np.ndarray):
             yield
             return
-        dt = mx_dtype(self.dtype)
-        self.k_l = [np.array(t).astype(self.dtype) for t in self.k_l]
-        self.v_l = [np.array(t).astype(self.dtype) for t in self.v_l]
+        dt, n_head_kv = mx_dtype(self.dtype), self.hparams.n_head_kv
+        self.k_l = [to_cell_major(t, self.dtype) for t in self.k_l]
+        self.v_l = [to_cell_major(t, self.dtype) for t in self.v_l]
         try:
             yield
         finally:
-            self.k_l = [mx.array(t).astype(dt) for t in self.k_l]
-            self.v_l = [mx.array(t).astype(dt) for t in self.v_l]
+            self.k_l = [to_head_major(t, n_head_kv, dt) for t in self.k_l]
+            self.v_l = [to_head_major(t, n_head_kv, dt) for t in self.v_l]
     # --8<-- [end:on_host]
 # --8<-- [end:KVCache]

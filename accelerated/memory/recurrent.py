@@ -12,7 +12,8 @@ rewritten. Only the array steps they call differ:
   ``mx.array``. MLX arrays are values, so a write replaces a layer's array in the list by a new
   (lazy) one instead of writing into a buffer; nothing else holds a reference to the rows.
 - [`RecurrentMemory.move_rows`][] (the row moves of ``apply_ubatch``) is one gather per
-  layer and state (``mx.take``), evaluated, so a ubatch's graph starts from concrete rows;
+  layer and state (``mx.take``), lazy like the graph that reads them, and skipped when every
+  row stays in place (a sequence going on in its cell);
   [`RecurrentMemory.save_rows`][] keeps the arrays themselves (values: no copy).
 - [`RecurrentMemoryInput`][] hands the model ``mx.array`` rows and takes lazy ones back.
 - State save/restore is the reference's code run on host copies of the rows
@@ -166,8 +167,11 @@ class RecurrentMemory(ref.RecurrentMemory):
 
         Per layer and state, a zeroed ``rs_z`` row then one gather ``t[src]`` written over
         ``cells`` (the gather reads the array before the write, as the reference's fancy
-        indexing); the new rows are evaluated. ``apply_ubatch`` (``find_slot``, the check
-        of the placement, the undo) is the reference's.
+        indexing). Nothing is evaluated here: the moves are lazy and run with the ubatch's
+        graph, so a decode does not wait for the previous one. A move that changes nothing
+        (no ``rs_z``, every cell its own source: a sequence that goes on in its cell, the
+        common step of generation) adds no work at all. ``apply_ubatch`` (``find_slot``, the
+        check of the placement, the undo) is the reference's.
 
         Examples:
             >>> from types import SimpleNamespace
@@ -186,13 +190,14 @@ class RecurrentMemory(ref.RecurrentMemory):
             >>> mem.seq_pos_max(0), mem.seq_pos_max(1), mem.s_l[0].sum().item()
             (0, 0, 4.0)
         """
+        if rs_z < 0 and list(src) == list(cells):
+            return  # every row stays where it is
         idx = mx.array(src, dtype=mx.int32)  # (n,)
         for rows in (self.r_l, self.s_l):
             for il, t in enumerate(rows):
                 if rs_z >= 0:
                     t = _put_rows(t, rs_z, mx.zeros((1, t.shape[1]), t.dtype))
                 rows[il] = _put_rows(t, cells.start, mx.take(t, idx, axis=0))  # (size, n_embd)
-        mx.eval(self.r_l + self.s_l)
     # --8<-- [end:move_rows]
 
     # --8<-- [start:rs_input]

@@ -229,7 +229,9 @@ def build_attn_mha(
     v = v.transpose(1, 0, 2)  # (n_head_kv, n_kv, d_v)
     kq = mul_mat(k, q)  # (n_head, n_tokens, n_kv)
     kq = soft_max_ext(kq, kq_mask, kq_scale, max_bias)  # (n_head, n_tokens, n_kv)
-    v_t = np.ascontiguousarray(v.transpose(0, 2, 1))  # (n_head_kv, d_v, n_kv)
+    # llama.cpp's cache holds V transposed for this product; here v^T is a view of the
+    # cells' rows (mul_mat reads its rows back as v's columns: no copy of the whole V)
+    v_t = v.transpose(0, 2, 1)  # (n_head_kv, d_v, n_kv)
     kqv = mul_mat(v_t, kq)  # (n_head, n_tokens, d_v)
     cur = kqv.transpose(1, 0, 2)  # (n_tokens, n_head, d_v)
     return np.ascontiguousarray(cur).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)

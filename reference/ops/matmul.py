@@ -100,12 +100,17 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         array([0., 0., 1., 1.])
     """
     a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
-    a = a.reshape(a_lead + a.shape[-2:])  # (..., M, K) with as many dims as b
-    for axis, (da, db) in enumerate(zip(a_lead, b_lead, strict=True)):
-        if da:
-            # block broadcast: matrix i of a serves matrices i*r .. i*r + r-1 of b
-            a = np.repeat(a, db // da, axis=axis)  # (..., M, K) with b's leading dims
-    return b.reshape(b_lead + b.shape[-2:]) @ np.swapaxes(a, -1, -2)  # (..., N, M)
+    # block broadcast: matrix i of a serves matrices i*r .. i*r + r-1 of b. Each leading dim
+    # db of b is split into (da, r) and a gets a size-1 axis in the place of r, so matmul's
+    # own broadcasting pairs them: the same products as np.repeat(a, r, axis), without
+    # copying a (in attention, a is the K or V of every cell in view)
+    a_blocks = [n for da in a_lead for n in (da, 1)]
+    b_blocks = [n for da, db in zip(a_lead, b_lead, strict=True)
+                for n in (da, db // da if da else 1)]
+    a = a.reshape(tuple(a_blocks) + a.shape[-2:])  # (..., da, 1, M, K)
+    b = b.reshape(tuple(b_blocks) + b.shape[-2:])  # (..., da, r, N, K)
+    out = b @ np.swapaxes(a, -1, -2)  # (..., da, r, N, M)
+    return out.reshape(b_lead + out.shape[-2:])  # (..., N, M)
 
 
 # --8<-- [end:mul_mat]
