@@ -293,7 +293,7 @@ def trace() -> tuple[dict[str, str], str]:
             log("kq", "mul_mat", kq, kq[0, -1, :5])
             kq = soft_max_ext(kq, inp.get_kq_mask(il), kq_scale)
             log("kq_soft_max", "soft_max_ext", kq, kq[0, -1, :5])
-            v_t = np.ascontiguousarray(v_all.transpose(1, 2, 0))
+            v_t = v_all.transpose(1, 2, 0)  # a view, as build_attn_mha takes it
             kqv = mul_mat(v_t, kq)  # (n_head, n_tokens, d)
             log("kqv", "mul_mat", kqv, kqv[0, -1, :3])
             cur = np.ascontiguousarray(kqv.transpose(1, 0, 2))
