@@ -17,6 +17,13 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
   ([`reference.perplexity`][reference.perplexity]);
 - ``llamaref passkey`` runs llama.cpp's passkey-retrieval example, with Self-Extend's
   ``--grp-attn-n`` ([`llamaref.passkey`][llamaref.passkey]);
+- ``llamaref speculative``, ``llamaref speculative-simple`` and ``llamaref lookup`` run
+  llama.cpp's speculative-decoding examples: a draft model (or the target's first layers,
+  ``--draft-layers``) or n-gram caches propose tokens, the target verifies them in one
+  batch ([`llamaref.speculative`][llamaref.speculative]);
+- ``llamaref batched``, ``llamaref parallel`` and ``llamaref batched-bench`` serve many
+  sequences from one context, as llama.cpp's examples of those names
+  ([`llamaref.parallel`][llamaref.parallel]);
 - ``llamaref info`` prints a model's hyperparameters; ``llamaref bench`` times the forward
   ([`llamaref.bench`][llamaref.bench]).
 
@@ -38,7 +45,9 @@ from llamaref import __version__
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.bench import add_bench_command
 from llamaref.common import CLIError, log, model_path
+from llamaref.parallel import add_parallel_commands
 from llamaref.passkey import add_passkey_command
+from llamaref.speculative import add_speculative_commands
 from llamaref.verify import run_verify
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.generate import ChatSession, Generator, Perf, eog_tokens
@@ -572,6 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
     add_bench_command(sub)
     add_passkey_command(sub)
+    add_speculative_commands(sub)
+    add_parallel_commands(sub)
     return parser
 
 

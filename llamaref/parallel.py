@@ -1,0 +1,403 @@
+"""``llamaref batched``, ``llamaref parallel``, ``llamaref batched-bench``: many sequences.
+
+The three commands of llama.cpp that serve several sequences from one context, with their
+flag names and defaults (``common/arg.cpp``), on either backend:
+
+- ``llamaref batched -p PROMPT -n 32 -np 4`` writes ``-np`` completions of one prompt
+  (``examples/batched``, [`reference.batched`][reference.batched]); ``-n`` is the total
+  length, prompt included. Without ``-kvu`` each sequence has its own KV stream and gets
+  the prompt by ``seq_cp`` (llama.cpp's example needs ``-kvu`` there);
+- ``llamaref parallel -np 4 -ns 16 -pps`` simulates a server with ``-np`` clients
+  (``examples/parallel``, [`reference.parallel`][reference.parallel]): continuous batching,
+  a shared system prompt, chunks halved when the cache is full;
+- ``llamaref batched-bench -npp 128 -ntg 128 -npl 1,2,4,8`` prints the PP / TG / B table
+  (``tools/batched-bench``, [`reference.batched_bench`][reference.batched_bench]), as markdown
+  or JSONL.
+
+llama.cpp's log lines go to stderr, what its ``LOG`` prints (the texts, the table) to
+stdout; the last lines on stderr are ``llama_perf_context_print``'s report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
+from llamaref.common import CLIError, log, model_path
+from reference.batched import (
+    DEFAULT_N_PREDICT,
+    DEFAULT_PROMPT,
+    batched,
+    check_batched,
+    n_kv_required,
+    report,
+)
+from reference.batched import sampler_params as batched_sampler_params
+from reference.batched_bench import (
+    batched_bench,
+    header,
+    n_ctx_required,
+    row_jsonl,
+    row_md,
+)
+from reference.common import LLAMA_DEFAULT_SEED, LLAMA_MAX_SEQ
+from reference.generate import Perf
+from reference.model import load_model
+from reference.parallel import (
+    DEFAULT_N_JUNK,
+    K_PROMPTS,
+    K_SYSTEM,
+    ParallelRun,
+    client_seeds,
+    make_requests,
+    totals,
+)
+from reference.parallel import DEFAULT_N_PREDICT as PARALLEL_N_PREDICT
+from reference.sampling import SamplerParams
+from reference.tokenizer import load_tokenizer
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _load(args: argparse.Namespace, tokenizer: bool = True):
+    """``(path, hparams, weights, tokenizer, backend, t_load_ms)`` for ``--model``."""
+    t0 = time.perf_counter()
+    path = model_path(args)
+    hparams, weights = load_model(path)
+    tok = load_tokenizer(path) if tokenizer else None
+    backend = pick_backend(args.backend, hparams)
+    log(f"llamaref: backend {backend}" + (" (auto)" if args.backend == "auto" else ""))
+    weights = prepare_weights(weights, backend)
+    return path, hparams, weights, tok, backend, 1e3 * (time.perf_counter() - t0)
+
+
+def _print_perf(ctx, t_load_ms: float, t_start: float) -> None:
+    """``llama_perf_context_print`` from the Context's counters, on stderr."""
+    p = ctx.perf()
+    perf = Perf(t_load_ms=t_load_ms, t_p_eval_ms=p.t_p_eval_ms, n_p_eval=p.n_p_eval,
+                t_eval_ms=p.t_eval_ms, n_eval=p.n_eval, n_reused=p.n_reused,
+                t_start=t_start)
+    for line in perf.lines():
+        log(line)
+
+
+def _check_seed(seed: int) -> int:
+    if not -1 <= seed <= LLAMA_DEFAULT_SEED:
+        raise CLIError(f"--seed = {seed} must be in [0, {LLAMA_DEFAULT_SEED}] "
+                       "(or -1: a random seed)")
+    return seed & LLAMA_DEFAULT_SEED
+
+
+def _piece(tokenizer):
+    """``common_token_to_piece``: a token's bytes, special tokens rendered."""
+    return lambda token: tokenizer.token_to_piece(token, special=True)
+
+
+# ---- batched ---------------------------------------------------------------------------------
+
+def check_batched_flags(args: argparse.Namespace) -> None:
+    """The values ``llamaref batched`` refuses before loading the model."""
+    if not 1 <= args.parallel <= LLAMA_MAX_SEQ:
+        raise CLIError(f"-np {args.parallel}: a context holds 1 to {LLAMA_MAX_SEQ} "
+                       f"sequences (LLAMA_MAX_SEQ); use -np <= {LLAMA_MAX_SEQ}")
+    if args.n_predict < 1:
+        raise CLIError(f"-n {args.n_predict}: the total length (prompt included) must be "
+                       ">= 1")
+    if args.ubatch_size < 1:
+        raise CLIError(f"-ub {args.ubatch_size} must be >= 1")
+    args.seed = _check_seed(args.seed)
+
+
+# --8<-- [start:cmd_batched]
+def cmd_batched(args: argparse.Namespace) -> int:
+    """``llama-batched``: ``-np`` completions of the prompt, decoded together."""
+    check_batched_flags(args)
+    path, hp, weights, tok, backend, t_load_ms = _load(args)
+    t_start = time.perf_counter() - t_load_ms / 1e3
+    prompt = tok.tokenize(args.prompt, add_special=True, parse_special=True)
+    n_req = n_kv_required(len(prompt), args.n_predict, args.parallel)
+    n_ctx = n_req if args.kv_unified else args.parallel * args.n_predict
+    n_batch = max(args.n_predict, args.parallel)
+    ctx = make_context(backend, hp, weights, n_ctx=max(n_ctx, 1), n_batch=n_batch,
+                       n_ubatch=args.ubatch_size, n_seq_max=args.parallel,
+                       kv_unified=args.kv_unified)
+    params = batched_sampler_params(args.top_k, args.top_p, args.min_keep,
+                                    max(args.temp, 0.0), args.seed)
+    chains = [make_sampler(backend, params, hp.n_vocab) for _ in range(args.parallel)]
+    check_batched(ctx, len(prompt), args.n_predict, args.parallel)
+    log(f"\nmain: n_predict = {args.n_predict}, n_ctx = {ctx.n_ctx}, n_batch = "
+        f"{n_batch}, n_parallel = {args.parallel}, n_kv_req = {n_req}")
+    res = batched(ctx, [c for c, _ in chains], prompt, args.n_predict, tok.is_eog,
+                  on_device=chains[0][1], info=log)
+    piece = _piece(tok)
+    streams = [b"".join(piece(t) for t in s).decode("utf-8", errors="replace")
+               for s in res.tokens]
+    if args.parallel == 1:  # llama.cpp streams the only sequence after the prompt
+        _write("\n" + args.prompt + streams[0] + "\n")
+    else:
+        _write(f"\n{args.prompt}\n\nmain: generating {args.parallel} sequences ...\n")
+    out, line = report(args.prompt, streams, res.n_decode, res.seconds)
+    _write(out)
+    log(line)
+    _print_perf(ctx, t_load_ms, t_start)
+    return 0
+# --8<-- [end:cmd_batched]
+
+
+# ---- parallel --------------------------------------------------------------------------------
+
+def check_parallel_flags(args: argparse.Namespace) -> None:
+    """The values ``llamaref parallel`` refuses before loading the model."""
+    if not 1 <= args.parallel <= LLAMA_MAX_SEQ - 1:
+        raise CLIError(f"-np {args.parallel}: the clients and the system prompt need "
+                       f"-np + 1 sequences, at most {LLAMA_MAX_SEQ} (LLAMA_MAX_SEQ); use "
+                       f"1 <= -np <= {LLAMA_MAX_SEQ - 1}")
+    if args.sequences < 0:
+        raise CLIError(f"-ns {args.sequences} must be >= 0")
+    for flag, value in (("-b/--batch-size", args.batch_size),
+                        ("-ub/--ubatch-size", args.ubatch_size)):
+        if value < 1:
+            raise CLIError(f"{flag} = {value} must be >= 1")
+    if args.ctx_size < 0:
+        raise CLIError(f"-c {args.ctx_size} must be >= 0 (0: the model's n_ctx_train)")
+    if args.file is not None and not Path(args.file).is_file():
+        raise CLIError(f"-f {args.file}: no such file")
+    args.seed = _check_seed(args.seed)
+
+
+def prompt_lines(args: argparse.Namespace) -> list[str] | None:
+    """The prompts of ``-f FILE`` or ``-p``, split on newlines as ``std::getline`` (a
+    final newline adds no empty prompt); None: the built-in ones."""
+    text = args.prompt
+    if args.file is not None:
+        text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
+    if not text:
+        return None
+    lines = text.split("\n")
+    return lines[:-1] if text.endswith("\n") else lines
+
+
+# --8<-- [start:cmd_parallel]
+def cmd_parallel(args: argparse.Namespace) -> int:
+    """``llama-parallel``: ``-ns`` requests from ``-np`` clients, served together."""
+    check_parallel_flags(args)
+    path, hp, weights, tok, backend, t_load_ms = _load(args)
+    t_start = time.perf_counter() - t_load_ms / 1e3
+    prompts = prompt_lines(args)
+    for i, line in enumerate(prompts or []):
+        log(f"{i + 1:3d} prompt: {line}")
+    system = tok.tokenize(K_SYSTEM, add_special=True, parse_special=True)
+    requests = make_requests(args.sequences, args.junk, prompts or K_PROMPTS,
+                             args.is_pp_shared,
+                             lambda text: tok.tokenize(text, add_special=False,
+                                                       parse_special=True))
+    ctx = make_context(backend, hp, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                       n_ubatch=args.ubatch_size, n_seq_max=args.parallel + 1,
+                       kv_unified=args.kv_unified)
+    chains = [make_sampler(backend, _parallel_sampler(args, seed), hp.n_vocab, tok)
+              for seed in client_seeds(args.seed, args.parallel)]
+    run = ParallelRun(ctx, [c for c, _ in chains], system, requests, args.n_predict,
+                      args.batch_size, args.is_pp_shared, tok.is_eog, _piece(tok),
+                      on_device=chains[0][1], info=log)
+    log(f"main: Simulating parallel requests from clients:\nmain: n_parallel = "
+        f"{args.parallel}, n_sequences = {args.sequences}, cont_batching = 1, "
+        f"system tokens = {len(system)}\n")
+    run.run()
+    log("")
+    for line in totals(run, args.file, str(path)):
+        log(line)
+    log("")
+    _print_perf(ctx, t_load_ms, t_start)
+    return 0
+# --8<-- [end:cmd_parallel]
+
+
+def _parallel_sampler(args: argparse.Namespace, seed: int) -> SamplerParams:
+    """``common_params_sampling`` of one client."""
+    return SamplerParams(seed=seed, n_prev=max(64, args.repeat_last_n), top_k=args.top_k,
+                         top_p=args.top_p, min_p=args.min_p, temp=max(args.temp, 0.0),
+                         penalty_last_n=args.repeat_last_n,
+                         penalty_repeat=args.repeat_penalty)
+
+
+# ---- batched-bench ---------------------------------------------------------------------------
+
+def check_bench_flags(args: argparse.Namespace) -> None:
+    """The lists ``llamaref batched-bench`` refuses before loading the model."""
+    for flag, values in (("-npp", args.npp), ("-ntg", args.ntg), ("-npl", args.npl)):
+        if any(v < 1 for v in values):
+            raise CLIError(f"{flag} {','.join(map(str, values))}: every value must be >= 1")
+    if args.npl and max(args.npl) > LLAMA_MAX_SEQ:
+        raise CLIError(f"-npl {max(args.npl)}: a context holds at most {LLAMA_MAX_SEQ} "
+                       f"sequences (LLAMA_MAX_SEQ); use -npl values <= {LLAMA_MAX_SEQ}")
+    for flag, value in (("-b/--batch-size", args.batch_size),
+                        ("-ub/--ubatch-size", args.ubatch_size)):
+        if value < 1:
+            raise CLIError(f"{flag} = {value} must be >= 1")
+    if args.ctx_size < 0:
+        raise CLIError(f"-c {args.ctx_size} must be >= 0 (0: the model's n_ctx_train)")
+
+
+# --8<-- [start:cmd_batched_bench]
+def cmd_batched_bench(args: argparse.Namespace) -> int:
+    """``llama-batched-bench``: the PP / TG / B table, markdown or JSONL, on stdout."""
+    check_bench_flags(args)
+    path, hp, weights, _, backend, t_load_ms = _load(args, tokenizer=False)
+    t_start = time.perf_counter() - t_load_ms / 1e3
+    ctx = make_context(backend, hp, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                       n_ubatch=args.ubatch_size, n_seq_max=max(args.npl, default=1),
+                       kv_unified=args.kv_unified)
+    need = [n_ctx_required(pp, tg, pl, args.is_pp_shared, ctx.kv_unified)
+            for pp in args.npp for tg in args.ntg for pl in args.npl]
+    if need and min(need) > ctx.n_ctx:
+        raise CLIError(f"no row fits: the smallest needs {min(need)} cells and the context "
+                       f"has {ctx.n_ctx}: increase -c")
+    threads = os.cpu_count() or 1
+    config = dict(n_kv_max=ctx.n_ctx, n_batch=args.batch_size, n_ubatch=ctx.n_ubatch,
+                  flash_attn=0, is_pp_shared=int(args.is_pp_shared),
+                  is_tg_separate=int(args.is_tg_separate), n_gpu_layers=0,
+                  n_threads=threads, n_threads_batch=threads)
+    jsonl = args.output_format == "jsonl"
+    if not jsonl:
+        _write("\n" + "\n".join(header(config)) + "\n")
+    config.pop("is_tg_separate")  # not a JSONL key (batched-bench.cpp:229)
+    rows = batched_bench(ctx, args.npp, args.ntg, args.npl, args.is_pp_shared,
+                         args.is_tg_separate, n_batch=ctx.n_batch)
+    for row in rows:
+        _write((row_jsonl(row, config) if jsonl else row_md(row)) + "\n")
+    _write("\n")
+    _print_perf(ctx, t_load_ms, t_start)
+    return 0
+# --8<-- [end:cmd_batched_bench]
+
+
+# ---- the parsers -----------------------------------------------------------------------------
+
+def _int_list(text: str) -> list[int]:
+    """``-npp 128,256``: llama.cpp's ``string_split<int>(value, ',')``."""
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         "integers") from None
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
+    p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
+                   help="auto: accelerated (MLX) when MLX's default device is a GPU, else "
+                        "reference (NumPy) (default: auto)")
+    p.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true",
+                   default=False, help="one KV stream shared by every sequence "
+                                       "(default: one stream per sequence)")
+    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false",
+                   help="one KV stream per sequence")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="physical batch size (default: 512)")
+
+
+def _add_sampling(p: argparse.ArgumentParser, common: bool) -> None:
+    s = p.add_argument_group("sampling (llama.cpp names and defaults)")
+    s.add_argument("-s", "--seed", type=int, default=-1, metavar="SEED",
+                   help="RNG seed (default: -1, a random seed)")
+    s.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
+                   metavar="N", help="temperature (default: 0.80; 0 = greedy)")
+    s.add_argument("--top-k", type=int, default=40, metavar="N",
+                   help="top-k sampling (default: 40, 0 = disabled)")
+    s.add_argument("--top-p", type=float, default=0.95, metavar="N",
+                   help="top-p sampling (default: 0.95, 1.0 = disabled)")
+    if not common:
+        s.add_argument("--min-keep", type=int, default=0, metavar="N",
+                       help="candidates top-p keeps at least (default: 0)")
+        return
+    s.add_argument("--min-p", type=float, default=0.05, metavar="N",
+                   help="min-p sampling (default: 0.05, 0.0 = disabled)")
+    s.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
+                   help="last n tokens to penalize (default: 64, 0 = disabled)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, metavar="N",
+                   help="penalize repeated tokens (default: 1.00, 1.0 = disabled)")
+
+
+def add_parallel_commands(sub) -> None:
+    """Register ``batched``, ``parallel`` and ``batched-bench`` (the CLI calls this)."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    b = sub.add_parser(
+        "batched", help="several completions of one prompt (like llama-batched)",
+        formatter_class=fmt,
+        description="llama.cpp's examples/batched: the prompt decoded once, -np streams "
+                    "sampled and decoded together; -n is the total length, prompt included.",
+        epilog="example:\n  llamaref batched -p \"Hello my name is\" -n 32 -np 4 -kvu")
+    _add_common(b)
+    b.add_argument("-p", "--prompt", default=DEFAULT_PROMPT,
+                   help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    b.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int,
+                   default=DEFAULT_N_PREDICT, metavar="N",
+                   help=f"total length of each sequence, prompt included "
+                        f"(default: {DEFAULT_N_PREDICT})")
+    b.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="number of sequences (default: 1)")
+    _add_sampling(b, common=False)
+    b.set_defaults(func=cmd_batched)
+
+    p = sub.add_parser(
+        "parallel", help="a server with many clients (like llama-parallel)",
+        formatter_class=fmt,
+        description="llama.cpp's examples/parallel: -ns requests from -np clients with "
+                    "continuous batching; -pps shares the system prompt; chunks of -b "
+                    "tokens, halved when the KV cache is full (a cache miss).",
+        epilog="examples:\n  llamaref parallel -np 4 -ns 16 -pps -n 64\n"
+               "  llamaref parallel -np 8 -ns 32 -f questions.txt -c 4096 -kvu")
+    _add_common(p)
+    p.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="number of clients (default: 1)")
+    p.add_argument("-ns", "--sequences", type=int, default=1, metavar="N",
+                   help="number of requests (default: 1)")
+    p.add_argument("-pps", dest="is_pp_shared", action="store_true",
+                   help="share the system prompt in the KV cache (default: off)")
+    p.add_argument("--junk", type=int, default=DEFAULT_N_JUNK, metavar="N",
+                   help=f"junk question/answer pairs per request are drawn in [0, N) "
+                        f"(default: {DEFAULT_N_JUNK})")
+    p.add_argument("-p", "--prompt", default="",
+                   help="questions, one per line (default: the built-in nine)")
+    p.add_argument("-f", "--file", metavar="FNAME", help="read the questions from a file")
+    p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int,
+                   default=PARALLEL_N_PREDICT, metavar="N",
+                   help=f"most tokens per response (default: {PARALLEL_N_PREDICT}, "
+                        "-1 = no limit)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="context size (default: 0 = the model's n_ctx_train)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="tokens per decode (default: 2048)")
+    _add_sampling(p, common=True)
+    p.set_defaults(func=cmd_parallel)
+
+    bb = sub.add_parser(
+        "batched-bench", help="the PP / TG / B throughput table (like llama-batched-bench)",
+        formatter_class=fmt,
+        description="llama.cpp's tools/batched-bench: for every -npp, -ntg and -npl, "
+                    "prompt processing and generation speed of B sequences at once.",
+        epilog="example:\n  llamaref batched-bench -c 2048 -npp 128 -ntg 128 "
+               "-npl 1,2,4,8,16,32 [-pps]")
+    _add_common(bb)
+    bb.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                    help="context size (default: 0 = the model's n_ctx_train)")
+    bb.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                    help="logical batch size (default: 2048)")
+    for flag, what in (("-npp", "prompt sizes"), ("-ntg", "generated tokens"),
+                       ("-npl", "parallel sequences")):
+        bb.add_argument(flag, type=_int_list, action="extend", default=[],
+                        metavar="n0,n1,...", help=f"{what} (lists add up; default: none)")
+    bb.add_argument("-pps", dest="is_pp_shared", action="store_true",
+                    help="one prompt shared by every sequence (default: off)")
+    bb.add_argument("-tgs", dest="is_tg_separate", action="store_true",
+                    help="generate for one sequence after the other (default: off)")
+    bb.add_argument("--output-format", choices=("md", "jsonl"), default="md",
+                    help="markdown table or one JSON line per row (default: md)")
+    bb.set_defaults(func=cmd_batched_bench)
