@@ -44,7 +44,7 @@ from pathlib import Path
 from llamaref import __version__
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.bench import add_bench_command
-from llamaref.common import CLIError, log, model_path
+from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
 from llamaref.parallel import add_parallel_commands
 from llamaref.passkey import add_passkey_command
 from llamaref.speculative import add_speculative_commands
@@ -492,21 +492,7 @@ def _add_generation_flags(p: argparse.ArgumentParser, n_predict: int) -> None:
                    help="shift the context when it is full (default)")
     g.add_argument("--no-context-shift", dest="context_shift", action="store_false",
                    help="stop generating when the context is full")
-    s = p.add_argument_group("sampling (llama.cpp names and defaults)")
-    s.add_argument("-s", "--seed", type=int, default=-1, metavar="SEED",
-                   help="RNG seed (default: -1, a random seed)")
-    s.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
-                   metavar="N", help="temperature (default: 0.80; 0 = greedy)")
-    s.add_argument("--top-k", type=int, default=40, metavar="N",
-                   help="top-k sampling (default: 40, 0 = disabled)")
-    s.add_argument("--top-p", type=float, default=0.95, metavar="N",
-                   help="top-p sampling (default: 0.95, 1.0 = disabled)")
-    s.add_argument("--min-p", type=float, default=0.05, metavar="N",
-                   help="min-p sampling (default: 0.05, 0.0 = disabled)")
-    s.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
-                   help="last n tokens to penalize (default: 64, 0 = disabled)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0, metavar="N",
-                   help="penalize repeated tokens (default: 1.00, 1.0 = disabled)")
+    s = add_sampling_flags(p, list(SAMPLING_FLAGS))
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N",
                    help="presence penalty (default: 0.00, 0.0 = disabled)")
     s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="N",

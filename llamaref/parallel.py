@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
-from llamaref.common import CLIError, log, model_path
+from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
 from reference.batched import (
     DEFAULT_N_PREDICT,
     DEFAULT_PROMPT,
@@ -304,25 +304,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(p: argparse.ArgumentParser, common: bool) -> None:
-    s = p.add_argument_group("sampling (llama.cpp names and defaults)")
-    s.add_argument("-s", "--seed", type=int, default=-1, metavar="SEED",
-                   help="RNG seed (default: -1, a random seed)")
-    s.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
-                   metavar="N", help="temperature (default: 0.80; 0 = greedy)")
-    s.add_argument("--top-k", type=int, default=40, metavar="N",
-                   help="top-k sampling (default: 40, 0 = disabled)")
-    s.add_argument("--top-p", type=float, default=0.95, metavar="N",
-                   help="top-p sampling (default: 0.95, 1.0 = disabled)")
     if not common:
+        s = add_sampling_flags(p, ["seed", "temp", "top_k", "top_p"])
         s.add_argument("--min-keep", type=int, default=0, metavar="N",
                        help="candidates top-p keeps at least (default: 0)")
         return
-    s.add_argument("--min-p", type=float, default=0.05, metavar="N",
-                   help="min-p sampling (default: 0.05, 0.0 = disabled)")
-    s.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
-                   help="last n tokens to penalize (default: 64, 0 = disabled)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0, metavar="N",
-                   help="penalize repeated tokens (default: 1.00, 1.0 = disabled)")
+    add_sampling_flags(p, list(SAMPLING_FLAGS))
 
 
 def add_parallel_commands(sub) -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
-from llamaref.common import CLIError, log, model_path
+from llamaref.common import CLIError, add_sampling_flags, log, model_path
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.lookup import Lookup, ngram_cache_load, ngram_cache_merge, ngram_cache_save
 from reference.model import load_model
@@ -201,17 +201,7 @@ def _add_common(p: argparse.ArgumentParser, draft: bool) -> None:
                                              "vocabulary")
         p.add_argument("--draft-layers", type=int, default=None, metavar="K",
                        help="draft with the target's own first K layers (instead of -md)")
-    s = p.add_argument_group("sampling (llama.cpp names and defaults)")
-    s.add_argument("-s", "--seed", type=int, default=-1, metavar="SEED",
-                   help="RNG seed (default: -1, a random seed)")
-    s.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
-                   metavar="N", help="temperature (default: 0.80; <= 0: greedy)")
-    s.add_argument("--top-k", type=int, default=40, metavar="N",
-                   help="top-k sampling (default: 40, 0 = disabled)")
-    s.add_argument("--top-p", type=float, default=0.95, metavar="N",
-                   help="top-p sampling (default: 0.95, 1.0 = disabled)")
-    s.add_argument("--min-p", type=float, default=0.05, metavar="N",
-                   help="min-p sampling (default: 0.05, 0.0 = disabled)")
+    add_sampling_flags(p, ["seed", "temp", "top_k", "top_p", "min_p"])
 
 
 def add_speculative_commands(sub) -> None:
