@@ -8,15 +8,19 @@ differs:
 - the memory is made by [`accelerated.memory.create_memory`][accelerated.memory.create_memory], the
   factory the twin puts in place of the reference's:
   [`accelerated.memory.KVCache`][accelerated.memory.kv_cache.KVCache] (MLX K/V tensors, the same
-  cells), or for a recurrent model (Mamba, Mamba-2)
+  cells), for a model with a sliding window (Gemma 2/3's per-layer pattern, a Mistral-style
+  ``n_swa``) the iSWA pair of two such caches
+  [`accelerated.memory.KVCacheISWA`][accelerated.memory.kv_cache_iswa.KVCacheISWA], or for a
+  recurrent model (Mamba, Mamba-2)
   [`accelerated.memory.recurrent.RecurrentMemory`][accelerated.memory.recurrent.RecurrentMemory]
-  (MLX state rows, the same cells). Both present the reference's memory interface, so ``decode`` is
-  inherited;
+  (MLX state rows, the same cells). All present the reference's memory interface, so ``decode``
+  is inherited;
 - the weights are prepared once
   ([`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights]: dense and
   transposed on the CPU device, Q4_0/Q4_1/Q8_0 quantized on a GPU; ``matmul`` chooses);
-- each Llama/Qwen2 ubatch runs one **graph**:
-  [`accelerated.models.llama.llm_build_llama`][accelerated.models.llama.llm_build_llama] as a pure
+- each Llama/Qwen2/Gemma ubatch runs one **graph**:
+  [`accelerated.models.llama.llm_build_llama`][accelerated.models.llama.llm_build_llama] (or
+  [`accelerated.models.gemma.llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]) as a pure
   function of the ubatch's inputs and the cache tensors,
 
     $$ (\text{tokens}, \text{pos}, \text{out\_ids}, \text{kq\_mask}, \text{k\_rows},
@@ -25,7 +29,11 @@ differs:
 
     traced once by ``mx.compile`` for each [`GraphKey`][] (the shapes: tokens or
     embeddings, ``n_tokens``, ``n_outputs``, ``n_kv``, the slot's streams) and kept in a small
-    LRU cache. A ubatch whose key equals the previous ubatch's reuses its graph, the rule of
+    LRU cache. With an iSWA memory the graph takes the mask inputs, rows and K/V tensors of
+    *both* caches ([`cache_parts`][]: the base cache's layers, then the SWA cache's), each
+    cache with its own narrow view ([`kv_view`][]) and its own mask (the window on the SWA
+    cache's), and the key holds both views (``n_kv``, ``n_kv_swa``).
+    A ubatch whose key equals the previous ubatch's reuses its graph, the rule of
     llama.cpp's ``llm_graph_result::can_reuse``, and counts in ``perf().n_reused``.
     ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
     llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
@@ -65,8 +73,9 @@ import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
-from accelerated.memory import KVCache, create_memory
+from accelerated.memory import KVCache, KVCacheISWA, create_memory
 from accelerated.memory.kv_cache import GraphAttnInput, head_rows, kq_mask_device
+from accelerated.models.gemma import GEMMA_ARCHS, check_gemma_inputs, llm_build_gemma
 from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
 from accelerated.models.mamba import check_mamba_inputs, llm_build_mamba, mamba_forward
 from reference import context as ref
@@ -84,14 +93,17 @@ from reference.models.llama import check_forward_inputs
 
 __all__ = [
     "GRAPH_CACHE_SIZE",
+    "CachePart",
     "Context",
     "ContextError",
     "GraphKey",
     "KV_VIEW_PAD",
     "PerfContextData",
+    "cache_parts",
     "context_shift",
     "context_sizes",
     "is_recurrent",
+    "kv_caches",
     "kv_view",
 ]
 
@@ -117,8 +129,11 @@ class GraphKey:
         n_tokens: tokens of the ubatch.
         n_outputs: tokens that get logits.
         n_kv: cells of each stream the graph reads ([`kv_view`][]: the used range padded
-            to ``KV_VIEW_PAD``, at most llama.cpp's ``get_n_kv``).
+            to ``KV_VIEW_PAD``, at most llama.cpp's ``get_n_kv``); with an iSWA memory, of
+            the base cache.
         strm: the streams of the slot.
+        n_kv_swa: with an iSWA memory, the cells of each stream the SWA layers read in the
+            SWA cache (its own view); 0 without one.
 
     Examples:
         >>> GraphKey(False, 1, 1, 64, (0,)) == GraphKey(False, 1, 1, 64, (0,))  # reused
@@ -132,6 +147,7 @@ class GraphKey:
     n_outputs: int
     n_kv: int
     strm: tuple[int, ...]
+    n_kv_swa: int = 0
 # --8<-- [end:GraphKey]
 
 
@@ -163,25 +179,126 @@ def kv_view(memory: KVCache, sinfo, n_kv: int) -> int:
 # --8<-- [end:kv_view]
 
 
-def _llama_graph(weights: dict, hparams: LlamaHParams, key: GraphKey, x: mx.array,
-                 pos: mx.array, out_ids: mx.array, p_cell: mx.array, member: mx.array,
-                 k_rows: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+# --8<-- [start:kv_parts]
+@dataclass(frozen=True)
+class CachePart:
+    """One KV cache as the traced graph sees it: static for the life of a Context.
+
+    A plain [`KVCache`][] is one part over every layer; an iSWA memory
+    ([`accelerated.memory.KVCacheISWA`][accelerated.memory.kv_cache_iswa.KVCacheISWA]) two, its
+    base cache (the layers that see the whole context, no window) then its SWA cache. A cache of
+    no layers (the base cache of a model whose every layer is SWA) is no part: the graph has
+    nothing to read or write there.
+
+    Attributes:
+        layers: the model layers of the cache, ascending (``k_l[i]`` is layer ``layers[i]``).
+        n_swa: the cache's window (0: none).
+        swa_type: the cache's window type.
+        swa: the SWA cache of an iSWA pair (its view is ``GraphKey.n_kv_swa``).
+    """
+
+    layers: tuple[int, ...]
+    n_swa: int
+    swa_type: int
+    swa: bool
+
+
+def kv_caches(memory) -> tuple[KVCache, ...]:
+    """The KV caches of a memory: ``(base, swa)`` of an iSWA pair, else the cache itself.
+
+    Examples:
+        >>> from reference.testing import tiny_gemma_hparams, tiny_hparams
+        >>> len(kv_caches(create_memory(tiny_hparams(), n_ctx_seq=256)))
+        1
+        >>> [c.layers for c in kv_caches(create_memory(tiny_gemma_hparams(n_swa=4), 256))]
+        [(1,), (0,)]
+    """
+    return memory.caches() if isinstance(memory, KVCacheISWA) else (memory,)
+
+
+def cache_parts(memory) -> tuple[CachePart, ...]:
+    """The [`CachePart`][]s of a memory's caches that hold layers, in [`kv_caches`][] order.
+
+    Examples:
+        >>> from reference.testing import tiny_gemma_hparams
+        >>> hp = tiny_gemma_hparams("gemma3", n_layer=3, n_swa=4, swa_layers=(True, True, False))
+        >>> [(p.layers, p.n_swa, p.swa) for p in cache_parts(create_memory(hp, n_ctx_seq=256))]
+        [((2,), 0, False), ((0, 1), 4, True)]
+        >>> hp = tiny_gemma_hparams("gemma3", n_layer=3, n_swa=4)  # every layer SWA (5 of 6)
+        >>> [(p.layers, p.swa) for p in cache_parts(create_memory(hp, n_ctx_seq=256))]
+        [((0, 1, 2), True)]
+    """
+    iswa = isinstance(memory, KVCacheISWA)
+    return tuple(CachePart(cache.layers, cache.n_swa, cache.swa_type, iswa and i == 1)
+                 for i, cache in enumerate(kv_caches(memory)) if cache.layers)
+# --8<-- [end:kv_parts]
+
+
+class _LayerRoute:
+    """The attention input of a traced graph over one [`GraphAttnInput`][] per cache part.
+
+    Layer ``il`` goes to the input of the cache that holds it, at that cache's own index, as
+    [`reference.memory.kv_cache_iswa.KVCacheISWAAttnInput`][reference.memory.kv_cache_iswa.KVCacheISWAAttnInput]
+    sends it to the base or the SWA cache (with one part over every layer: to it, at ``il``).
+    """
+
+    def __init__(self, inputs: list[GraphAttnInput], parts: tuple[CachePart, ...]):
+        self.route = {il: (inp, i) for inp, part in zip(inputs, parts, strict=True)
+                      for i, il in enumerate(part.layers)}
+        self.n_stream = inputs[0].n_stream  # every part places the ubatch on the same streams
+
+    def cpy_k(self, il: int, k_cur: mx.array) -> None:
+        inp, i = self.route[il]
+        inp.cpy_k(i, k_cur)
+
+    def cpy_v(self, il: int, v_cur: mx.array) -> None:
+        inp, i = self.route[il]
+        inp.cpy_v(i, v_cur)
+
+    def get_k(self, il: int) -> mx.array:
+        inp, i = self.route[il]
+        return inp.get_k(i)
+
+    def get_v(self, il: int) -> mx.array:
+        inp, i = self.route[il]
+        return inp.get_v(i)
+
+    def get_kq_mask(self, il: int) -> mx.array:
+        inp, i = self.route[il]
+        return inp.get_kq_mask(i)
+
+
+def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, ...],
+                 key: GraphKey, x: mx.array, pos: mx.array, out_ids: mx.array,
+                 *arrays: mx.array) -> tuple[mx.array, ...]:
     """The ubatch's forward as a pure function: ``(logits, *K', *V')`` from the inputs and caches.
 
-    ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``;
-    ``p_cell`` and ``member`` what the KQ mask is built from, in the graph
-    ([`accelerated.memory.kv_cache.kq_mask_device`][accelerated.memory.kv_cache.kq_mask_device]);
-    ``k_rows`` where the tokens' heads are written
-    ([`accelerated.memory.kv_cache.head_rows`][accelerated.memory.kv_cache.head_rows]);
-    ``kv`` the ``n_layer`` K tensors then the ``n_layer`` V tensors (head-major).
+    ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``. Then, for
+    each cache part (``parts``: the base cache then the SWA cache of an iSWA memory, or the one
+    cache), ``p_cell`` and ``member``, what its KQ mask is built from in the graph
+    ([`accelerated.memory.kv_cache.kq_mask_device`][accelerated.memory.kv_cache.kq_mask_device],
+    with the part's own window), and ``k_rows``, where the tokens' heads are written in it
+    ([`accelerated.memory.kv_cache.head_rows`][accelerated.memory.kv_cache.head_rows]); then, part
+    after part, its K tensors and its V tensors (head-major, one per layer of the part). The
+    forward is the architecture's: [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]
+    for Gemma, else [`llm_build_llama`][accelerated.models.llama.llm_build_llama]. Returned:
+    the logits, then each part's written K then V tensors, in the same order.
     """
-    n_layer = hparams.n_layer
-    kq_mask = kq_mask_device(p_cell, member, pos, hparams.n_swa, hparams.swa_type)
-    inp = GraphAttnInput(kv[:n_layer], kv[n_layer:], k_rows, kq_mask, key.n_kv, key.strm,
-                         hparams.n_head_kv)
+    n_in = 3 * len(parts)
+    inputs, off = [], n_in
+    for ip, part in enumerate(parts):
+        p_cell, member, k_rows = arrays[3 * ip:3 * ip + 3]
+        n = len(part.layers)
+        k_l, v_l = arrays[off:off + n], arrays[off + n:off + 2 * n]
+        off += 2 * n
+        kq_mask = kq_mask_device(p_cell, member, pos, part.n_swa, part.swa_type)
+        n_kv = key.n_kv_swa if part.swa else key.n_kv
+        inputs.append(GraphAttnInput(k_l, v_l, k_rows, kq_mask, n_kv, key.strm,
+                                     hparams.n_head_kv))
     tokens, embd = (None, x) if key.embd else (x, None)
-    logits = llm_build_llama(weights, hparams, tokens, pos, inp, out_ids, embd)
-    return (logits, *inp.k_l, *inp.v_l)
+    build = llm_build_gemma if hparams.arch in GEMMA_ARCHS else llm_build_llama
+    logits = build(weights, hparams, tokens, pos, _LayerRoute(inputs, parts), out_ids, embd)
+    return (logits, *[t for inp in inputs for t in (*inp.k_l, *inp.v_l)])
 
 
 class _RowsInput:
@@ -220,8 +337,8 @@ def _mamba_graph(weights: dict, hparams: MambaHParams, key: GraphKey, tokens: mx
 
 # --8<-- [start:Context]
 class Context(ref.Context):
-    """Twin of [`reference.context.Context`][reference.context.Context] on MLX: Llama/Qwen2 and
-    Mamba/Mamba-2.
+    """Twin of [`reference.context.Context`][reference.context.Context] on MLX: Llama/Qwen2,
+    Gemma/Gemma 2/Gemma 3 and Mamba/Mamba-2.
 
     Same constructor arguments, and three of its own. ``dtype`` sets the reference
     bookkeeping's dtype (state blobs, logits); the MLX tensors and the forward compute in
@@ -286,6 +403,7 @@ class Context(ref.Context):
         self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
         self._host_stale = False  # the host copy (self._logits) lags the device rows
         self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
+        self._parts = () if self.recurrent else cache_parts(self._memory)  # the graph's caches
 
     create_memory = staticmethod(create_memory)
     """The memory factory: [`accelerated.memory.create_memory`][accelerated.memory.create_memory]
@@ -349,8 +467,10 @@ class Context(ref.Context):
 
     def _wait(self) -> None:
         rows = self._device_rows[0] if self._device_rows is not None else []
-        mem = self._memory  # the K/V tensors, or a recurrent memory's state rows
-        tensors = [t for name in ("k_l", "v_l", "r_l", "s_l") for t in getattr(mem, name, [])]
+        # the K/V tensors of every cache, or a recurrent memory's state rows
+        mems = (self._memory,) if self.recurrent else kv_caches(self._memory)
+        tensors = [t for mem in mems for name in ("k_l", "v_l", "r_l", "s_l")
+                   for t in getattr(mem, name, [])]
         mx.eval(*rows, *tensors)
 
     @property
@@ -383,10 +503,10 @@ class Context(ref.Context):
         [`reference.context.Context.process_ubatch`][reference.context.Context.process_ubatch]: the
         MLX forward.
 
-        Llama/Qwen2: the ubatch's graph ([`graph`][]) on its inputs and the cache tensors;
-        the written tensors replace the cache's. Mamba: its graph on the state rows of the
-        ubatch's cells (`_mamba_ubatch`). The work is launched (``mx.async_eval``),
-        not waited for.
+        Llama/Qwen2/Gemma: the ubatch's graph ([`graph`][]) on its inputs and the cache
+        tensors (of both caches of an iSWA memory); the written tensors replace the caches'.
+        Mamba: its graph on the state rows of the ubatch's cells (`_mamba_ubatch`). The work
+        is launched (``mx.async_eval``), not waited for.
 
         Returns:
             The ubatch's logits rows ``(n_outputs_ubatch, n_vocab)``, a lazy ``mx.array``.
@@ -433,15 +553,18 @@ class Context(ref.Context):
         A key equal to the previous ubatch's counts as a reuse (``n_reused``). The cache
         holds at most ``graph_cache_size`` compiled graphs, least recently used out.
         """
-        build = _mamba_graph if self.hparams.arch in MAMBA_ARCHS else _llama_graph
+        if self.hparams.arch in MAMBA_ARCHS:
+            build = partial(_mamba_graph, self.mlx_weights, self.hparams, key)
+        else:
+            build = partial(_llama_graph, self.mlx_weights, self.hparams, self._parts, key)
         if not self.graph_reuse:
-            return partial(build, self.mlx_weights, self.hparams, key)
+            return build
         if key == self._prev_key and key in self._graphs:
             self._n_reused += 1
         self._prev_key = key
         fn = self._graphs.get(key)
         if fn is None:
-            fn = mx.compile(partial(build, self.mlx_weights, self.hparams, key))
+            fn = mx.compile(build)
             self._graphs[key] = fn
             while len(self._graphs) > self.graph_cache_size:
                 self._graphs.popitem(last=False)
@@ -450,33 +573,60 @@ class Context(ref.Context):
     # --8<-- [end:graph]
 
     def _llama_ubatch(self, mctx: MemoryContext, out_ids: np.ndarray) -> mx.array:
-        """Run one Llama/Qwen2 ubatch through its graph; the cache takes the written tensors."""
-        mem, ubatch, sinfo = self._memory, mctx.get_ubatch(), mctx.get_placement()
-        inp = mctx.graph_input()  # host bookkeeping: k_idxs, n_kv
-        tokens, pos, out_ids, embd = check_forward_inputs(self.hparams, ubatch.token, ubatch.pos,
-                                                          out_ids, ubatch.embd)
-        n_view = kv_view(mem, sinfo, inp.n_kv)  # the columns past it would all be masked
-        p_cell, member = inp.kq_mask_inputs(n_view)  # the mask is built in the graph
-        k_rows = head_rows(inp.k_idxs, mem.get_size(), self.hparams.n_head_kv)  # (n_tokens, hkv)
-        key = GraphKey(embd is not None, len(pos), len(out_ids), n_view, tuple(sinfo.strm))
+        """Run one Llama/Qwen2/Gemma ubatch through its graph; the caches take the written
+        tensors.
+
+        With an iSWA memory the graph reads both caches: each with its own slot, view
+        ([`kv_view`][]) and mask inputs (the SWA cache's mask with the window).
+        """
+        ubatch = mctx.get_ubatch()
+        check = check_gemma_inputs if self.hparams.arch in GEMMA_ARCHS else check_forward_inputs
+        tokens, pos, out_ids, embd = check(self.hparams, ubatch.token, ubatch.pos, out_ids,
+                                           ubatch.embd)
+        cache_inputs = self._cache_inputs(mctx)  # (base, swa) of an iSWA memory, or one
+        views, host = [0, 0], []  # the view of each cache; the graph inputs of the parts
+        for i, (cache, sinfo, inp) in enumerate(cache_inputs):
+            views[i] = kv_view(cache, sinfo, inp.n_kv)  # the columns past it would all be masked
+            if cache.layers:
+                p_cell, member = inp.kq_mask_inputs(views[i])  # the mask is built in the graph
+                k_rows = head_rows(inp.k_idxs, cache.get_size(), self.hparams.n_head_kv)
+                host += [mx.array(p_cell), mx.array(member), mx.array(k_rows.astype(np.int32))]
+        strm = tuple(cache_inputs[0][1].strm)  # the same streams in both caches
+        key = GraphKey(embd is not None, len(pos), len(out_ids), views[0], strm, views[1])
         if embd is not None:
             x = mx.array(embd, mx.float32)  # (n_tokens, n_embd)
         elif self._token_on_device is not None:  # decode_token's, not read back
             x = self._token_on_device  # (1,)
         else:
             x = mx.array(tokens.astype(np.int32))  # (n_tokens,)
-        kv = [*mem.k_l, *mem.v_l]
+        caches = [c for c in kv_caches(self._memory) if c.layers]
+        kv = [t for c in caches for t in (*c.k_l, *c.v_l)]
         outs = self.graph(key)(x, mx.array(pos.astype(np.int32)),
-                               mx.array(out_ids.astype(np.int32)), mx.array(p_cell),
-                               mx.array(member), mx.array(k_rows.astype(np.int32)), *kv)
-        n_layer = self.hparams.n_layer
+                               mx.array(out_ids.astype(np.int32)), *host, *kv)
         # the graph holds the old tensors now: with no other reference left, the writes into
         # them can reuse their buffers (MLX donates an input that nothing else holds)
         del kv
-        mem.k_l[:] = outs[1:1 + n_layer]
-        mem.v_l[:] = outs[1 + n_layer:]
+        off = 1
+        for c in caches:
+            n = len(c.layers)
+            c.k_l[:] = outs[off:off + n]
+            c.v_l[:] = outs[off + n:off + 2 * n]
+            off += 2 * n
         mx.async_eval(outs)
         return outs[0]
+
+    def _cache_inputs(self, mctx: MemoryContext) -> list[tuple]:
+        """``(cache, slot, input)`` of each KV cache for the ubatch, in [`kv_caches`][] order.
+
+        An iSWA memory places a ubatch in both caches
+        ([`reference.memory.kv_cache_iswa.ISWAPlacement`][reference.memory.kv_cache_iswa.ISWAPlacement])
+        and its input holds one input per cache (``.base``, ``.swa``).
+        """
+        sinfo, inp = mctx.get_placement(), mctx.graph_input()  # host bookkeeping
+        if isinstance(self._memory, KVCacheISWA):
+            return [(self._memory.kv_base, sinfo.base, inp.base),
+                    (self._memory.kv_swa, sinfo.swa, inp.swa)]
+        return [(self._memory, sinfo, inp)]
 
     # --8<-- [start:perf]
     def decode(self, batch) -> int:

@@ -190,13 +190,18 @@ def check_flags(args: argparse.Namespace) -> None:
 def new_generator(args, hparams, weights, tokenizer, backend, perf):
     """A Context, a sampler and a [`Generator`][reference.generate.Generator] from the flags."""
     ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                       n_ubatch=args.ubatch_size)
+                       n_ubatch=args.ubatch_size, swa_full=getattr(args, "swa_full", True))
     sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,
                                       tokenizer)
     ga_n, ga_w = getattr(args, "grp_attn_n", 1), getattr(args, "grp_attn_w", 512)
-    # llama-completion: with Self-Extend (ga_n > 1) the context never shifts
-    return Generator(ctx, sampler, shift=args.context_shift and ga_n == 1, perf=perf,
-                     on_device=on_device, ga_n=ga_n, ga_w=ga_w)
+    shift = args.context_shift and ga_n == 1  # llama-completion: Self-Extend never shifts
+    if shift and not ctx.memory.can_shift():
+        # common_init_from_params: e.g. an iSWA cache whose SWA part is smaller (no --swa-full)
+        log("llamaref: this memory cannot shift positions (llama.cpp: \"KV cache shifting is "
+            "not supported for this context\"): context shift disabled")
+        shift = False
+    return Generator(ctx, sampler, shift=shift, perf=perf, on_device=on_device, ga_n=ga_n,
+                     ga_w=ga_w)
 
 
 def print_perf(gen) -> None:
@@ -492,6 +497,9 @@ def _add_generation_flags(p: argparse.ArgumentParser, n_predict: int) -> None:
                    help="shift the context when it is full (default)")
     g.add_argument("--no-context-shift", dest="context_shift", action="store_false",
                    help="stop generating when the context is full")
+    g.add_argument("-swa-full", "--swa-full", dest="swa_full", action="store_true",
+                   help="a sliding-window model keeps every position in its SWA cache "
+                        "(default: only what the window and one ubatch need, as llama.cpp)")
     s = add_sampling_flags(p, list(SAMPLING_FLAGS))
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N",
                    help="presence penalty (default: 0.00, 0.0 = disabled)")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
+from llamaref.bench.peers import LlamaCppBatchContext
 from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
 from reference.batched import (
     DEFAULT_N_PREDICT,
@@ -243,12 +244,16 @@ def check_bench_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} = {value} must be >= 1")
     if args.ctx_size < 0:
         raise CLIError(f"-c {args.ctx_size} must be >= 0 (0: the model's n_ctx_train)")
+    if args.threads is not None and (args.threads < 1 or args.vs != "llama.cpp"):
+        raise CLIError("--threads sets llama.cpp's threads: a count >= 1 with --vs llama.cpp")
 
 
 # --8<-- [start:cmd_batched_bench]
 def cmd_batched_bench(args: argparse.Namespace) -> int:
     """``llama-batched-bench``: the PP / TG / B table, markdown or JSONL, on stdout."""
     check_bench_flags(args)
+    if args.vs == "llama.cpp" and model_path(args).is_dir():
+        raise CLIError("--vs llama.cpp reads a GGUF file; this model is a directory")
     path, hp, weights, _, backend, t_load_ms = _load(args, tokenizer=False)
     t_start = time.perf_counter() - t_load_ms / 1e3
     ctx = make_context(backend, hp, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
@@ -270,12 +275,50 @@ def cmd_batched_bench(args: argparse.Namespace) -> int:
     config.pop("is_tg_separate")  # not a JSONL key (batched-bench.cpp:229)
     rows = batched_bench(ctx, args.npp, args.ntg, args.npl, args.is_pp_shared,
                          args.is_tg_separate, n_batch=ctx.n_batch)
+    ours = []
     for row in rows:
+        ours.append(row)
         _write((row_jsonl(row, config) if jsonl else row_md(row)) + "\n")
     _write("\n")
     _print_perf(ctx, t_load_ms, t_start)
+    if args.vs == "llama.cpp":
+        del ctx  # one model in memory at a time
+        _batched_bench_llamacpp(args, path, backend, ours, jsonl)
     return 0
 # --8<-- [end:cmd_batched_bench]
+
+
+# --8<-- [start:batched_bench_llamacpp]
+def _batched_bench_llamacpp(args: argparse.Namespace, path: Path, backend: str, ours: list,
+                            jsonl: bool) -> None:
+    """``--vs llama.cpp``: the same rows by the same code on llama.cpp's own context, then
+    S_TG side by side with the ratio ours / llama.cpp (above 1: ours is faster)."""
+    peer = LlamaCppBatchContext(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                                n_ubatch=args.ubatch_size, n_seq_max=max(args.npl, default=1),
+                                kv_unified=args.kv_unified, n_threads=args.threads)
+    config = dict(n_kv_max=peer.n_ctx, n_batch=peer.n_batch, n_ubatch=peer.n_ubatch,
+                  flash_attn=-1, is_pp_shared=int(args.is_pp_shared),
+                  is_tg_separate=int(args.is_tg_separate), n_gpu_layers=0,
+                  n_threads=peer.n_threads, n_threads_batch=peer.n_threads)
+    if not jsonl:
+        _write(f"## llama.cpp ({peer.n_threads} threads, its defaults: f16 KV cache, the "
+               f"file's quantized matmuls)\n\n" + "\n".join(header(config)[2:]) + "\n")
+    config.pop("is_tg_separate")
+    theirs = {}
+    for row in batched_bench(peer, args.npp, args.ntg, args.npl, args.is_pp_shared,
+                             args.is_tg_separate, n_batch=peer.n_batch):
+        theirs[row.pp, row.tg, row.pl] = row
+        _write((row_jsonl(row, config) if jsonl else row_md(row)) + "\n")
+    if jsonl:
+        return
+    _write(f"\n| PP | TG | B | S_TG llamaref ({backend}) | S_TG llama.cpp | ratio |\n"
+           "|---:|---:|---:|---:|---:|---:|\n")
+    for row in ours:
+        peer_row = theirs.get((row.pp, row.tg, row.pl))
+        if peer_row is not None and peer_row.speed_tg > 0:
+            _write(f"| {row.pp} | {row.tg} | {row.pl} | {row.speed_tg:.2f} | "
+                   f"{peer_row.speed_tg:.2f} | {row.speed_tg / peer_row.speed_tg:.2f} |\n")
+# --8<-- [end:batched_bench_llamacpp]
 
 
 # ---- the parsers -----------------------------------------------------------------------------
@@ -370,8 +413,9 @@ def add_parallel_commands(sub) -> None:
         formatter_class=fmt,
         description="llama.cpp's tools/batched-bench: for every -npp, -ntg and -npl, "
                     "prompt processing and generation speed of B sequences at once.",
-        epilog="example:\n  llamaref batched-bench -c 2048 -npp 128 -ntg 128 "
-               "-npl 1,2,4,8,16,32 [-pps]")
+        epilog="examples:\n  llamaref batched-bench -c 2048 -npp 128 -ntg 128 "
+               "-npl 1,2,4,8,16,32 [-pps]\n"
+               "  llamaref batched-bench -c 8192 -npp 128 -ntg 32 -npl 1,8,32 --vs llama.cpp")
     _add_common(bb)
     bb.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                     help="context size (default: 0 = the model's n_ctx_train)")
@@ -387,4 +431,9 @@ def add_parallel_commands(sub) -> None:
                     help="generate for one sequence after the other (default: off)")
     bb.add_argument("--output-format", choices=("md", "jsonl"), default="md",
                     help="markdown table or one JSON line per row (default: md)")
+    bb.add_argument("--vs", choices=("llama.cpp",), default=None,
+                    help="run the same rows on llama.cpp (llama-cpp-python, the same GGUF, "
+                         "its defaults) and print S_TG side by side")
+    bb.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="llama.cpp's CPU threads with --vs llama.cpp (default: every core)")
     bb.set_defaults(func=cmd_batched_bench)

@@ -31,8 +31,10 @@ Return codes (``llama_decode``):
 **One memory interface.** ``decode`` never asks which memory it holds. The memory is made
 by [`create_memory`][reference.memory.create_memory] from the architecture, as
 ``llama_model::create_memory``: a [`KVCache`][reference.memory.kv_cache.KVCache] for ``llama`` /
-``qwen2``, a [`RecurrentMemory`][reference.memory.recurrent.RecurrentMemory] of ``max(1,
-n_seq_max)`` cells, one per sequence, for ``mamba`` / ``mamba2``. Both answer the calls of
+``qwen2``, a pair of them ([`KVCacheISWA`][reference.memory.kv_cache_iswa.KVCacheISWA]: the
+full-attention layers' and the sliding-window layers') for a model with a window, a
+[`RecurrentMemory`][reference.memory.recurrent.RecurrentMemory] of ``max(1, n_seq_max)`` cells,
+one per sequence, for ``mamba`` / ``mamba2``. All answer the calls of
 ``llama_memory_i`` ([`reference.memory.interface`][reference.memory.interface]):
 
 | ``decode`` calls | llama.cpp | KV cache | recurrent memory |
@@ -80,7 +82,14 @@ from reference.batch import Batch, BatchAllocr, BatchError, output_order
 from reference.common import LLAMA_MAX_SEQ, LlamarefError
 from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
 from reference.memory import Memory, MemoryContext, MemoryStatus, create_memory, n_ctx_seq
-from reference.memory.state import context_state_read, context_state_write
+from reference.memory.state import (
+    LLAMA_STATE_SEQ_FLAGS_NONE,
+    context_state_read,
+    context_state_write,
+    seq_state_read,
+    seq_state_write,
+)
+from reference.models.gemma import GEMMA_ARCHS, gemma_forward
 from reference.models.llama import get_weight, llama_forward, model_dtype
 from reference.models.mamba import mamba_forward
 
@@ -519,6 +528,8 @@ class Context:
         - Llama / Qwen2: the ubatch's K/V are written into its slot and the first ``n_kv``
           cells of each stream are read through the KQ mask
           ([`KVCacheAttnInput`][reference.memory.kv_cache.KVCacheAttnInput]);
+        - Gemma / Gemma 2 / Gemma 3: the same per layer, the SWA layers from the SWA cache of
+          an iSWA memory ([`gemma_forward`][reference.models.gemma.gemma_forward]);
         - Mamba / Mamba-2: the states of the ubatch's ``n_seqs`` sequence sets are read from
           their cells and the final ones written back
           ([`RecurrentMemoryInput`][reference.memory.recurrent.RecurrentMemoryInput]).
@@ -535,6 +546,9 @@ class Context:
         if self.hparams.arch in MAMBA_ARCHS:
             return mamba_forward(self.weights, self.hparams, ubatch.token, inp, out_ids,
                                  n_seqs=ubatch.n_seqs)
+        if self.hparams.arch in GEMMA_ARCHS:
+            return gemma_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp,
+                                 out_ids, embd=ubatch.embd)
         return llama_forward(self.weights, self.hparams, ubatch.token, ubatch.pos, inp,
                              out_ids, embd=ubatch.embd)
     # --8<-- [end:process_ubatch]
@@ -686,11 +700,13 @@ class Context:
         return len(data)
 
     def state_seq_get_data(self, seq_id: int) -> bytes:
-        """One sequence's cells and K/V, or its state rows (``llama_state_seq_get_data``)."""
-        return self._memory.state_write(self.hparams, seq_id)
+        """One sequence's cells and K/V, or its state rows (``llama_state_seq_get_data``):
+        [`state_seq_get_data_ext`][] with no flags."""
+        return self.state_seq_get_data_ext(seq_id, LLAMA_STATE_SEQ_FLAGS_NONE)
 
     def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
-        """Restore a sequence blob into ``dest_seq_id`` (``llama_state_seq_set_data``).
+        """Restore a sequence blob into ``dest_seq_id`` (``llama_state_seq_set_data``):
+        [`state_seq_set_data_ext`][] with no flags.
 
         Returns:
             The size of ``data``.
@@ -698,7 +714,54 @@ class Context:
         Raises:
             StateError: a refused blob (no slot, another model, corrupted); nothing changed.
         """
-        self._memory.state_read(self.hparams, data, dest_seq_id)
+        return self.state_seq_set_data_ext(data, dest_seq_id, LLAMA_STATE_SEQ_FLAGS_NONE)
+
+    def state_seq_get_data_ext(self, seq_id: int, flags: int = LLAMA_STATE_SEQ_FLAGS_NONE) -> bytes:
+        """One sequence's state with ``flags`` (``llama_state_seq_get_data_ext``).
+
+        ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (alias ``SWA_ONLY``) keeps only the partial
+        state: the SWA cache of an iSWA memory (the base cache's part of the sequence is
+        expected to stay in place); the whole state for any other memory. Layout:
+        [`reference.memory.state.seq_state_write`][reference.memory.state.seq_state_write].
+
+        Raises:
+            StateError: flags other than 0 and 1 (``ON_DEVICE`` is not supported); a bad
+                ``seq_id``.
+
+        Examples:
+            >>> import dataclasses
+            >>> from reference.hparams import swa_pattern
+            >>> from reference.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+            >>> from reference.testing import random_weights, tiny_hparams
+            >>> hp = dataclasses.replace(tiny_hparams(n_swa=2), swa_layers=swa_pattern(2, 2))
+            >>> ctx = Context(hp, random_weights(hp), n_ctx=256)
+            >>> ctx.decode(Batch(token=[1, 2, 3, 4]))
+            0
+            >>> partial = ctx.state_seq_get_data_ext(0, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            >>> ctx.decode(Batch(token=[5, 6], pos=[4, 5])), ctx.memory.seq_rm(0, 4, -1)
+            (0, True)
+            >>> ctx.state_seq_set_data_ext(partial, 0, 1) == len(partial)
+            True
+            >>> ctx.memory.seq_pos_min(0), ctx.memory.seq_pos_max(0)  # the window of pos 3
+            (2, 3)
+        """
+        return seq_state_write(self._memory, self.hparams, seq_id, flags)
+
+    def state_seq_set_data_ext(self, data: bytes, dest_seq_id: int,
+                               flags: int = LLAMA_STATE_SEQ_FLAGS_NONE) -> int:
+        """Restore a blob of [`state_seq_get_data_ext`][] written with the same ``flags`` into
+        ``dest_seq_id`` (``llama_state_seq_set_data_ext``); returns its size.
+
+        A partial blob goes back onto a sequence whose base-cache part is still present (the
+        positions up to the checkpoint's last one); that part is not checked, as in llama.cpp.
+
+        Raises:
+            StateError: no sequence-state magic; other flags than the blob's; a blob that
+                does not fit, belongs to another model or is corrupted. Nothing changed then
+                (llama.cpp returns 0 and has cleared ``dest_seq_id``:
+                [`reference.memory.state.seq_state_read`][reference.memory.state.seq_state_read]).
+        """
+        seq_state_read(self._memory, self.hparams, data, dest_seq_id, flags)
         return len(data)
 
     def state_save_file(self, path, tokens) -> int:

@@ -18,7 +18,11 @@ $$
 (P a) \cdot (P b) = a \cdot b .
 $$
 
-``qwen2`` keeps the HF layout and uses the NeoX mode instead (as llama.cpp does).
+``qwen2`` keeps the HF layout and uses the NeoX mode instead (as llama.cpp does), and so do
+``gemma``, ``gemma2`` and ``gemma3`` ([`gemma_hparams_from_hf`][]): their RMS norm gains are
+stored plus one (HF's Gemma norm multiplies by $1 + w$), their norms around attention and FFN
+have Gemma 2's names, and their query scale, window pattern, per-layer RoPE and soft-caps come
+from the config.
 
 RoPE settings. transformers 5 stores them in ``config["rope_parameters"]`` (``rope_theta``,
 ``rope_type``, ``partial_rotary_factor``, ``factor`` ...); older configs use ``rope_theta``
@@ -41,6 +45,7 @@ from numpy.typing import DTypeLike
 
 from reference.common import LlamarefError
 from reference.hparams import (
+    GEMMA_ARCHS,
     ROPE_SCALING_TYPE_LINEAR,
     ROPE_SCALING_TYPE_YARN,
     ROPE_TYPE_NEOX,
@@ -50,6 +55,7 @@ from reference.hparams import (
     HParamsError,
     LlamaHParams,
     MambaHParams,
+    swa_pattern,
 )
 
 
@@ -63,6 +69,9 @@ HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # model_type gemma3_text
 }
 # --8<-- [end:HF_ARCHS]
 
@@ -84,25 +93,42 @@ HF_LAYER_TENSOR_NAMES = {  # model.layers.{il}.<key> -> blk.{il}.<value>
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+HF_GEMMA2_LAYER_TENSOR_NAMES = {  # gemma2/gemma3: the norms around attention and FFN
+    **HF_LAYER_TENSOR_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",  # gemma3
+    "self_attn.k_norm": "attn_k_norm",  # gemma3
+}
 # --8<-- [end:HF_TENSOR_NAMES]
 
 
 # --8<-- [start:gguf_tensor_name]
-def gguf_tensor_name(hf_name: str) -> str | None:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
     """The GGUF name of a HF tensor, or None for tensors llama.cpp does not use.
+
+    Gemma 2 and 3 name their four norms otherwise (gguf-py's ``tensor_mapping.py``: HF's
+    ``post_attention_layernorm`` is ``post_attention_norm`` there, ``ffn_norm`` for the
+    others); ``gemma``/``gemma2`` have no ``lm_head`` in llama.cpp (the converter skips it).
 
     Examples:
         >>> gguf_tensor_name("model.layers.3.self_attn.q_proj.bias")
         'blk.3.attn_q.bias'
         >>> gguf_tensor_name("lm_head.weight"), gguf_tensor_name("model.rotary_emb.inv_freq")
         ('output.weight', None)
+        >>> gguf_tensor_name("model.layers.0.post_attention_layernorm.weight", "gemma2")
+        'blk.0.post_attention_norm.weight'
     """
     base, _, suffix = hf_name.rpartition(".")
+    if base == "lm_head" and arch in ("gemma", "gemma2"):
+        return None
     if base in HF_TENSOR_NAMES:
         return f"{HF_TENSOR_NAMES[base]}.{suffix}"
+    names = HF_GEMMA2_LAYER_TENSOR_NAMES if arch in ("gemma2", "gemma3") else HF_LAYER_TENSOR_NAMES
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
-    if m and m.group(2) in HF_LAYER_TENSOR_NAMES:
-        return f"blk.{m.group(1)}.{HF_LAYER_TENSOR_NAMES[m.group(2)]}.{suffix}"
+    if m and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
 # --8<-- [end:gguf_tensor_name]
 
@@ -192,7 +218,8 @@ def llama3_rope_factors(rope: dict, n_rot: int, freq_base: float) -> np.ndarray:
 def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
     """Map a HF ``config.json`` (as a dict) to [`LlamaHParams`][].
 
-    Mamba and Mamba-2 configs go to [`mamba_hparams_from_hf`][].
+    Mamba and Mamba-2 configs go to [`mamba_hparams_from_hf`][], Gemma, Gemma 2 and Gemma 3
+    configs to [`gemma_hparams_from_hf`][].
 
     Args:
         config: the parsed ``config.json``.
@@ -220,32 +247,13 @@ def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
         raise HFLoadError(f"unsupported architectures {archs}; supported: {supported}")
     hf_arch = archs[0]
     arch = HF_ARCHS[hf_arch]
+    if arch in GEMMA_ARCHS:
+        return gemma_hparams_from_hf(config)
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     rope = _rope_parameters(config)
     n_rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    rope_type = rope.get("rope_type", "default")
-    # no scaling is written as llama.cpp reads a GGUF without the key: linear, factor 1
-    scaling = dict(rope_scaling_type_train=ROPE_SCALING_TYPE_LINEAR)
-    if rope_type == "linear":
-        scaling = dict(
-            rope_scaling_type_train=ROPE_SCALING_TYPE_LINEAR,
-            rope_freq_scale_train=1.0 / rope["factor"],
-        )
-    elif rope_type == "yarn":
-        scaling = dict(
-            rope_scaling_type_train=ROPE_SCALING_TYPE_YARN,
-            rope_freq_scale_train=1.0 / rope["factor"],
-            n_ctx_orig_yarn=rope["original_max_position_embeddings"],
-            yarn_beta_fast=rope.get("beta_fast", 32.0),
-            yarn_beta_slow=rope.get("beta_slow", 1.0),
-        )
-        if "extrapolation_factor" in rope:
-            scaling["yarn_ext_factor"] = rope["extrapolation_factor"]
-    elif rope_type not in ("default", "llama3"):
-        raise HFLoadError(
-            f"unsupported RoPE type {rope_type!r}; supported: default, linear, yarn, llama3"
-        )
+    scaling = _rope_scaling(rope)
     n_swa = 0
     if hf_arch == "MistralForCausalLM":
         n_swa = config.get("sliding_window") or 0
@@ -278,6 +286,192 @@ def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
         raise HFLoadError(f"inconsistent config.json: {e}") from e
     return _float32_fields(hparams)
 # --8<-- [end:hparams_from_hf]
+
+
+def _rope_scaling(rope: dict) -> dict:
+    """The ``LlamaHParams`` fields of a RoPE config's scaling (``rope_type``)."""
+    rope_type = rope.get("rope_type", "default")
+    # no scaling is written as llama.cpp reads a GGUF without the key: linear, factor 1
+    scaling = dict(rope_scaling_type_train=ROPE_SCALING_TYPE_LINEAR)
+    if rope_type == "linear":
+        scaling = dict(
+            rope_scaling_type_train=ROPE_SCALING_TYPE_LINEAR,
+            rope_freq_scale_train=1.0 / rope["factor"],
+        )
+    elif rope_type == "yarn":
+        scaling = dict(
+            rope_scaling_type_train=ROPE_SCALING_TYPE_YARN,
+            rope_freq_scale_train=1.0 / rope["factor"],
+            n_ctx_orig_yarn=rope["original_max_position_embeddings"],
+            yarn_beta_fast=rope.get("beta_fast", 32.0),
+            yarn_beta_slow=rope.get("beta_slow", 1.0),
+        )
+        if "extrapolation_factor" in rope:
+            scaling["yarn_ext_factor"] = rope["extrapolation_factor"]
+    elif rope_type not in ("default", "llama3"):
+        raise HFLoadError(
+            f"unsupported RoPE type {rope_type!r}; supported: default, linear, yarn, llama3"
+        )
+    return scaling
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma, Gemma 2, Gemma 3 (convert_hf_to_gguf's GemmaModel, Gemma2Model, Gemma3Model)
+# ---------------------------------------------------------------------------------------------
+
+_GELU_TANH = "gelu_pytorch_tanh"  # llama.cpp's ggml_gelu is the tanh approximation
+
+
+def _gemma_refusals(arch: str, config: dict) -> list[str]:
+    """What in a Gemma config llama.cpp's graph does not compute (or its loader drops)."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or _GELU_TANH
+    refusals = [
+        (act != _GELU_TANH and not (arch == "gemma" and act == "gelu"),
+         f"hidden activation {act!r} (llama.cpp computes {_GELU_TANH!r}; gemma's legacy "
+         "'gelu' means it too)"),
+        (bool(config.get("attention_bias")), "attention_bias=true (llama.cpp has no biases)"),
+        (bool(config.get("use_bidirectional_attention")), "use_bidirectional_attention=true"),
+        (arch in ("gemma", "gemma2") and not config.get("tie_word_embeddings", True),
+         "tie_word_embeddings=false (llama.cpp's gemma/gemma2 reuse the embeddings)"),
+        (arch == "gemma3" and config.get("attn_logit_softcapping") is not None,
+         "attn_logit_softcapping (llama.cpp's gemma3 does not soft-cap attention)"),
+        (arch == "gemma2" and not config.get("sliding_window"),
+         "no sliding_window (llama.cpp's gemma2 always has SWA layers)"),
+    ]
+    return [f"{arch}: {message} is not supported" for refused, message in refusals if refused]
+
+
+def _gemma_rope(arch: str, config: dict) -> tuple[dict, dict]:
+    """The RoPE settings of the global and of the sliding layers.
+
+    Gemma 3 (transformers 5) keeps one dict per layer type in ``rope_parameters``
+    (``full_attention``, ``sliding_attention``); older configs have ``rope_theta``,
+    ``rope_scaling`` (global) and ``rope_local_base_freq``. Gemma and Gemma 2 have one.
+    """
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = _rope_parameters(config)
+        local = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    if arch != "gemma3":
+        return full, full
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10000.0)
+    return full, local
+
+
+def _swa_layers_from_hf(arch: str, config: dict, n_layer: int) -> tuple[bool, ...]:
+    """``layer_types`` (else ``sliding_window_pattern``, default 2 / 6) as per-layer flags."""
+    types = config.get("layer_types")
+    if types is None:
+        n_pattern = config.get("sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        return swa_pattern(n_layer, n_pattern)
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != n_layer or unknown:
+        raise HFLoadError(f"{arch}: layer_types must be {n_layer} of 'sliding_attention' / "
+                          f"'full_attention', got {types}")
+    return tuple(t == "sliding_attention" for t in types)
+
+
+# --8<-- [start:gemma_hparams_from_hf]
+def gemma_hparams_from_hf(config: dict) -> LlamaHParams:
+    r"""Map a HF ``GemmaForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` config.
+
+    As the converter (``conversion/gemma.py``) and llama.cpp's loader read it:
+
+    - ``head_dim`` is both head sizes; RoPE is NeoX (no permutation);
+    - ``query_pre_attn_scalar`` $s$ (Gemma 2/3) gives ``f_attention_scale`` $= s^{-1/2}$,
+      as HF computes. A GGUF cannot store it: llama.cpp derives it from the layer count
+      ([`reference.hparams.gemma_attention_scale`][reference.hparams.gemma_attention_scale]),
+      so [`reference.hparams.llama_metadata`][reference.hparams.llama_metadata] refuses to
+      write a model whose $s$ gives another value;
+    - ``layer_types`` (or ``sliding_window_pattern``) gives ``swa_layers``,
+      ``sliding_window`` the window; Gemma 3 without a window or without a sliding layer
+      has no SWA at all;
+    - Gemma 3: the global layers take ``rope_parameters["full_attention"]`` (base and
+      ``linear`` scaling), the sliding ones ``rope_parameters["sliding_attention"]``'s base
+      (``rope_local_base_freq`` in older configs) and no scaling;
+    - ``attn_logit_softcapping`` / ``final_logit_softcapping``: None is 0 (no cap).
+
+    Raises:
+        HFLoadError: what llama.cpp does not compute: another activation than the tanh GELU,
+            biases, bidirectional attention, an untied Gemma/Gemma 2, Gemma 3's attention
+            soft-cap, scaled RoPE on Gemma 3's sliding layers, a RoPE type other than
+            ``default``/``linear``; malformed ``layer_types``.
+
+    Examples:
+        >>> hp = gemma_hparams_from_hf({"architectures": ["Gemma3ForCausalLM"],
+        ...     "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 3,
+        ...     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        ...     "intermediate_size": 16, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 16,
+        ...     "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention",
+        ...     "sliding_attention"], "rope_parameters": {
+        ...         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        ...         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+        >>> hp.swa_layers, hp.f_attention_scale, hp.rope_freq_scale_train
+        ((True, False, True), 0.25, 0.125)
+        >>> hp.rope_freq_base_train_swa, hp.rope_freq_scale_train_swa
+        (10000.0, 1.0)
+    """
+    arch = HF_ARCHS[config["architectures"][0]]
+    for refusal in _gemma_refusals(arch, config):
+        raise HFLoadError(refusal)
+    n_layer = config["num_hidden_layers"]
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    full, local = _gemma_rope(arch, config)
+    for rope in (full, local):
+        if rope.get("rope_type", "default") not in ("default", "linear"):
+            raise HFLoadError(f"{arch}: RoPE type {rope['rope_type']!r} is not supported "
+                              "(default, linear)")
+    if arch == "gemma3" and local.get("rope_type", "default") != "default":
+        raise HFLoadError("gemma3: llama.cpp does not scale the RoPE of the sliding layers")
+    fields: dict = {}
+    swa_layers = _swa_layers_from_hf(arch, config, n_layer) if arch != "gemma" else ()
+    n_swa = 0 if arch == "gemma" else config.get("sliding_window") or 0
+    if arch == "gemma3" and not (n_swa > 0 and any(swa_layers)):
+        n_swa, swa_layers = 0, ()  # the converter writes no window: llama.cpp has no SWA
+    scaling = _rope_scaling(full)
+    if n_swa > 0:
+        freq_scale = scaling.get("rope_freq_scale_train", 1.0)
+        fields.update(
+            n_swa=n_swa, swa_type=SWA_TYPE_STANDARD, swa_layers=swa_layers,
+            rope_freq_base_train_swa=float(local.get("rope_theta", 10000.0)),
+            rope_freq_scale_train_swa=freq_scale if arch == "gemma2" else 1.0,
+        )
+    if arch != "gemma":
+        fields["f_attention_scale"] = config.get("query_pre_attn_scalar", 256) ** -0.5
+        fields["f_final_logit_softcapping"] = config.get("final_logit_softcapping") or 0.0
+    if arch == "gemma2":
+        fields["f_attn_logit_softcapping"] = config.get("attn_logit_softcapping") or 0.0
+    n_ctx_train = config.get("max_position_embeddings", 0)
+    try:
+        hparams = LlamaHParams(
+            arch=arch,
+            n_vocab=config["vocab_size"],
+            n_ctx_train=n_ctx_train,
+            n_embd=config["hidden_size"],
+            n_layer=n_layer,
+            n_head=n_head,
+            n_head_kv=config.get("num_key_value_heads") or n_head,
+            n_embd_head_k=head_dim,
+            n_embd_head_v=head_dim,
+            n_rot=head_dim,
+            n_ff=config["intermediate_size"],
+            f_norm_rms_eps=config["rms_norm_eps"],
+            rope_type=ROPE_TYPE_NEOX,
+            rope_freq_base_train=float(full.get("rope_theta", 10000.0)),
+            n_ctx_orig_yarn=n_ctx_train,
+            tied_output=bool(config.get("tie_word_embeddings", True)),
+            **scaling,
+            **fields,
+        )
+    except HParamsError as e:
+        raise HFLoadError(f"inconsistent config.json: {e}") from e
+    return _float32_fields(hparams)
+# --8<-- [end:gemma_hparams_from_hf]
 
 
 def _float32_fields(hparams: LlamaHParams) -> LlamaHParams:
@@ -321,6 +515,8 @@ def load_hf(
 
     Returns:
         ``(hparams, weights)``; ``llama`` Q/K rows are permuted for the normal RoPE mode;
+        Gemma's RMS norm gains are stored as ``1 + w`` (HF's ``GemmaRMSNorm`` multiplies by
+        $1 + w$, llama.cpp by the gain; the converter adds 1);
         ``output.weight`` is absent (and ``hparams.tied_output`` True) when the checkpoint
         has no ``lm_head``; a ``llama3`` RoPE adds ``rope_freqs.weight``.
 
@@ -336,9 +532,12 @@ def load_hf(
         return load_mamba_hf(path, hp, dtype)
     weights: dict[str, np.ndarray] = {}
     for hf_name, t in _read_safetensors(path).items():
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, hp.arch)
         if name is None:
             continue
+        if hp.arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            # HF's GemmaRMSNorm computes x * (1 + w): the converter stores 1 + w (in float32)
+            t = t.astype(np.float32) + np.float32(1.0)
         t = t.astype(dtype)
         if hp.arch == "llama" and re.search(r"\.attn_q\.", name):
             t = permute(t, hp.n_head, hp.n_rot)
@@ -379,6 +578,12 @@ def _check_shapes(hp: LlamaHParams, weights: dict[str, np.ndarray]) -> None:
             b + "ffn_up.weight": (hp.n_ff, hp.n_embd),
             b + "ffn_down.weight": (hp.n_embd, hp.n_ff),
         })
+        if hp.arch in ("gemma2", "gemma3"):
+            expected[b + "post_attention_norm.weight"] = (hp.n_embd,)
+            expected[b + "post_ffw_norm.weight"] = (hp.n_embd,)
+        if hp.arch == "gemma3":
+            expected[b + "attn_q_norm.weight"] = (d,)
+            expected[b + "attn_k_norm.weight"] = (d,)
     for name, shape in expected.items():
         if name not in weights:
             raise HFLoadError(f"missing tensor {name!r} (GGUF name)")

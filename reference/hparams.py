@@ -12,9 +12,10 @@ n_{gqa} = n_{head} / n_{head\_kv}, \qquad
 n_{embd\_k\_gqa} = n_{embd\_head\_k} \cdot n_{head\_kv}.
 $$
 
-[`hparams_from_gguf`][] reads exactly the keys llama.cpp reads for the ``llama`` and
-``qwen2`` architectures (``llama_model_base::load_hparams`` in ``src/llama-model.cpp``, then
-``load_arch_hparams`` in ``src/models/llama.cpp`` / ``qwen2.cpp``; key names from
+[`hparams_from_gguf`][] reads exactly the keys llama.cpp reads for the ``llama``, ``qwen2``,
+``gemma``, ``gemma2`` and ``gemma3`` architectures (``llama_model_base::load_hparams`` in
+``src/llama-model.cpp``, then ``load_arch_hparams`` in ``src/models/llama.cpp`` /
+``qwen2.cpp`` / ``gemma.cpp`` / ``gemma2.cpp`` / ``gemma3.cpp``; key names from
 ``src/llama-arch.cpp``). ``{arch}`` is ``general.architecture``:
 
 | GGUF key | field | when absent |
@@ -34,16 +35,35 @@ $$
 | ``{arch}.rope.scaling.factor`` | ``rope_freq_scale_train = 1/factor`` | 1 |
 | ``{arch}.rope.scale_linear`` (its old name) | the same | read when the new one is absent |
 | ``{arch}.rope.scaling.original_context_length`` | ``n_ctx_orig_yarn`` | ``n_ctx_train`` |
-| ``{arch}.attention.sliding_window`` | ``n_swa``, ``swa_type`` (2) | 0, none |
+| ``{arch}.attention.sliding_window`` | ``n_swa``, ``swa_type`` (2) | 0, none; gemma2 (4) |
+| ``gemma2.attention.sliding_window_pattern`` | ``swa_layers`` (3) | ``n_pattern = 2`` |
+| ``gemma3.attention.sliding_window_pattern`` | ``swa_layers`` (3) | ``n_pattern = 6`` |
+| ``gemma2.rope.freq_base_swa`` | ``rope_freq_base_train_swa`` | ``rope.freq_base`` |
+| ``gemma3.rope.freq_base_swa`` | ``rope_freq_base_train_swa`` (3) | 10000 |
+| ``gemma2.attn_logit_softcapping`` | ``f_attn_logit_softcapping`` | 50 (must be > 0) |
+| ``gemma2.final_logit_softcapping`` | ``f_final_logit_softcapping`` | 30 (must be > 0) |
+| ``gemma3.final_logit_softcapping`` | ``f_final_logit_softcapping`` | 0, none |
 | ``tokenizer.ggml.tokens`` (length), else ``{arch}.vocab_size`` | ``n_vocab`` | required |
-| (arch) | ``rope_type``: llama NORM, qwen2 NEOX | |
-| no ``output.weight`` tensor | ``tied_output`` | |
+| (arch) | ``rope_type``: llama NORM, the others NEOX | |
+| no ``output.weight`` tensor | ``tied_output`` (gemma, gemma2: always (5)) | |
+| (arch, ``n_layer``) | ``f_attention_scale`` of gemma2, gemma3 (6) | |
+| (arch) | ``rope_freq_scale_train_swa``: gemma2 (7), gemma3 1 | |
 
 (1) Optional in llama.cpp's loader, but a Llama block cannot be built without it (tensor
 creation fails there); here the missing key is named at once. (2) llama.cpp's ``llama`` and
 ``qwen2`` loaders do not read ``attention.sliding_window``: a file with that key runs with full
 attention in llama.cpp. We read it, so that Mistral-style sliding-window models can be
-described; oracle tests against llama.cpp must not set it.
+described; oracle tests against llama.cpp must not set it. The same holds for ``gemma``.
+(3) Gemma 2 always has a window, Gemma 3 only when ``attention.sliding_window`` is > 0 (it
+reads its pattern and SWA base only then). The pattern key holds either the uint32
+``n_pattern`` of [`swa_pattern`][] or, winning over it, an array of per-layer flags (bool,
+int32 or uint32; at most 512 items; layers past its end are dense, as llama.cpp copies it
+over all-dense flags; ``llama_model_base::load_swa_pattern``). (4) 4096, and it must be > 0.
+(5) A gemma/gemma2 file with an ``output.weight`` is refused: llama.cpp's loader creates no
+output tensor for them. (6) Gemma's query scale has no key: llama.cpp derives it from the layer
+count ([`gemma_attention_scale`][]). (7) Gemma 2's ``rope_freq_scale_train``; Gemma 3's RoPE
+scaling is for its global layers only. [`llama_metadata`][] refuses hyperparameters a file
+cannot state ([`gguf_representable_errors`][]).
 
 The selective state space models (``mamba``, ``mamba2``) have their own dataclass,
 [`MambaHParams`][] (the ``ssm_*`` fields, ``n_embd_r()``/``n_embd_s()``), read by
@@ -63,6 +83,7 @@ bytes of a file, not what a key means to a model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -161,16 +182,26 @@ def hparams_errors(hp: LlamaHParams) -> list[str]:
     if hp.n_swa < 0 or (hp.n_swa > 0) != (hp.swa_type != SWA_TYPE_NONE):
         errors.append(f"n_swa={hp.n_swa} and swa_type={hp.swa_type} disagree: a window "
                       "needs n_swa > 0 and a window type, no window needs both unset")
+    if hp.swa_layers and len(hp.swa_layers) != hp.n_layer:
+        errors.append(f"swa_layers has {len(hp.swa_layers)} entries, expected n_layer="
+                      f"{hp.n_layer} (or none: every layer is SWA)")
+    if hp.f_attn_logit_softcapping < 0 or hp.f_final_logit_softcapping < 0:
+        errors.append("soft-capping values must be >= 0 (0: no soft-capping)")
+    if hp.arch in GEMMA_ARCHS and hp.n_embd_head_k != hp.n_embd_head_v:
+        errors.append(f"{hp.arch}: n_embd_head_k={hp.n_embd_head_k} must equal n_embd_head_v="
+                      f"{hp.n_embd_head_v} (llama.cpp's Gemma graphs split Q, K, V heads with "
+                      "one size)")
     return errors
 # --8<-- [end:hparams_errors]
 
 
 @dataclass(frozen=True)
 class LlamaHParams:
-    """The hyperparameters the Llama-family forward pass needs (``llama_hparams``).
+    r"""The hyperparameters the Llama-family forward pass needs (``llama_hparams``).
 
     Attributes:
-        arch: GGUF ``general.architecture`` (``"llama"`` or ``"qwen2"``).
+        arch: GGUF ``general.architecture`` (one of ``LLAMA_ARCHS``: ``"llama"``,
+            ``"qwen2"``, ``"gemma"``, ``"gemma2"``, ``"gemma3"``).
         n_vocab: vocabulary size (rows of ``token_embd``).
         n_ctx_train: context length the model was trained with.
         n_embd: width of the residual stream.
@@ -182,7 +213,8 @@ class LlamaHParams:
         n_rot: number of rotated dimensions per head (``rope.dimension_count``).
         n_ff: hidden width of the feed-forward network.
         f_norm_rms_eps: epsilon of every ``rms_norm``.
-        rope_type: ``ROPE_TYPE_NORM`` (llama) or ``ROPE_TYPE_NEOX`` (qwen2); fixed by arch.
+        rope_type: ``ROPE_TYPE_NORM`` (llama) or ``ROPE_TYPE_NEOX`` (qwen2, gemma*); fixed by
+            arch.
         rope_freq_base_train: RoPE base frequency (``rope.freq_base``).
         rope_freq_scale_train: RoPE frequency scale (``1 / rope.scaling.factor``).
         rope_scaling_type_train: one of ``ROPE_SCALING_TYPE_*``.
@@ -195,6 +227,16 @@ class LlamaHParams:
         swa_type: one of ``SWA_TYPE_*``.
         f_attention_scale: KQ scale; 0 means ``1 / sqrt(n_embd_head_k)``.
         tied_output: True when the model has no ``output.weight`` and reuses ``token_embd``.
+        swa_layers: which layers use the sliding window (``llama_hparams::swa_layers``), one
+            bool per layer; empty means every layer when ``swa_type`` is set (llama.cpp's
+            ``n_pattern = 0``). Read through [`is_swa`][].
+        rope_freq_base_train_swa: RoPE base of the SWA layers (Gemma 3's local 10 000);
+            0 means ``rope_freq_base_train``.
+        rope_freq_scale_train_swa: RoPE frequency scale of the SWA layers; 0 means
+            ``rope_freq_scale_train``.
+        f_attn_logit_softcapping: Gemma 2's attention soft-cap $c$
+            ($s \mapsto c \tanh(s / c)$ on the scaled scores); 0: none.
+        f_final_logit_softcapping: Gemma 2's soft-cap of the logits; 0: none.
     """
 
     arch: str
@@ -222,10 +264,41 @@ class LlamaHParams:
     swa_type: int = SWA_TYPE_NONE
     f_attention_scale: float = 0.0
     tied_output: bool = False
+    swa_layers: tuple[bool, ...] = ()
+    rope_freq_base_train_swa: float = 0.0
+    rope_freq_scale_train_swa: float = 0.0
+    f_attn_logit_softcapping: float = 0.0
+    f_final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "swa_layers", tuple(bool(b) for b in self.swa_layers))
         for error in hparams_errors(self):
             raise HParamsError(error)
+
+    # --8<-- [start:is_swa]
+    def is_swa(self, il: int) -> bool:
+        """Whether layer ``il`` attends through the sliding window (``llama_hparams::is_swa``).
+
+        Examples:
+            >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=16, n_embd=8, n_layer=3,
+            ...     n_head=2, n_head_kv=2, n_embd_head_k=4, n_embd_head_v=4, n_rot=4, n_ff=8,
+            ...     f_norm_rms_eps=1e-5, n_swa=4, swa_type=SWA_TYPE_STANDARD,
+            ...     swa_layers=swa_pattern(3, 2))
+            >>> [hp.is_swa(il) for il in range(3)], hp.is_swa_any(), hp.is_swa_all()
+            ([True, False, True], True, False)
+        """
+        if self.swa_type == SWA_TYPE_NONE:
+            return False
+        return not self.swa_layers or self.swa_layers[il]
+
+    def is_swa_any(self) -> bool:
+        """Some layer uses the sliding window."""
+        return any(self.is_swa(il) for il in range(self.n_layer))
+
+    def is_swa_all(self) -> bool:
+        """Every layer uses the sliding window (a single cache serves them all)."""
+        return all(self.is_swa(il) for il in range(self.n_layer))
+    # --8<-- [end:is_swa]
 
     def n_gqa(self) -> int:
         """Query heads per key/value head."""
@@ -240,8 +313,31 @@ class LlamaHParams:
         return self.n_embd_head_v * self.n_head_kv
 
 
+# --8<-- [start:swa_pattern]
+def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:
+    """Which layers are SWA for a repeating pattern (``llama_hparams::set_swa_pattern``).
+
+    With ``n_pattern = n`` every ``n``-th layer is dense: the last of each group of ``n``
+    (``il % n < n - 1`` is SWA), or the first with ``dense_first`` (``il % n != 0``).
+    ``n = 0`` makes every layer SWA; ``n = 1`` none. Gemma 2 uses 2 (1:1), Gemma 3 uses 6
+    (5:1).
+
+    Examples:
+        >>> swa_pattern(6, 6)
+        (True, True, True, True, True, False)
+        >>> swa_pattern(4, 2), swa_pattern(4, 2, dense_first=True), swa_pattern(2, 0)
+        ((True, False, True, False), (False, True, False, True), (True, True))
+    """
+    if n_pattern == 0:
+        return (True,) * n_layer
+    if dense_first:
+        return tuple(il % n_pattern != 0 for il in range(n_layer))
+    return tuple(il % n_pattern < n_pattern - 1 for il in range(n_layer))
+# --8<-- [end:swa_pattern]
+
+
 # --8<-- [start:rope_cparams]
-def rope_cparams(hparams: LlamaHParams) -> dict:
+def rope_cparams(hparams: LlamaHParams, il: int | None = None) -> dict:
     r"""The keyword arguments of ``rope_ext`` for this model, as ``llama_context`` derives them.
 
     Mirrors the constructor of ``llama_context`` (``cparams``): no scaling type means
@@ -249,6 +345,11 @@ def rope_cparams(hparams: LlamaHParams) -> dict:
     with YaRN the attention factor is reset so that ``rope_ext``'s own
     $1 + 0.1 \ln(1/s)$ magnitude correction is the only one applied; ``n_ctx_orig`` is
     ``n_ctx_orig_yarn``, or ``n_ctx_train`` when that is 0.
+
+    For layer ``il`` of a model with sliding-window layers, a SWA layer takes
+    ``rope_freq_base_train_swa`` / ``rope_freq_scale_train_swa`` where they are set
+    (``llm_graph_context``: ``freq_base_l = hparams.is_swa(il) ? rope_freq_base_train_swa :
+    freq_base``); ``il = None`` gives the non-SWA values.
 
     Examples:
         >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=64, n_embd=8, n_layer=1,
@@ -260,6 +361,10 @@ def rope_cparams(hparams: LlamaHParams) -> dict:
     """
     scaling = hparams.rope_scaling_type_train
     freq_scale = 1.0 if scaling == ROPE_SCALING_TYPE_NONE else hparams.rope_freq_scale_train
+    freq_base = hparams.rope_freq_base_train
+    if il is not None and hparams.is_swa(il):
+        freq_base = hparams.rope_freq_base_train_swa or freq_base
+        freq_scale = hparams.rope_freq_scale_train_swa or freq_scale
     ext_factor = hparams.yarn_ext_factor
     if ext_factor < 0.0:  # negative means "not set"
         ext_factor = 1.0 if scaling == ROPE_SCALING_TYPE_YARN else 0.0
@@ -271,7 +376,7 @@ def rope_cparams(hparams: LlamaHParams) -> dict:
         n_dims=hparams.n_rot,
         mode=hparams.rope_type,
         n_ctx_orig=hparams.n_ctx_orig_yarn or hparams.n_ctx_train,
-        freq_base=hparams.rope_freq_base_train,
+        freq_base=freq_base,
         freq_scale=freq_scale,
         ext_factor=ext_factor,
         attn_factor=attn_factor,
@@ -440,7 +545,8 @@ class GGUFKey:
         key: the key without its ``{arch}.`` prefix (``"attention.head_count"``).
         field: the field of [`LlamaHParams`][] / [`MambaHParams`][] (``"n_head"``).
         kind: the type of the stored value: ``int`` (a uint32), ``float`` (held as a
-            float32, like llama.cpp), ``str`` or ``bool``.
+            float32, like llama.cpp), ``str`` or ``bool``; ``np.asarray`` for a value that
+            is not checked on reading (its ``decode`` checks it) and written as an array.
         default: what an absent key reads as: `REQUIRED`, a stored value, or a
             function of the fields read so far (``lambda f: f["n_head"]``).
         per_layer: the key may hold one value per layer (llama.cpp's ``get_key_or_arr``);
@@ -453,6 +559,11 @@ class GGUFKey:
             message, or None.
         omit_default: the writer leaves the key out when the field holds what an absent
             key reads as (the converter writes these keys only when they are set).
+        decode_layers: ``decode`` also takes ``n_layer`` (``decode(value, n_layer)``), for a
+            value that becomes one entry per layer.
+        when: the key is read (and written) only when this holds for the fields read so far
+            (Gemma 3 reads its SWA keys only with a window); otherwise the field keeps its
+            dataclass default.
 
     Examples:
         >>> row = GGUFKey("attention.head_count_kv", "n_head_kv", int, lambda f: f["n_head"])
@@ -473,6 +584,8 @@ class GGUFKey:
     encode: Callable[[Any], Any] | None = None
     check: Callable[[dict[str, Any]], str | None] | None = None
     omit_default: bool = False
+    decode_layers: bool = False
+    when: Callable[[dict[str, Any]], bool] | None = None
 # --8<-- [end:GGUFKey]
 
 
@@ -508,8 +621,67 @@ def _freq_scale(factor: float) -> float:
     return 1.0 if factor == 0.0 else float(np.float32(1.0) / np.float32(factor))
 
 
+# --8<-- [start:swa_layers_key]
+#: ``LLAMA_MAX_LAYERS``: the longest per-layer array llama.cpp's loader accepts.
+LLAMA_MAX_LAYERS = 512
+#: Gemma 2's window when the file has none (``llama_model_gemma2::load_arch_hparams``).
+GEMMA2_N_SWA = 4096
+
+
+def _swa_layers(value: Any, n_layer: int) -> tuple[bool, ...]:
+    """``attention.sliding_window_pattern``, as ``llama_model_base::load_swa_pattern`` reads it.
+
+    An array (bool, int32 or uint32 items, at most ``LLAMA_MAX_LAYERS``) is the per-layer
+    flags and wins; llama.cpp copies it over all-dense flags, so layers past its end are dense
+    and items past ``n_layer`` are ignored. Otherwise the key is the uint32 ``n_pattern`` of
+    [`swa_pattern`][].
+
+    Examples:
+        >>> _swa_layers(np.array([True, False, True]), 4), _swa_layers(3, 4)
+        ((True, False, True, False), (True, True, False, True))
+    """
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype not in (np.bool_, np.int32, np.uint32):
+            raise ValueError(f"an array must hold bool, int32 or uint32 items, got {value.dtype}")
+        if len(value) > LLAMA_MAX_LAYERS:
+            raise ValueError(f"{len(value)} items exceed LLAMA_MAX_LAYERS = {LLAMA_MAX_LAYERS}")
+        flags = tuple(bool(v) for v in value[:n_layer])
+        return flags + (False,) * (n_layer - len(flags))
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U32_MAX:
+        raise ValueError(
+            f"must be a uint32 n_pattern or an array of per-layer flags, got {value!r}")
+    return swa_pattern(n_layer, value)
+
+
+def _encode_swa_layers(hp: LlamaHParams) -> np.ndarray:
+    """The per-layer flags as a bool array (what ``is_swa`` says for every layer)."""
+    return np.array([hp.is_swa(il) for il in range(hp.n_layer)], dtype=bool)  # (n_layer,)
+
+
+def _has_window(f: dict[str, Any]) -> str | None:
+    """Gemma 2 always has SWA layers: a 0 window would hide every cell from them."""
+    return None if f["n_swa"] > 0 else "must be > 0 (gemma2's SWA layers need a window)"
+
+
+def _with_window(f: dict[str, Any]) -> bool:
+    """Gemma 3 reads its SWA keys only when ``attention.sliding_window`` is > 0."""
+    return f["n_swa"] > 0
+
+
+def _freq_base_swa(hp: LlamaHParams) -> float:
+    """The SWA layers' RoPE base to write: 0 means the global one."""
+    return hp.rope_freq_base_train_swa or hp.rope_freq_base_train
+
+
+def _positive_cap(field: str) -> Callable[[dict[str, Any]], str | None]:
+    """llama.cpp divides by Gemma 2's caps (``1.0f / cap``): they must be > 0."""
+    return lambda f: None if f[field] > 0 else "must be > 0 (llama.cpp divides by it)"
+# --8<-- [end:swa_layers_key]
+
+
 # --8<-- [start:GGUF_KEYS]
-LLAMA_ARCHS = ("llama", "qwen2")  # GGUF architectures of the Llama-family graph
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # reference.models.gemma's graphs
+LLAMA_ARCHS = ("llama", "qwen2", *GEMMA_ARCHS)  # the architectures LlamaHParams describes
 
 _LLAMA_KEYS = (  # in the order they are read: a default or a check uses the rows above it
     GGUFKey("block_count", "n_layer", int, check=_has_layers),
@@ -537,6 +709,31 @@ _LLAMA_KEYS = (  # in the order they are read: a default or a check uses the row
             lambda f: f["n_ctx_train"], encode=lambda hp: hp.n_ctx_orig_yarn or hp.n_ctx_train),
 )
 
+_GEMMA2_KEYS = (  # llm_build_gemma2's load_arch_hparams, after the common keys
+    *(row for row in _LLAMA_KEYS if row.key != "attention.sliding_window"),
+    GGUFKey("attention.sliding_window", "n_swa", int, GEMMA2_N_SWA, check=_has_window),
+    GGUFKey("attention.sliding_window_pattern", "swa_layers", np.asarray, 2,
+            decode=_swa_layers, decode_layers=True, encode=_encode_swa_layers),
+    GGUFKey("rope.freq_base_swa", "rope_freq_base_train_swa", float,
+            lambda f: f["rope_freq_base_train"], encode=_freq_base_swa),
+    GGUFKey("attn_logit_softcapping", "f_attn_logit_softcapping", float, 50.0,
+            check=_positive_cap("f_attn_logit_softcapping")),
+    GGUFKey("final_logit_softcapping", "f_final_logit_softcapping", float, 30.0,
+            check=_positive_cap("f_final_logit_softcapping")),
+)
+
+_GEMMA3_KEYS = (  # llm_build_gemma3's: the SWA keys only with a window
+    *(row for row in _LLAMA_KEYS if row.key != "attention.sliding_window"),
+    GGUFKey("attention.sliding_window", "n_swa", int, 0),
+    GGUFKey("attention.sliding_window_pattern", "swa_layers", np.asarray, 6,
+            decode=_swa_layers, decode_layers=True, encode=_encode_swa_layers,
+            when=_with_window),
+    GGUFKey("rope.freq_base_swa", "rope_freq_base_train_swa", float, 10000.0,
+            encode=_freq_base_swa, when=_with_window),
+    GGUFKey("final_logit_softcapping", "f_final_logit_softcapping", float, 0.0,
+            omit_default=True),
+)
+
 _MAMBA_KEYS = (
     GGUFKey("block_count", "n_layer", int, check=_has_layers),
     GGUFKey("embedding_length", "n_embd", int),
@@ -551,10 +748,14 @@ _MAMBA_KEYS = (
 #: ``general.architecture`` -> the ``{arch}.*`` keys its loader reads, in the order it reads
 #: them. The fields not in the table are derived: ``n_vocab`` from the vocabulary,
 #: ``tied_output`` from the tensors, ``rope_type`` from the architecture, ``swa_type`` from
-#: ``n_swa``.
+#: ``n_swa``; for Gemma 2/3 ``f_attention_scale`` and ``rope_freq_scale_train_swa``
+#: (``_gemma_derived_fields``).
 GGUF_KEYS: dict[str, tuple[GGUFKey, ...]] = {
     "llama": _LLAMA_KEYS,
     "qwen2": _LLAMA_KEYS,
+    "gemma": _LLAMA_KEYS,
+    "gemma2": _GEMMA2_KEYS,
+    "gemma3": _GEMMA3_KEYS,
     "mamba": (*_MAMBA_KEYS, GGUFKey("ssm.dt_b_c_rms", "ssm_dt_b_c_rms", bool, False)),
     "mamba2": (*_MAMBA_KEYS, GGUFKey("ssm.group_count", "ssm_n_group", int)),
 }
@@ -610,7 +811,7 @@ def _read_key(metadata: dict[str, Any], row: GGUFKey, fields: dict[str, Any]) ->
     if row.decode is None:
         return value
     try:
-        return row.decode(value)
+        return row.decode(value, fields["n_layer"]) if row.decode_layers else row.decode(value)
     except ValueError as e:
         raise GGUFError(f"key {key!r}: {e}") from None
 
@@ -619,6 +820,8 @@ def _read_gguf_keys(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
     """The fields of ``GGUF_KEYS[arch]``, read in the table's order, each row checked."""
     fields: dict[str, Any] = {"arch": arch}
     for row in GGUF_KEYS[arch]:
+        if row.when is not None and not row.when(fields):
+            continue
         fields[row.field] = _read_key(metadata, row, fields)
         error = row.check(fields) if row.check is not None else None
         if error is not None:
@@ -686,15 +889,61 @@ def hparams_from_gguf(
         return mamba_hparams_from_gguf(arch, metadata, tensor_names)
     if arch not in LLAMA_ARCHS:
         raise GGUFError(
-            f"unsupported architecture {arch!r}: expected 'llama', 'qwen2', 'mamba' or 'mamba2'"
+            f"unsupported architecture {arch!r}: expected one of {(*LLAMA_ARCHS, *MAMBA_ARCHS)}"
         )
     fields = _read_gguf_keys(metadata, arch)
     fields["n_vocab"] = _n_vocab(metadata, arch)
     fields["rope_type"] = ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX
     fields["swa_type"] = SWA_TYPE_STANDARD if fields["n_swa"] else SWA_TYPE_NONE
     fields["tied_output"] = _tied_output(tensor_names)
+    if arch in GEMMA_ARCHS:
+        _gemma_derived_fields(fields, tensor_names)
     return _checked(LlamaHParams, fields)
 # --8<-- [end:hparams_from_gguf]
+
+
+# --8<-- [start:gemma_attention_scale]
+def gemma_attention_scale(arch: str, n_layer: int, n_embd: int, n_head: int,
+                          n_embd_head_k: int) -> float:
+    r"""The query scale llama.cpp gives Gemma 2 / Gemma 3: a GGUF has no key for it.
+
+    ``load_arch_hparams`` of ``src/models/gemma2.cpp`` / ``gemma3.cpp`` derive
+    ``f_attention_scale`` from the model type, which is the layer count: the 27B models
+    (Gemma 2: 46 layers, Gemma 3: 62) scale by $1/\sqrt{n_{embd} / n_{head}}$ (integer
+    division), every other by $1/\sqrt{n_{embd\_head\_k}}$; computed in float32
+    (``1.0f / std::sqrt(float(...))``). HF's ``query_pre_attn_scalar`` $s$ scales by
+    $s^{-1/2}$: a HF config whose $s$ gives another value cannot be written as a GGUF
+    (see [`llama_metadata`][]).
+
+    Examples:
+        >>> gemma_attention_scale("gemma2", 26, 2304, 8, 256)
+        0.0625
+        >>> round(gemma_attention_scale("gemma2", 46, 4608, 32, 128), 6)  # 27B: 1/sqrt(144)
+        0.083333
+    """
+    type_27b = {"gemma2": 46, "gemma3": 62}.get(arch)
+    d = n_embd // n_head if n_layer == type_27b else n_embd_head_k
+    return float(np.float32(1.0) / np.sqrt(np.float32(d)))
+# --8<-- [end:gemma_attention_scale]
+
+
+def _gemma_derived_fields(fields: dict[str, Any], tensor_names: Iterable[str] | None) -> None:
+    """The fields llama.cpp's Gemma loaders set without a key (``load_arch_hparams``)."""
+    arch = fields["arch"]
+    if arch in ("gemma", "gemma2"):
+        # the output is token_embd (TENSOR_DUPLICATED): no output.weight is created
+        if tensor_names is not None and "output.weight" in set(tensor_names):
+            raise GGUFError(f"{arch}: the file has output.weight, but llama.cpp's {arch} "
+                            "reuses token_embd as the output and loads no output tensor")
+        fields["tied_output"] = True
+    if arch == "gemma":
+        return
+    fields["f_attention_scale"] = gemma_attention_scale(
+        arch, fields["n_layer"], fields["n_embd"], fields["n_head"], fields["n_embd_head_k"])
+    if arch == "gemma2":  # rope_freq_scale_train_swa = rope_freq_scale_train
+        fields["rope_freq_scale_train_swa"] = fields["rope_freq_scale_train"]
+    elif fields["n_swa"] > 0:  # gemma3: the scaling is for the global layers only
+        fields["rope_freq_scale_train_swa"] = 1.0
 
 
 # --8<-- [start:mamba_hparams_from_gguf]
@@ -848,7 +1097,10 @@ def _write_gguf_keys(hparams: LlamaHParams | MambaHParams) -> dict[str, Any]:
     """The ``{arch}.*`` keys of ``GGUF_KEYS[hparams.arch]``: the inverse of the reading."""
     arch = hparams.arch
     md: dict[str, Any] = {}
+    fields = dataclasses.asdict(hparams)
     for row in GGUF_KEYS[arch]:
+        if row.when is not None and not row.when(fields):
+            continue
         if row.omit_default and getattr(hparams, row.field) == _absent_value(row):
             continue
         value = row.encode(hparams) if row.encode is not None else getattr(hparams, row.field)
@@ -890,8 +1142,10 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
         Key to value, ready for [`reference.gguf.write_gguf`][reference.gguf.write_gguf].
 
     Raises:
-        GGUFError: an architecture other than llama/qwen2, or a vocabulary whose size is not
-            ``hparams.n_vocab``.
+        GGUFError: an architecture not in ``LLAMA_ARCHS``, a vocabulary whose size is not
+            ``hparams.n_vocab``, or hyperparameters that llama.cpp would read back otherwise
+            ([`gguf_representable_errors`][]: a RoPE mode other than the arch's, an untied
+            Gemma/Gemma 2, a Gemma 2/3 attention scale other than the derived one, ...).
 
     Examples:
         >>> hp = LlamaHParams("llama", n_vocab=32, n_ctx_train=64, n_embd=16, n_layer=1,
@@ -905,10 +1159,65 @@ def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -
     """
     if hparams.arch not in LLAMA_ARCHS:
         raise GGUFError(
-            f"unsupported architecture {hparams.arch!r}: expected 'llama' or 'qwen2'"
+            f"unsupported architecture {hparams.arch!r}: expected one of {LLAMA_ARCHS}"
         )
+    for error in gguf_representable_errors(hparams):
+        raise GGUFError(f"{hparams.arch}: {error}")
     return _model_metadata(hparams, vocab)
 # --8<-- [end:llama_metadata]
+
+
+# --8<-- [start:gguf_representable_errors]
+def gguf_representable_errors(hp: LlamaHParams) -> list[str]:
+    """What in ``hp`` a GGUF of its architecture cannot say: llama.cpp would run another model.
+
+    llama.cpp fixes some fields by architecture instead of reading them: the RoPE mode
+    (``llama_model_rope_type``: normal for llama, NeoX for the others), Gemma/Gemma 2's tied
+    output, Gemma 2/3's attention scale ([`gemma_attention_scale`][]), Gemma 2's SWA RoPE
+    scale (``= rope_freq_scale_train``) and Gemma 3's (1: its RoPE scaling is for the global
+    layers only); and it reads the soft-caps and the per-layer SWA pattern only for the
+    archs that have them.
+
+    Examples:
+        >>> hp = LlamaHParams("llama", n_vocab=32, n_ctx_train=64, n_embd=16, n_layer=1,
+        ...     n_head=2, n_head_kv=1, n_embd_head_k=8, n_embd_head_v=8, n_rot=8, n_ff=32,
+        ...     f_norm_rms_eps=1e-5, rope_type=ROPE_TYPE_NEOX)
+        >>> gguf_representable_errors(hp)
+        ["rope_type=2, but llama.cpp's llama uses 0"]
+    """
+    arch, errors = hp.arch, []
+    rope_type = ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX
+    if hp.rope_type != rope_type:
+        errors.append(f"rope_type={hp.rope_type}, but llama.cpp's {arch} uses {rope_type}")
+    has_pattern = arch in ("gemma2", "gemma3")
+    if not has_pattern and not all(hp.swa_layers):
+        errors.append("a per-layer SWA pattern (swa_layers) needs gemma2 or gemma3")
+    if not has_pattern and (hp.rope_freq_base_train_swa or hp.rope_freq_scale_train_swa):
+        errors.append("a RoPE base or scale of the SWA layers needs gemma2 or gemma3")
+    if arch != "gemma2" and hp.f_attn_logit_softcapping:
+        errors.append("attention soft-capping needs gemma2")
+    if not has_pattern and hp.f_final_logit_softcapping:
+        errors.append("final logit soft-capping needs gemma2 or gemma3")
+    if arch not in GEMMA_ARCHS:
+        return errors
+    if arch in ("gemma", "gemma2") and not hp.tied_output:
+        errors.append("llama.cpp reuses token_embd as the output: tied_output must be True")
+    if arch == "gemma":
+        return errors
+    scale = hp.f_attention_scale or 1.0 / math.sqrt(hp.n_embd_head_k)
+    derived = gemma_attention_scale(arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_embd_head_k)
+    if not math.isclose(scale, derived, rel_tol=1e-6):
+        errors.append(f"attention scale {scale} is not {derived}, the one llama.cpp derives "
+                      "(no GGUF key holds it: HF's query_pre_attn_scalar must be the head size, "
+                      "or n_embd / n_head for the 27B layer counts)")
+    swa_scale = 1.0 if arch == "gemma3" else hp.rope_freq_scale_train
+    if hp.is_swa_any() and hp.rope_freq_scale_train_swa != swa_scale:
+        errors.append(f"rope_freq_scale_train_swa={hp.rope_freq_scale_train_swa}, but "
+                      f"llama.cpp's {arch} sets {swa_scale}")
+    if arch == "gemma2" and not (hp.f_attn_logit_softcapping and hp.f_final_logit_softcapping):
+        errors.append("gemma2 soft-caps attention and logits: both caps must be > 0")
+    return errors
+# --8<-- [end:gguf_representable_errors]
 
 
 # --8<-- [start:mamba_metadata]

@@ -6,8 +6,10 @@ Either way the result is the same pair: the hyperparameters
 architectures) and a dict of weights keyed by GGUF tensor names (``"blk.0.attn_q.weight"``),
 matrices in NumPy order. GGUF weights stay quantized
 ([`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor]) until the forward
-dequantizes them; HF weights are float32 arrays with llama's Q/K rows already permuted
-([`reference.hf`][reference.hf]).
+dequantizes them; HF weights are float32 arrays with llama's Q/K rows already permuted and
+Gemma's norm gains already stored as $1 + w$ ([`reference.hf`][reference.hf]), as
+``convert_hf_to_gguf.py`` writes them. Which forward runs them is the architecture's
+([`reference.models`][reference.models]: Llama/Qwen2, Gemma 1-3, Mamba).
 """
 
 from __future__ import annotations

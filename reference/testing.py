@@ -4,8 +4,9 @@ A specification needs examples that run, and examples need models. This module m
 in memory, seeded, in a few milliseconds:
 
 - [`tiny_hparams`][] / [`random_weights`][]: a Llama (or Qwen2, or a sliding-window
-  Llama) with GGUF tensor names; [`tiny_mamba_hparams`][] / [`random_mamba_weights`][]:
-  a Mamba or Mamba-2;
+  Llama) with GGUF tensor names; [`tiny_gemma_hparams`][] / [`random_gemma_weights`][]: a
+  Gemma, Gemma 2 or Gemma 3 (with its SWA pattern and soft-caps);
+  [`tiny_mamba_hparams`][] / [`random_mamba_weights`][]: a Mamba or Mamba-2;
 - [`write_tiny_gguf`][] / [`write_tiny_mamba_gguf`][]: the same written as a float32
   GGUF that llama.cpp can load (with the dummy vocabulary of
   [`reference.hparams.spm_dummy_vocab`][reference.hparams.spm_dummy_vocab]);
@@ -33,15 +34,19 @@ from numpy.typing import ArrayLike
 
 from reference.gguf import write_gguf
 from reference.hparams import (
+    GEMMA_ARCHS,
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
     SWA_TYPE_NONE,
     SWA_TYPE_STANDARD,
     LlamaHParams,
     MambaHParams,
+    gemma_attention_scale,
     llama_metadata,
     mamba_metadata,
+    swa_pattern,
 )
+from reference.models.gemma import GEMMA_LAYER_TENSORS, gemma_forward
 from reference.models.llama import llama_forward, model_dtype
 from reference.models.mamba import SimpleRecurrentState, mamba_forward
 from reference.models.simple_cache import SimpleKVCache
@@ -63,7 +68,10 @@ def tiny_hparams(
     eps: float = 1e-5,
     n_ctx_train: int = 128,
 ) -> LlamaHParams:
-    """A small [`LlamaHParams`][]; ``qwen2`` gets NeoX RoPE, ``llama`` normal RoPE."""
+    """A small [`LlamaHParams`][]; ``qwen2`` gets NeoX RoPE, ``llama`` normal RoPE.
+
+    For a Gemma model as llama.cpp reads it, use [`tiny_gemma_hparams`][].
+    """
     head_dim = head_dim or n_embd // n_head
     return LlamaHParams(
         arch=arch,
@@ -84,6 +92,129 @@ def tiny_hparams(
         swa_type=SWA_TYPE_STANDARD if n_swa > 0 else SWA_TYPE_NONE,
         tied_output=tied,
     )
+
+
+# --8<-- [start:tiny_gemma_hparams]
+def tiny_gemma_hparams(
+    arch: str = "gemma2",
+    n_vocab: int = 32,
+    n_embd: int = 16,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    n_ff: int = 24,
+    freq_base: float = 10000.0,
+    freq_base_swa: float | None = None,
+    n_swa: int | None = None,
+    swa_layers: tuple[bool, ...] | None = None,
+    attn_softcap: float | None = None,
+    final_softcap: float | None = None,
+    tied: bool = True,
+    eps: float = 1e-6,
+    n_ctx_train: int = 128,
+) -> LlamaHParams:
+    """A small Gemma (``gemma``, ``gemma2`` or ``gemma3``), as llama.cpp would read it back.
+
+    Every field llama.cpp derives is set as its loader sets it (NeoX RoPE, the attention scale
+    of [`reference.hparams.gemma_attention_scale`][reference.hparams.gemma_attention_scale], the
+    SWA RoPE scale, tied output for gemma/gemma2), so
+    [`reference.hparams.llama_metadata`][reference.hparams.llama_metadata] writes it and
+    reading the file gives it back.
+
+    Args:
+        arch: ``"gemma"``, ``"gemma2"`` or ``"gemma3"``.
+        freq_base_swa: RoPE base of the SWA layers; default: gemma2 ``freq_base``, gemma3
+            10000.
+        n_swa: the window; default: gemma2 4096, gemma/gemma3 0 (none).
+        swa_layers: the per-layer SWA flags; default: gemma2 ``swa_pattern(n_layer, 2)``,
+            gemma3 ``swa_pattern(n_layer, 6)`` (with a window).
+        attn_softcap: gemma2's attention cap (default 50).
+        final_softcap: the final logit cap (default: gemma2 30, gemma3 0).
+        tied: no ``output.weight`` (must be True for gemma and gemma2).
+
+    Examples:
+        >>> hp = tiny_gemma_hparams("gemma3", n_layer=7, n_swa=4)
+        >>> [hp.is_swa(il) for il in range(7)], hp.rope_freq_base_train_swa
+        ([True, True, True, True, True, False, True], 10000.0)
+    """
+    head_dim = head_dim or n_embd // n_head
+    if n_swa is None:
+        n_swa = 4096 if arch == "gemma2" else 0
+    window = arch in ("gemma2", "gemma3") and n_swa > 0
+    if not window:  # gemma, or gemma3 without a window: no SWA keys at all
+        swa_layers, freq_base_swa = (), 0.0
+    if swa_layers is None:
+        swa_layers = swa_pattern(n_layer, 2 if arch == "gemma2" else 6)
+    if freq_base_swa is None:
+        freq_base_swa = freq_base if arch == "gemma2" else 10000.0
+    f32 = float(np.float32(eps))  # as a GGUF stores it
+    return LlamaHParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_embd_head_k=head_dim,
+        n_embd_head_v=head_dim,
+        n_rot=head_dim,
+        n_ff=n_ff,
+        f_norm_rms_eps=f32,
+        rope_type=ROPE_TYPE_NEOX,
+        rope_freq_base_train=freq_base,
+        rope_scaling_type_train=1,  # "linear" with factor 1: what a file without the key says
+        n_ctx_orig_yarn=n_ctx_train,
+        n_swa=n_swa,
+        swa_type=SWA_TYPE_STANDARD if n_swa > 0 else SWA_TYPE_NONE,
+        swa_layers=swa_layers,
+        rope_freq_base_train_swa=freq_base_swa,
+        rope_freq_scale_train_swa=1.0 if window else 0.0,
+        f_attention_scale=0.0 if arch == "gemma" else gemma_attention_scale(
+            arch, n_layer, n_embd, n_head, head_dim),
+        f_attn_logit_softcapping=(50.0 if attn_softcap is None else attn_softcap)
+        if arch == "gemma2" else 0.0,
+        f_final_logit_softcapping={"gemma2": 30.0, "gemma3": 0.0}.get(arch, 0.0)
+        if final_softcap is None else final_softcap,
+        tied_output=tied,
+    )
+# --8<-- [end:tiny_gemma_hparams]
+
+
+# --8<-- [start:random_gemma_weights]
+def random_gemma_weights(hp: LlamaHParams, seed: int = 0, dtype=np.float32) -> dict:
+    """Seeded random Gemma weights with GGUF names (llama.cpp's: norms are gains near 1).
+
+    The tensors of [`GEMMA_LAYER_TENSORS`][reference.models.gemma.GEMMA_LAYER_TENSORS] for
+    ``hp.arch``, matrices with std ``1/sqrt(n_in)``, embeddings N(0, 1), and
+    ``output.weight`` unless ``hp.tied_output``.
+    """
+    rng = np.random.default_rng(seed)
+    d = hp.n_embd_head_k
+    shapes = {
+        "attn_norm": (hp.n_embd,), "wq": (hp.n_head * d, hp.n_embd),
+        "wk": (hp.n_head_kv * d, hp.n_embd), "wv": (hp.n_head_kv * d, hp.n_embd),
+        "wo": (hp.n_embd, hp.n_head * d), "attn_q_norm": (d,), "attn_k_norm": (d,),
+        "attn_post_norm": (hp.n_embd,), "ffn_norm": (hp.n_embd,),
+        "ffn_gate": (hp.n_ff, hp.n_embd), "ffn_up": (hp.n_ff, hp.n_embd),
+        "ffn_down": (hp.n_embd, hp.n_ff), "ffn_post_norm": (hp.n_embd,),
+    }
+    w = {"token_embd.weight": rng.normal(size=(hp.n_vocab, hp.n_embd))}
+    for il in range(hp.n_layer):
+        for field, (name, archs) in GEMMA_LAYER_TENSORS.items():
+            if hp.arch not in archs:
+                continue
+            shape = shapes[field]
+            if len(shape) == 1:  # a norm gain
+                w[f"blk.{il}.{name}"] = 1.0 + 0.1 * rng.normal(size=shape)
+            else:
+                w[f"blk.{il}.{name}"] = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
+    w["output_norm.weight"] = 1.0 + 0.1 * rng.normal(size=hp.n_embd)
+    if not hp.tied_output:
+        w["output.weight"] = rng.normal(0.0, 1.0 / np.sqrt(hp.n_embd), (hp.n_vocab, hp.n_embd))
+    return {k: v.astype(dtype) for k, v in w.items()}
+# --8<-- [end:random_gemma_weights]
 
 
 def random_weights(
@@ -144,17 +275,27 @@ def write_tiny_gguf(path: str | Path, hp: LlamaHParams, weights: dict) -> Path:
 
 def reference_logits(weights: dict, hp: LlamaHParams, tokens, one_batch: bool = True) -> np.ndarray:
     """Our logits of every token at positions ``0..n-1`` (one ubatch, or one per token)."""
+    chunks = None if one_batch else [1] * len(tokens)
+    return chunked_logits(weights, hp, tokens, chunks)
+
+
+def chunked_logits(weights: dict, hp: LlamaHParams, tokens, chunks=None) -> np.ndarray:
+    """Our logits of every token at positions ``0..n-1``, fed in ``chunks`` (ubatch sizes;
+    None: one ubatch) through a [`SimpleKVCache`][reference.models.simple_cache.SimpleKVCache];
+    the Gemma forward for gemma archs, else the Llama one."""
     tokens = np.asarray(tokens, dtype=np.int64)
     n = len(tokens)
+    chunks = chunks or [n]
+    if sum(chunks) != n:
+        raise ValueError(f"chunks {chunks} do not add up to {n} tokens")
+    forward = gemma_forward if hp.arch in GEMMA_ARCHS else llama_forward
     cache = SimpleKVCache(hp, n, model_dtype(weights))
-    if one_batch:
-        pos = np.arange(n)
-        return llama_forward(weights, hp, tokens, pos, cache.init_batch(pos))
-    rows = []
-    for i in range(n):
-        pos = np.array([i])
-        rows.append(llama_forward(weights, hp, tokens[i : i + 1], pos, cache.init_batch(pos))[0])
-    return np.stack(rows)  # (n_tokens, n_vocab)
+    rows, start = [], 0
+    for size in chunks:
+        pos = np.arange(start, start + size)
+        rows.append(forward(weights, hp, tokens[start : start + size], pos, cache.init_batch(pos)))
+        start += size
+    return np.concatenate(rows)  # (n_tokens, n_vocab)
 
 
 def tiny_mamba_hparams(

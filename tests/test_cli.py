@@ -207,3 +207,21 @@ def test_load_model_reports_progress_up_to_the_total(tmp_path):
     assert all(a[0] < b[0] for a, b in zip(calls, calls[1:], strict=False))
     assert all(np.array_equal(loaded[k], weights[k]) for k in weights)
     assert not any(isinstance(v, np.memmap) for v in loaded.values())  # read into memory
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_generate_on_a_small_swa_cache_disables_the_context_shift(tmp_path, capsys, swa_full):
+    """A Gemma 3 model (window 8) without ``--swa-full`` gets a SWA cache (256 cells) smaller
+    than the base cache (512), which cannot shift (``llama_kv_cache_iswa::get_can_shift``):
+    as llama.cpp's ``common_init_from_params``, generate says so and stops when the context
+    is full; with ``--swa-full`` the two caches are the same size and the context shifts."""
+    from reference.testing import random_gemma_weights, tiny_gemma_hparams
+
+    hp = tiny_gemma_hparams("gemma3", n_vocab=300, n_ctx_train=4096, n_swa=8)
+    path = write_tiny_gguf(tmp_path / "g3.gguf", hp, random_gemma_weights(hp, seed=1))
+    argv = ["generate", "Hi", "-m", str(path), "-n", "600", "-c", "512", "-ub", "8",
+            "--temp", "0", "--backend", "reference"]
+    assert main(argv + (["--swa-full"] if swa_full else [])) == 0
+    err = capsys.readouterr().err
+    assert ("context shift disabled" in err) != swa_full
+    assert ("context full (n_ctx = 512) and context shift is disabled" in err) != swa_full

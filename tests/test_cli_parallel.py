@@ -64,7 +64,27 @@ def test_batched_bench_prints_the_table(gguf, capsys, fmt):
         assert [(r["pl"], r["n_kv"]) for r in map(json.loads, lines)] == [(1, 12), (2, 24)]
 
 
+@pytest.mark.oracle
+def test_batched_bench_vs_llamacpp_runs_the_same_rows_on_llamacpp(gguf, capsys):
+    """``--vs llama.cpp``: the same rows by the same code on llama.cpp's own context (its N_KV
+    column equal to ours: the same tokens, positions and sequences), then the S_TG ratios."""
+    pytest.importorskip("llama_cpp")
+    assert main(["batched-bench", "-m", gguf, "-c", "512", "-npp", "8", "-ntg", "4",
+                 "-npl", "1,2", "--backend", "reference", "--vs", "llama.cpp",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    ours, theirs = out.split("## llama.cpp (1 threads")
+    n_kv = [[line.split("|")[1:5] for line in part.splitlines() if line.startswith("|  ")]
+            for part in (ours, theirs.split("| PP | TG | B |")[0])]
+    assert n_kv[0] == n_kv[1] and len(n_kv[0]) == 3  # the header, B = 1, B = 2
+    ratios = [line.split("|") for line in out.splitlines() if line.startswith("| 8 | 4 |")]
+    assert [int(r[3]) for r in ratios] == [1, 2]
+    assert all(float(r[6]) > 0 for r in ratios)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["batched-bench", "-npp", "8", "-ntg", "4", "-npl", "1", "--threads", "2"],
+     "--threads sets llama.cpp's threads"),
     (["batched", "-np", "300"], "-np 300: a context holds 1 to 256 sequences"),
     (["batched", "-n", "5"], "the prompt has 26 tokens and -n 5 is the total length"),
     (["parallel", "-np", "256"], "need -np + 1 sequences, at most 256"),

@@ -591,7 +591,7 @@ def test_qwen2_allows_partial_rope():
 
 def test_llama_metadata_refuses():
     with pytest.raises(GGUFError, match="unsupported architecture"):
-        llama_metadata(tiny_hparams("gemma"))
+        llama_metadata(tiny_hparams("phi3"))
     with pytest.raises(GGUFError, match="n_vocab=300"):
         llama_metadata(tiny_hparams(), vocab={"tokenizer.ggml.tokens": ["a"]})
 

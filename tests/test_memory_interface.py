@@ -11,7 +11,7 @@ import pytest
 
 from reference.batch import Batch, BatchAllocr
 from reference.context import Context
-from reference.memory import KVCache, RecurrentMemory, create_memory
+from reference.memory import KVCache, KVCacheISWA, RecurrentMemory, create_memory
 from reference.memory.interface import Memory, MemoryContextError, MemoryStatus
 from reference.memory.recurrent import RecurrentMemoryError
 from reference.testing import (
@@ -26,13 +26,14 @@ METHODS = [name for name in vars(Memory) if not name.startswith("_") and callabl
 
 
 def memory_classes():
-    classes = [KVCache, RecurrentMemory]
+    classes = [KVCache, KVCacheISWA, RecurrentMemory]
     try:
         from accelerated.memory import KVCache as MLXKVCache
+        from accelerated.memory import KVCacheISWA as MLXKVCacheISWA
         from accelerated.memory import RecurrentMemory as MLXRecurrentMemory
     except ImportError:  # no MLX here
         return classes
-    return classes + [MLXKVCache, MLXRecurrentMemory]
+    return classes + [MLXKVCache, MLXKVCacheISWA, MLXRecurrentMemory]
 
 
 @pytest.mark.parametrize("cls", memory_classes(), ids=lambda c: f"{c.__module__}.{c.__name__}")

@@ -206,6 +206,8 @@ class _ExplicitKV:
             def get_kq_mask(self, il):
                 return mask
 
+            n_stream = 1
+
         return Inp()
 
 

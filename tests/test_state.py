@@ -193,7 +193,8 @@ def test_seq_restore_into_another_stream(flavour):
         decode_batch(ctx, PREFIX_TOKENS, PREFIX_SEQS)
     expected = decode_batch(uninterrupted, [6], [0])
     blob = cache.state_seq_get_data(0)
-    assert [st.cell_count for st in state_parse(blob).streams] == [5, 0]
+    # the memory blob follows llama_context's header (u32 magic, i32 seq_id)
+    assert [st.cell_count for st in state_parse(blob[8:]).streams] == [5, 0]
     fresh = state_ctx(flavour, False, 2)
     assert fresh.state_seq_set_data(blob, 1) == len(blob)  # stream 0 -> stream 1
     assert fresh.memory.seq_pos_max(0) == -1 and fresh.memory.seq_pos_max(1) == 4

@@ -24,6 +24,7 @@ import reference.ops
 import reference.sampling
 from reference.context import Context
 from reference.memory.kv_cache import KVCache
+from reference.memory.kv_cache_iswa import KVCacheISWA
 from reference.memory.recurrent import RecurrentMemory
 from reference.surface import (
     COMMON,
@@ -39,7 +40,7 @@ from reference.surface import (
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-MEMORY_CLASSES = (KVCache, RecurrentMemory)
+MEMORY_CLASSES = (KVCache, KVCacheISWA, RecurrentMemory)
 
 
 def load_generator():

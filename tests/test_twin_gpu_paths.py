@@ -39,7 +39,8 @@ def test_the_variable_is_read_in_one_place(monkeypatch, value, forced):
 def test_the_cpu_takes_the_gpu_forms_and_computes_the_same(monkeypatch):
     calls = []
     real = acc_llama.build_attn_mha
-    monkeypatch.setattr(acc_llama, "build_attn_mha", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(acc_llama, "build_attn_mha",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.delenv(GPU_PATHS_ENV, raising=False)
     if gpu_paths():
         pytest.skip("the default device is a GPU: its paths are the GPU's already")

@@ -27,7 +27,7 @@ from accelerated.ops import ssm as A_ssm
 from reference.ops import attention as R_attn
 from reference.ops import rope as R_rope
 from reference.ops import ssm as R_ssm
-from reference.ops.errors import OpIndexError, OpShapeError
+from reference.ops.errors import OpIndexError, OpShapeError, OpValueError
 from reference.testing import nmse_check  # the one comparison routine (test-backend-ops')
 
 F32 = np.float32
@@ -180,6 +180,20 @@ def _(rng):
     return _same(np.linspace(-40, 40, 300).astype(F32)) + ({},)
 
 
+# --- TANH / SOFTCAP ----------------------------------------------------------------------------
+@case("TANH(shape=[7,130])", R.tanh, A.tanh)
+def _(rng):
+    return _same(_activation_input(rng, (7, 130))) + ({},)
+
+
+for shape, cap in [((4, 9, 33), 50.0), ((3, 257), 30.0), ((2, 5, 7), 0.5)]:
+    @case(f"SOFTCAP(shape={_fmt(shape)},cap={cap})", R.softcap, A.softcap)
+    def _(rng, shape=shape, cap=cap):
+        x = _normal(rng, shape, 2.0 * cap)  # the tanh's linear part and its saturation
+        x.flat[:2] = [np.inf, -np.inf]
+        return _same(x, cap) + ({},)
+
+
 # --- SOFT_MAX ----------------------------------------------------------------------------------
 def _soft_max_init(x_shape, mask_kind, scale, max_bias):
     def init(rng):
@@ -282,7 +296,8 @@ for mode in (R.ROPE_TYPE_NORM, R.ROPE_TYPE_NEOX):
 
 
 # --- attention ---------------------------------------------------------------------------------
-def _attn_init(n_tokens, n_head, n_head_kv, d_k, d_v, n_kv, max_bias=0.0, masked_row=False):
+def _attn_init(n_tokens, n_head, n_head_kv, d_k, d_v, n_kv, max_bias=0.0, masked_row=False,
+               softcap=0.0):
     def init(rng):
         q = _normal(rng, (n_tokens, n_head, d_k))
         k = _normal(rng, (n_kv, n_head_kv, d_k))
@@ -293,13 +308,18 @@ def _attn_init(n_tokens, n_head, n_head_kv, d_k, d_v, n_kv, max_bias=0.0, masked
             mask = np.where(np.isfinite(mask), -np.abs(t - np.arange(n_kv)), -np.inf).astype(F32)
         if masked_row:
             mask[0] = -np.inf
-        return _same(q, k, v, mask, d_k ** -0.5) + ({"max_bias": max_bias},)
+        kw = {"max_bias": max_bias} | ({"softcap": softcap} if softcap else {})
+        return _same(q, k, v, mask, d_k ** -0.5) + (kw,)
     return init
 
 
 for args, kw in [((7, 8, 2, 64, 48, 19), {}), ((1, 4, 4, 32, 32, 5), {}),
                  ((13, 6, 3, 16, 24, 13), {}), ((5, 6, 2, 32, 32, 9), {"max_bias": 8.0}),
-                 ((4, 4, 1, 8, 8, 6), {"masked_row": True})]:
+                 ((4, 4, 1, 8, 8, 6), {"masked_row": True}),
+                 ((7, 8, 2, 64, 48, 19), {"softcap": 50.0}),
+                 ((5, 6, 3, 16, 16, 9), {"softcap": 0.5}),
+                 ((5, 6, 2, 32, 32, 9), {"max_bias": 8.0, "softcap": 2.0}),
+                 ((4, 4, 1, 8, 8, 6), {"masked_row": True, "softcap": 30.0})]:
     n_tokens, n_head, n_head_kv, d_k, d_v, n_kv = args
     extra = "".join(f",{k}={v}" for k, v in kw.items())
     CASES.append(Case(
@@ -402,8 +422,9 @@ def test_nmse_check_rejects_nan_and_mismatched_infinities():
     (lambda m: m.soft_max_ext(np.ones((2, 3), F32), None, 1.0, 8.0), OpShapeError),
     (lambda m: m.swiglu(np.ones(3, F32), np.ones(4, F32)), OpShapeError),
     (lambda m: m.ssm_conv(np.ones((1, 3, 1), F32), np.ones((3, 4), F32)), OpShapeError),
+    (lambda m: m.softcap(np.ones(3, F32), 0.0), OpValueError),
 ], ids=["mul_mat", "get_rows", "set_rows", "add", "rope_ext", "soft_max_ext", "swiglu",
-        "ssm_conv"])
+        "ssm_conv", "softcap"])
 def test_twin_raises_the_reference_error(call, error):
     with pytest.raises(error) as ref_err:
         call(R)

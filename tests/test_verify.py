@@ -77,6 +77,23 @@ def test_a_hf_folder_is_checked_by_transformers(tmp_path):
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_is_verified_with_its_own_ops(tmp_path, arch):
+    """Gemma's FFN is GeGLU and Gemma 2 soft-caps: the op group checks those, and llama.cpp
+    agrees on a GGUF whose window (8) is shorter than the 64-token oracle prompt."""
+    from reference.testing import random_gemma_weights, tiny_gemma_hparams
+
+    hp = tiny_gemma_hparams(arch, n_vocab=300, n_swa=8, n_ctx_train=4096)
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", hp, random_gemma_weights(hp, seed=2))
+    report, text = verify(path)
+    assert report.passed, text
+    names = statuses(report)
+    assert "GEGLU(n_ff=24)" in names and not any(n.startswith("SWIGLU") for n in names)
+    assert any(n.startswith("SOFTCAP") for n in names) == (arch == "gemma2")
+    assert names["llama.cpp logits (f32 weights, f32 KV, n=64)"] == "PASS"
+
+
+@pytest.mark.oracle
 def test_a_mamba_model_skips_what_does_not_apply(tmp_path):
     hp = tiny_mamba_hparams("mamba2", n_vocab=300, n_embd=32)
     path = write_tiny_mamba_gguf(tmp_path / "mamba.gguf", hp, random_mamba_weights(hp))

@@ -6,6 +6,8 @@ are imported here so that a test finds every tiny-model helper in one place.
 
 - :func:`save_tiny_hf` builds a seeded random ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
   ``MistralForCausalLM`` with transformers and ``save_pretrained``'s it (safetensors);
+  :func:`save_tiny_gemma_hf` the same for ``GemmaForCausalLM`` / ``Gemma2ForCausalLM`` /
+  ``Gemma3ForCausalLM``;
   :func:`save_tiny_mamba_hf` the same for ``MambaForCausalLM`` / ``Mamba2ForCausalLM``.
 - :func:`llamacpp_logits` and :func:`mamba_transformers_logits` run the oracles.
 """
@@ -18,12 +20,15 @@ import numpy as np
 
 from reference.testing import (  # noqa: F401  (re-exported for the tests)
     _mamba_param,
+    chunked_logits,
     mamba_reference_logits,
     nmse,
     nmse_check,
+    random_gemma_weights,
     random_mamba_weights,
     random_weights,
     reference_logits,
+    tiny_gemma_hparams,
     tiny_hparams,
     tiny_mamba_hparams,
     write_tiny_gguf,
@@ -101,6 +106,67 @@ def save_tiny_hf(
             x = rng.normal(0.0, 1.0 / np.sqrt(p.shape[-1]), size=p.shape)
         state[name] = torch.tensor(x, dtype=torch.float32)
     if tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state)
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+def save_tiny_gemma_hf(
+    path: str | Path,
+    kind: str = "gemma2",
+    seed: int = 0,
+    vocab_size: int = 40,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 4,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 8,
+    intermediate_size: int = 48,
+    **extra,
+) -> Path:
+    """Build a seeded random ``GemmaForCausalLM`` / ``Gemma2ForCausalLM`` /
+    ``Gemma3ForCausalLM`` (``kind``: gemma, gemma2, gemma3) and save it.
+
+    ``extra`` goes to the config (``sliding_window``, ``layer_types``, ``rope_parameters``,
+    ``query_pre_attn_scalar`` (default: ``head_dim``), the soft-caps ...). Norm weights are
+    HF's $w$ of $x (1 + w)$, drawn around 0; the rest as in :func:`save_tiny_hf`.
+    """
+    import torch
+    import transformers
+
+    cls = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[kind]
+    if kind != "gemma":  # the released models scale by the head size (HF's default is 256)
+        extra.setdefault("query_pre_attn_scalar", head_dim)
+    config = getattr(transformers, f"{cls}Config")(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        **extra,
+    )
+    config._attn_implementation = "eager"
+    model_cls = "Gemma3ForCausalLM" if kind == "gemma3" else f"{cls}ForCausalLM"
+    model = getattr(transformers, model_cls)(config)
+    rng = np.random.default_rng(seed)
+    state = {}
+    tied = config.tie_word_embeddings
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        if name.endswith("norm.weight"):
+            x = 0.1 * rng.normal(size=p.shape)
+        elif name.endswith("embed_tokens.weight"):
+            x = rng.normal(size=p.shape)
+        else:
+            x = rng.normal(0.0, 1.0 / np.sqrt(p.shape[-1]), size=p.shape)
+        state[name] = torch.tensor(x, dtype=torch.float32)
+    if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state)
     model.save_pretrained(str(path))

@@ -50,6 +50,7 @@ from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     POS_INF,
     KVCacheError,
     SlotInfo,
+    cache_layers,
     ggml_pad,
     k_shift_rope_params,
     kv_size_swa,
@@ -66,6 +67,7 @@ __all__ = [
     "GraphAttnInput",
     "SlotInfo",
     "build_rope_shift",
+    "cache_layers",
     "ggml_pad",
     "head_major_view",
     "head_rows",
@@ -177,7 +179,8 @@ def head_major_view(t: mx.array, strm: tuple[int, ...], n_kv: int) -> mx.array:
 
 # --8<-- [start:build_rope_shift]
 def build_rope_shift(
-    k: mx.array, shift: np.ndarray, hparams: LlamaHParams, rope_factors: mx.array | None = None
+    k: mx.array, shift: np.ndarray, hparams: LlamaHParams, rope_factors: mx.array | None = None,
+    il: int | None = None,
 ) -> mx.array:
     """Twin of
     [`reference.memory.kv_cache.build_rope_shift`][reference.memory.kv_cache.build_rope_shift].
@@ -188,6 +191,7 @@ def build_rope_shift(
         shift: the shift of each cell ``(n_cells,)``.
         hparams: the model's hyperparameters.
         rope_factors: the model's ``rope_freqs.weight`` or None.
+        il: the layer, for its RoPE base and scale (None: the non-SWA values).
 
     Returns:
         The turned keys, same shape.
@@ -202,7 +206,7 @@ def build_rope_shift(
         >>> bool(mx.allclose(build_rope_shift(kp, np.array([2]), hp), k5, atol=1e-6))
         True
     """
-    params = k_shift_rope_params(hparams)
+    params = k_shift_rope_params(hparams, il)
     if rope_factors is not None:
         rope_factors = mx.array(rope_factors)
     return rope_ext(k, np.asarray(shift), freq_factors=rope_factors, **params)
@@ -314,12 +318,13 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         return self._kq_mask
 
     def _store(self, tensors: list, il: int, cur: mx.array) -> None:
-        t = tensors[il]  # (n_stream, n_head_kv, kv_size, d)
+        i = self.cache.layer_id(il)  # the cache's own index of the model's layer il
+        t = tensors[i]  # (n_stream, n_head_kv, kv_size, d)
         n_stream, n_head_kv, kv_size, d = t.shape
         rows = t.reshape(-1, d)  # (n_stream * n_head_kv * kv_size, d)
         idx = head_rows(self.k_idxs, kv_size, n_head_kv)  # (n_tokens, n_head_kv)
         set_rows(rows, mx.array(cur).reshape(-1, d), idx.reshape(-1))
-        tensors[il] = rows.reshape(t.shape)  # (n_stream, n_head_kv, kv_size, d)
+        tensors[i] = rows.reshape(t.shape)  # (n_stream, n_head_kv, kv_size, d)
 
     def cpy_k(self, il: int, k_cur: mx.array) -> None:
         """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` in the slot's cells of layer ``il``."""
@@ -331,11 +336,11 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
 
     def get_k(self, il: int) -> mx.array:
         """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
-        return head_major_view(self.cache.k_l[il], self.sinfo.strm, self.n_kv)
+        return head_major_view(self.cache.k_l[self.cache.layer_id(il)], self.sinfo.strm, self.n_kv)
 
     def get_v(self, il: int) -> mx.array:
         """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
-        return head_major_view(self.cache.v_l[il], self.sinfo.strm, self.n_kv)
+        return head_major_view(self.cache.v_l[self.cache.layer_id(il)], self.sinfo.strm, self.n_kv)
 
     def get_kq_mask(self, il: int) -> mx.array:
         """The KQ mask ``(n_tokens, ns * n_kv)`` as an ``mx.array`` (the same for every layer)."""
@@ -381,6 +386,7 @@ class GraphAttnInput:
         self.kq_mask = kq_mask  # (n_tokens, ns * n_kv)
         self.n_kv = n_kv
         self.strm = tuple(strm)
+        self.n_stream = len(self.strm)  # one attention per stream
         self.n_head_kv = n_head_kv
 
     def _store(self, tensors: list, il: int, cur: mx.array) -> None:
@@ -442,7 +448,8 @@ class KVCache(ref.KVCache):
         """
         super().clear(data=False)
         if data:
-            zeros = mx.zeros_like if isinstance(self.k_l[0], mx.array) else np.zeros_like
+            on_host = bool(self.k_l) and isinstance(self.k_l[0], np.ndarray)
+            zeros = np.zeros_like if on_host else mx.zeros_like
             self.k_l = [zeros(t) for t in self.k_l]
             self.v_l = [zeros(t) for t in self.v_l]
 
@@ -468,11 +475,11 @@ class KVCache(ref.KVCache):
         kv_size = self.get_size()
         cells = stream * kv_size + np.asarray(rows, dtype=np.int32)  # (n_rows,) global rows
         idx = mx.array(head_rows(cells, kv_size, hp.n_head_kv))  # (n_rows, n_head_kv)
-        for il, k in enumerate(self.k_l):
+        for i, (il, k) in enumerate(zip(self.layers, self.k_l, strict=True)):
             flat = k.reshape(-1, hp.n_embd_head_k)  # (n_stream * n_head_kv * kv_size, d_k)
-            k_rows = build_rope_shift(flat[idx], shift, hp, rope_factors)  # (n_rows, n_hkv, d_k)
+            k_rows = build_rope_shift(flat[idx], shift, hp, rope_factors, il)  # (n_rows, hkv, d_k)
             flat[idx.reshape(-1)] = k_rows.reshape(-1, hp.n_embd_head_k).astype(k.dtype)
-            self.k_l[il] = flat.reshape(k.shape)
+            self.k_l[i] = flat.reshape(k.shape)
 
     def copy_stream(self, ssrc: int, sdst: int) -> None:
         """Twin of
@@ -494,7 +501,7 @@ class KVCache(ref.KVCache):
         restore comes back as MLX tensors, head-major again, even after an error.
         Re-entrant: inside, the tensors are already on the host.
         """
-        if isinstance(self.k_l[0], np.ndarray):
+        if not self.k_l or isinstance(self.k_l[0], np.ndarray):  # no layers, or on the host
             yield
             return
         dt, n_head_kv = mx_dtype(self.dtype), self.hparams.n_head_kv

@@ -44,6 +44,8 @@ from numpy.typing import DTypeLike
 
 from accelerated.memory.kv_cache import KVCache, mx_dtype
 from accelerated.ops import add, build_attn_mha, mul, mul_mat, rms_norm, swiglu
+from accelerated.ops import softcap as softcap_op
+from accelerated.ops.attention import stream_blocks, stream_mask
 from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rope_fused, rotate_pairs
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
 from reference.batch import Batch, BatchAllocr
@@ -342,7 +344,9 @@ def build_qkv(
 
 # --8<-- [start:attn_grouped]
 def attn_grouped(
-    q: mx.array, k: mx.array, v: mx.array, kq_mask: mx.array, kq_scale: float
+    q: mx.array, k: mx.array, v: mx.array, kq_mask: mx.array, kq_scale: float,
+    softcap: float = 0.0,
+    n_stream: int = 1,
 ) -> mx.array:
     r"""[`accelerated.ops.build_attn_mha`][accelerated.ops.attention.build_attn_mha] for the CPU:
     the query heads of a KV group as rows.
@@ -350,10 +354,14 @@ def attn_grouped(
     MLX's CPU backend has no fused attention kernel: ``mx.fast.scaled_dot_product_attention``
     falls back to ``matmul``, ``softmax(precise=True)``, ``matmul``, batched over the
     ``n_head / n_head_kv`` query heads that share a KV head. Here those query heads are
-    stacked as extra rows of one product per KV head, $(r \cdot n_{tokens}) 	imes d$ by
-    $d 	imes n_{kv}$: the same dot products in the same order (bit for bit the fallback's
+    stacked as extra rows of one product per KV head, $(r \cdot n_{tokens}) \times d$ by
+    $d \times n_{kv}$: the same dot products in the same order (bit for bit the fallback's
     result, ``tests/test_twin_reuse.py``), in ``n_head_kv`` BLAS calls instead of
     ``n_head``, which for one token costs half the time. Rows with no visible key are zeros.
+
+    With a soft-cap $c > 0$ (Gemma 2) the scores are capped before the scale and the mask,
+    as in the reference: $s = c \tanh(q k^T / c)$, then $\mathrm{softmax}(\sigma s + M)$
+    (``q`` is not scaled first then).
 
     Args:
         q: ``(n_tokens, n_head, d_k)``.
@@ -361,6 +369,9 @@ def attn_grouped(
         v: ``(n_kv, n_head_kv, d_v)``.
         kq_mask: ``(n_tokens, n_kv)`` additive mask.
         kq_scale: the $1/\sqrt{d_k}$ factor.
+        softcap: the attention soft-cap $c$; 0 for none.
+        n_stream: KV streams: one attention per stream, as
+            [`reference.ops.attention.build_attn_mha`][reference.ops.attention.build_attn_mha].
 
     Returns:
         ``(n_tokens, n_head * d_v)``.
@@ -375,18 +386,23 @@ def attn_grouped(
     """
     n_tokens, n_head, d_k = q.shape
     n_kv, n_head_kv, d_v = v.shape
-    rep = n_head // n_head_kv
-    mask = kq_mask[:n_tokens].astype(q.dtype)  # (n_tokens, n_kv)
-    visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (n_tokens, 1)
-    q = q * mx.array(kq_scale, q.dtype)  # the fallback scales q first
-    q = q.reshape(n_tokens, n_head_kv, rep, d_k).transpose(1, 2, 0, 3)  # (hkv, rep, n_t, d_k)
-    kq = q.reshape(n_head_kv, rep * n_tokens, d_k) @ k.transpose(1, 2, 0)  # (hkv, r*n_t, n_kv)
-    kq = kq.reshape(n_head_kv, rep, n_tokens, n_kv) + mask  # (hkv, rep, n_tokens, n_kv)
-    kq = mx.softmax(kq, axis=-1, precise=True).reshape(n_head_kv, rep * n_tokens, n_kv)
-    kqv = kq @ v.transpose(1, 0, 2)  # (hkv, rep * n_tokens, d_v)
-    kqv = kqv.reshape(n_head_kv, rep, n_tokens, d_v)
+    ns, rep = n_stream, n_head // n_head_kv
+    n_t, n_k = n_tokens // ns, n_kv // ns  # tokens and cells of one stream
+    mask = stream_mask(kq_mask[:n_tokens].astype(q.dtype), ns)[:, None]  # (ns,1,1,n_t,n_k)
+    visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (ns, 1, 1, n_t, 1)
+    if softcap <= 0.0:
+        q = q * mx.array(kq_scale, q.dtype)  # the fallback scales q first
+    q = q.reshape(ns, n_t, n_head_kv, rep, d_k).transpose(0, 2, 3, 1, 4)  # (ns,hkv,rep,n_t,d)
+    k = stream_blocks(k, ns).transpose(0, 2, 3, 1)  # (ns, hkv, d_k, n_k)
+    kq = q.reshape(ns, n_head_kv, rep * n_t, d_k) @ k  # (ns, hkv, rep * n_t, n_k)
+    if softcap > 0.0:  # the capped raw scores, then the scale (soft_max_ext's order)
+        kq = softcap_op(kq, softcap) * mx.array(kq_scale, q.dtype)  # (ns, hkv, r*n_t, n_k)
+    kq = kq.reshape(ns, n_head_kv, rep, n_t, n_k) + mask  # (ns, hkv, rep, n_t, n_k)
+    kq = mx.softmax(kq, axis=-1, precise=True).reshape(ns, n_head_kv, rep * n_t, n_k)
+    kqv = kq @ stream_blocks(v, ns).transpose(0, 2, 1, 3)  # (ns, hkv, rep * n_t, d_v)
+    kqv = kqv.reshape(ns, n_head_kv, rep, n_t, d_v)
     kqv = mx.where(visible, kqv, mx.array(0, kqv.dtype))  # fully masked rows: zeros
-    return kqv.transpose(2, 0, 1, 3).reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head*d_v)
+    return kqv.transpose(0, 3, 1, 2, 4).reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head*d_v)
 # --8<-- [end:attn_grouped]
 
 
@@ -418,7 +434,7 @@ def build_attn(
     v = inp.get_v(il)  # (n_kv, n_head_kv, d_v)
     kq_mask = inp.get_kq_mask(il)  # (n_tokens, n_kv)
     mha = build_attn_mha if gpu_paths() else attn_grouped
-    cur = mha(q_cur, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
+    cur = mha(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)  # (n_tokens, n_head*d_v)
     return _bias(linear(wo, cur), wo_b)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn]
 

@@ -13,6 +13,7 @@ from accelerated.ops.matmul import mul_mat
 from accelerated.ops.norm import norm, rms_norm
 from accelerated.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM, rope_ext
 from accelerated.ops.rows import get_rows, set_rows
+from accelerated.ops.softcap import softcap, tanh
 from accelerated.ops.ssm import ssm_conv, ssm_scan
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "set_rows",
     "silu",
     "soft_max_ext",
+    "softcap",
     "ssm_conv",
     "ssm_scan",
     "swiglu",
+    "tanh",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from accelerated.ops.softcap import softcap as softcap_op
 from reference.ops.attention import _check_attn_args, _check_soft_max_args, _tile_reps
 from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
 
@@ -74,6 +75,34 @@ def soft_max_ext(
 # --8<-- [end:soft_max_ext]
 
 
+# --8<-- [start:stream_blocks]
+def stream_blocks(x: mx.array, n_stream: int) -> mx.array:
+    """Twin of [`reference.ops.attention.stream_blocks`][reference.ops.attention.stream_blocks].
+
+    Examples:
+        >>> stream_blocks(mx.arange(6).reshape(6, 1), 2)[:, :, 0].tolist()
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    return x.reshape((n_stream, x.shape[0] // n_stream) + tuple(x.shape[1:]))
+
+
+def stream_mask(kq_mask: mx.array, n_stream: int) -> mx.array:
+    """Twin of [`reference.ops.attention.stream_mask`][reference.ops.attention.stream_mask].
+
+    The diagonal blocks, sliced one stream at a time (``n_stream`` is static in a graph).
+
+    Examples:
+        >>> stream_mask(mx.arange(16.0).reshape(4, 4), 2)[:, 0].tolist()
+        [[[0.0, 1.0], [4.0, 5.0]], [[10.0, 11.0], [14.0, 15.0]]]
+    """
+    if n_stream == 1:
+        return kq_mask[None, None]  # (1, 1, n_tokens, n_kv)
+    n_t, n_k = kq_mask.shape[0] // n_stream, kq_mask.shape[1] // n_stream
+    blocks = [kq_mask[s * n_t:(s + 1) * n_t, s * n_k:(s + 1) * n_k] for s in range(n_stream)]
+    return mx.stack(blocks)[:, None]  # (n_stream, 1, n_tokens/ns, n_kv)
+# --8<-- [end:stream_blocks]
+
+
 # --8<-- [start:build_attn_mha]
 def build_attn_mha(
     q: mx.array,
@@ -82,6 +111,8 @@ def build_attn_mha(
     kq_mask: mx.array,
     kq_scale: float,
     max_bias: float = 0.0,
+    softcap: float = 0.0,
+    n_stream: int = 1,
 ) -> mx.array:
     r"""Twin of [`reference.ops.attention.build_attn_mha`][reference.ops.attention.build_attn_mha].
 
@@ -89,6 +120,11 @@ def build_attn_mha(
     ``soft_max_ext``, ``mul_mat``: GQA is native (no repeat of K/V), the softmax accumulates
     in float32, and ALiBi enters as a per-head additive mask. Rows with no visible key are
     zeros, as in the reference.
+
+    With a soft-cap ($c > 0$, Gemma 2) the fused kernel cannot apply $c \tanh(QK^T / c)$
+    between the product and the softmax: the reference's op sequence runs instead, on MLX
+    ([`softcap`][accelerated.ops.softcap.softcap] then [`soft_max_ext`][]), with the query
+    heads of a KV group as rows of one product (`_attn_softcapped`).
 
     Examples:
         >>> import numpy as np
@@ -102,22 +138,44 @@ def build_attn_mha(
         ((2, 12), True)
     """
     q, k, v, kq_mask = mx.array(q), mx.array(k), mx.array(v), mx.array(kq_mask)
-    _check_attn_args(q, k, v, kq_mask)
+    _check_attn_args(q, k, v, kq_mask, n_stream)
+    if softcap > 0.0:
+        return _attn_softcapped(q, k, v, kq_mask, kq_scale, max_bias, softcap, n_stream)
     n_tokens, n_head, _ = q.shape
-    mask = kq_mask[:n_tokens].astype(q.dtype)  # (n_tokens, n_kv)
-    visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (n_tokens, 1)
+    ns = n_stream
+    mask = stream_mask(kq_mask[:n_tokens].astype(q.dtype), ns)  # (ns, 1, n_tokens/ns, n_kv/ns)
+    visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (ns, 1, n_tokens/ns, 1)
     if max_bias > 0.0:
         slope = alibi_slopes(n_head, max_bias).astype(q.dtype)  # (n_head,)
-        mask = slope[:, None, None] * mask  # (n_head, n_tokens, n_kv)
+        mask = slope[:, None, None] * mask  # (ns, n_head, n_tokens/ns, n_kv/ns)
     out = mx.fast.scaled_dot_product_attention(
-        q.transpose(1, 0, 2)[None],  # (1, n_head, n_tokens, d_k)
-        k.transpose(1, 0, 2)[None],  # (1, n_head_kv, n_kv, d_k)
-        v.transpose(1, 0, 2)[None],  # (1, n_head_kv, n_kv, d_v)
+        stream_blocks(q, ns).transpose(0, 2, 1, 3),  # (ns, n_head, n_tokens/ns, d_k)
+        stream_blocks(k, ns).transpose(0, 2, 1, 3),  # (ns, n_head_kv, n_kv/ns, d_k)
+        stream_blocks(v, ns).transpose(0, 2, 1, 3),  # (ns, n_head_kv, n_kv/ns, d_v)
         scale=kq_scale,
         mask=mask,
-    )[0]  # (n_head, n_tokens, d_v)
+    )  # (ns, n_head, n_tokens/ns, d_v)
     out = mx.where(visible, out, mx.array(0, dtype=out.dtype))  # fully masked rows: zeros
-    return out.transpose(1, 0, 2).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
+    return out.transpose(0, 2, 1, 3).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
 
 
 # --8<-- [end:build_attn_mha]
+
+
+def _attn_softcapped(q: mx.array, k: mx.array, v: mx.array, kq_mask: mx.array, kq_scale: float,
+                     max_bias: float, cap: float, n_stream: int) -> mx.array:
+    """``build_attn_mha`` with a soft-cap: ``mul_mat``, ``softcap``, ``soft_max_ext``,
+    ``mul_mat`` as the reference orders them, one attention per stream; GQA by grouping the
+    query heads of a KV head."""
+    n_tokens, n_head, d_k = q.shape
+    n_kv, n_head_kv, d_v = v.shape
+    ns, rep = n_stream, n_head // n_head_kv
+    n_t, n_k = n_tokens // ns, n_kv // ns  # tokens and cells of one stream
+    qg = stream_blocks(q, ns).transpose(0, 2, 1, 3).reshape(ns, n_head_kv, rep * n_t, d_k)
+    kq = qg @ stream_blocks(k, ns).transpose(0, 2, 3, 1)  # (ns, hkv, rep * n_t, n_k)
+    kq = softcap_op(kq.reshape(ns, n_head, n_t, n_k), cap)  # (ns, n_head, n_t, n_k)
+    mask = stream_mask(kq_mask[:n_tokens], ns)  # (ns, 1, n_t, n_k)
+    kq = soft_max_ext(kq, mask, kq_scale, max_bias)  # (ns, n_head, n_t, n_k)
+    kqv = kq.reshape(ns, n_head_kv, rep * n_t, n_k) @ stream_blocks(v, ns).transpose(0, 2, 1, 3)
+    kqv = kqv.reshape(ns, n_head, n_t, d_v)
+    return kqv.transpose(0, 2, 1, 3).reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head * d_v)

@@ -526,6 +526,98 @@ class LlamaCppRunner:
 _LOG_CALLBACK = None  # keeps llama.cpp's no-op logger alive
 
 
+# --8<-- [start:LlamaCppBatchContext]
+class LlamaCppBatchContext:
+    """llama.cpp's own ``llama_context`` behind the names batched-bench calls.
+
+    [`reference.batched_bench.batched_bench`][reference.batched_bench.batched_bench] is written
+    against the Context protocol, so ``llamaref batched-bench --vs llama.cpp`` runs the same
+    code over llama.cpp: ``decode`` (one ``llama_batch`` per call), ``synchronize``,
+    ``memory.clear / seq_cp / seq_rm`` and the sizes. llama.cpp keeps its defaults (f16 KV
+    cache, the file's quantized matmuls, flash attention ``auto``) with ``n_threads`` threads;
+    the sizes are ours (``n_ctx``, ``n_batch``, ``n_ubatch``, ``n_seq_max``, ``kv_unified``).
+
+    Raises:
+        PeerError: llama-cpp-python is missing, or llama.cpp cannot load the file or make
+            the context.
+    """
+
+    recurrent = False
+
+    def __init__(self, path: Path, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
+                 kv_unified: bool, n_threads: int | None = None):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise PeerError("--vs llama.cpp needs llama-cpp-python: pip install "
+                            "'llamaref[oracles]'") from None
+        self._ll = ll = llama_cpp
+        _silence(ll)
+        ll.llama_backend_init()
+        self._model = ll.llama_model_load_from_file(str(path).encode(),
+                                                    ll.llama_model_default_params())
+        if not self._model:
+            raise PeerError(f"llama.cpp could not load {path}")
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, n_ubatch
+        cparams.n_seq_max, cparams.kv_unified = n_seq_max, kv_unified
+        cparams.n_threads = cparams.n_threads_batch = n_threads or default_threads()
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise PeerError("llama.cpp could not create a context of these sizes")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.n_ctx = ll.llama_n_ctx(self._ctx)
+        self.n_batch = ll.llama_n_batch(self._ctx)
+        self.n_ubatch = ll.llama_n_ubatch(self._ctx)
+        self.n_seq_max = ll.llama_n_seq_max(self._ctx)
+        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
+        self.n_threads = cparams.n_threads
+        self.kv_unified = kv_unified
+        self.memory = self
+
+    def __del__(self):
+        if getattr(self, "_ctx", None):
+            self._ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            self._ll.llama_model_free(self._model)
+            self._model = None
+
+    def decode(self, batch) -> int:
+        """``llama_decode`` of a [`reference.batch.Batch`][reference.batch.Batch] (one id per
+        token, as batched-bench makes them)."""
+        ll, n = self._ll, batch.n_tokens
+        b = ll.llama_batch_init(n, 0, 1)
+        try:
+            b.n_tokens = n
+            for i in range(n):
+                b.token[i] = int(batch.token[i])
+                b.pos[i] = int(batch.pos[i])
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = int(batch.seq_id[i][0])
+                b.logits[i] = bool(batch.logits[i])
+            return int(ll.llama_decode(self._ctx, b))
+        finally:
+            ll.llama_batch_free(b)
+
+    def synchronize(self) -> None:
+        """``llama_synchronize``."""
+        self._ll.llama_synchronize(self._ctx)
+
+    def clear(self, data: bool = True) -> None:
+        """``llama_memory_clear``."""
+        self._ll.llama_memory_clear(self._mem, data)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``llama_memory_seq_cp``."""
+        self._ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """``llama_memory_seq_rm``."""
+        return bool(self._ll.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+# --8<-- [end:LlamaCppBatchContext]
+
+
 def _silence(ll) -> None:
     """Install a no-op ``llama_log_set`` callback (once per process)."""
     import ctypes

@@ -4,7 +4,8 @@ A context does not know which memory it holds. llama.cpp's ``llama_context::deco
 a ``llama_memory_i``: the KV cache of an attention model and the recurrent memory of a Mamba
 model answer the same calls, and what differs (cells per token or per sequence, a slot or a
 range of cells, a K-shift or none) stays inside each. Here
-[`KVCache`][reference.memory.kv_cache.KVCache] and
+[`KVCache`][reference.memory.kv_cache.KVCache], the pair of caches of a sliding-window model
+[`KVCacheISWA`][reference.memory.kv_cache_iswa.KVCacheISWA] and
 [`RecurrentMemory`][reference.memory.recurrent.RecurrentMemory] implement [`Memory`][]:
 
 | ours | llama.cpp |
@@ -17,7 +18,7 @@ range of cells, a K-shift or none) stays inside each. Here
 | ``init_update(rope_factors)``, ``update`` | ``init_update``; the K-shift and stream copies |
 | ``can_shift()``, ``get_size()`` | ``get_can_shift()``, ``get_size()`` |
 | ``clear``, ``seq_rm/cp/keep/add/div``, ``seq_pos_min/max`` | the same |
-| ``state_write(hparams, seq_id)``, ``state_read(hparams, data, dest_seq_id)`` | the same |
+| ``state_write(hparams, seq_id, flags)``, ``state_read(..., dest_seq_id, flags)`` | the same |
 | ``state_save_file``, ``state_load_file`` | ``llama_state_save_file`` / ``load_file`` |
 
 A *placement* is where a ubatch goes: a [`SlotInfo`][reference.memory.kv_cache.SlotInfo] (one cell
@@ -226,9 +227,10 @@ class Memory(Protocol):
 
     def seq_pos_max(self, seq_id: int) -> int: ...
 
-    def state_write(self, hparams: Any, seq_id: int = -1) -> bytes: ...
+    def state_write(self, hparams: Any, seq_id: int = -1, flags: int = 0) -> bytes: ...
 
-    def state_read(self, hparams: Any, data: bytes, dest_seq_id: int = -1) -> None: ...
+    def state_read(self, hparams: Any, data: bytes, dest_seq_id: int = -1,
+                   flags: int = 0) -> None: ...
 
     def state_save_file(self, path: str | Path, hparams: Any, tokens: Any,
                         seq_id: int = -1) -> int: ...

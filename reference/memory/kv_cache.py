@@ -34,6 +34,13 @@ too:
 4. [`KVCache.update`][], before the next batch, re-ropes the keys of the cells whose
    position changed (``seq_add``/``seq_div``): the lazy K-shift.
 
+Layers. A cache holds the K/V tensors of the model layers it is given (``layers``, llama.cpp's
+layer ``filter``; all of them by default), ``k_l[i]`` for layer ``layers[i]``
+([`KVCache.layer_id`][] is ``map_layer_ids``), and its own window (``n_swa``, ``swa_type``).
+A model with sliding-window layers gets two such caches
+([`reference.memory.kv_cache_iswa`][reference.memory.kv_cache_iswa]); its state blob carries its
+own layers only.
+
 The array work of these steps is in small methods the MLX twin overrides
 ([`KVCache.copy_stream`][], [`KVCache.apply_k_shift`][], [`KVCache.on_host`][]); the
 bookkeeping around them is written once, here.
@@ -45,7 +52,7 @@ where llama.cpp asserts, [`KVCacheError`][] is raised before anything changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +137,32 @@ def kv_size_swa(kv_size: int, n_swa: int, n_seq_max: int, n_ubatch: int, kv_unif
 # --8<-- [end:kv_size_swa]
 
 
+# --8<-- [start:cache_layers]
+def cache_layers(hparams: LlamaHParams, layers: Sequence[int] | None) -> tuple[int, ...]:
+    """The model layers a cache holds: ``layers`` checked, or all of them when None.
+
+    llama.cpp's ``llama_kv_cache`` takes a layer ``filter`` callback and keeps a tensor pair
+    for the layers it accepts, with ``map_layer_ids`` from the model's layer index to its
+    own; the list of accepted layers is that filter here.
+
+    Raises:
+        KVCacheError: a layer out of ``[0, n_layer)``, repeated, or out of order.
+
+    Examples:
+        >>> from reference.testing import tiny_hparams
+        >>> cache_layers(tiny_hparams(n_layer=3), None), cache_layers(tiny_hparams(), [1])
+        ((0, 1, 2), (1,))
+    """
+    if layers is None:
+        return tuple(range(hparams.n_layer))
+    layers = tuple(int(il) for il in layers)
+    if any(not 0 <= il < hparams.n_layer for il in layers) or list(layers) != sorted(set(layers)):
+        raise KVCacheError(f"layers {list(layers)} must be ascending, distinct layers of the "
+                           f"model's {hparams.n_layer}")
+    return layers
+# --8<-- [end:cache_layers]
+
+
 # --8<-- [start:SlotInfo]
 @dataclass(frozen=True)
 class SlotInfo:
@@ -165,8 +198,12 @@ class SlotInfo:
 
 
 # --8<-- [start:k_shift_rope_params]
-def k_shift_rope_params(hparams: LlamaHParams) -> dict:
-    r"""The ``rope_ext`` arguments of the K-shift: [`rope_cparams`][], magnitude 1.
+def k_shift_rope_params(hparams: LlamaHParams, il: int | None = None) -> dict:
+    r"""The ``rope_ext`` arguments of the K-shift of layer ``il``: [`rope_cparams`][], magnitude 1.
+
+    ``rope_cparams(hparams, il)``: a SWA layer may turn with its own base and scale
+    (``llama_model::get_rope_freq_base(cparams, il)`` in ``build_graph_shift``); ``il = None``
+    gives the non-SWA values.
 
     A K-shift must only *turn* the keys: by additivity,
     $R(\Delta)\,R(p)\,k = R(p + \Delta)\,k$. With YaRN, ``rope_ext`` also multiplies by
@@ -179,7 +216,7 @@ def k_shift_rope_params(hparams: LlamaHParams) -> dict:
         >>> k_shift_rope_params(tiny_hparams())["attn_factor"]
         1.0
     """
-    params = rope_cparams(hparams)
+    params = rope_cparams(hparams, il)
     if params["ext_factor"] != 0.0:
         mscale = 1.0 + 0.1 * np.log(1.0 / params["freq_scale"])
         params["attn_factor"] = params["attn_factor"] / mscale
@@ -189,7 +226,8 @@ def k_shift_rope_params(hparams: LlamaHParams) -> dict:
 
 # --8<-- [start:build_rope_shift]
 def build_rope_shift(
-    k: np.ndarray, shift: np.ndarray, hparams: LlamaHParams, rope_factors: np.ndarray | None = None
+    k: np.ndarray, shift: np.ndarray, hparams: LlamaHParams, rope_factors: np.ndarray | None = None,
+    il: int | None = None,
 ) -> np.ndarray:
     r"""The K-shift of one layer's keys: turn each cell's key by its recorded shift.
 
@@ -202,6 +240,8 @@ def build_rope_shift(
         shift: the shift of each cell ``(n_cells,)`` (0 for untouched cells).
         hparams: the model's hyperparameters (RoPE type, base, scaling).
         rope_factors: the model's ``rope_freqs.weight`` or None.
+        il: the layer (its RoPE base and scale: [`k_shift_rope_params`][]); None: the
+            non-SWA values.
 
     Returns:
         The turned keys, same shape and dtype.
@@ -215,7 +255,7 @@ def build_rope_shift(
         >>> bool(np.allclose(build_rope_shift(kp, np.array([2]), hp), k5, atol=1e-12))
         True
     """
-    params = k_shift_rope_params(hparams)
+    params = k_shift_rope_params(hparams, il)
     return rope_ext(k, shift, freq_factors=rope_factors, **params)
 # --8<-- [end:build_rope_shift]
 
@@ -345,16 +385,22 @@ class KVCacheAttnInput:
     - ``k_idxs``: the global row of each token, ``stream * kv_size + cell`` (``k_idxs``);
     - ``get_k``/``get_v``: the first ``n_kv`` cells of each stream of the slot, streams
       concatenated: ``(len(strm) * n_kv, n_head_kv, d)``;
-    - ``get_kq_mask``: [`set_input_kq_mask`][]; the same for every layer (every layer of
-      this cache is a SWA layer when ``n_swa > 0``).
+    - ``get_kq_mask``: [`set_input_kq_mask`][] with the cache's own window; the same for every
+      layer of the cache (all of them are SWA layers when its ``n_swa > 0``).
 
-    With several streams llama.cpp runs one attention per stream (a 4-D view and a mask per
-    stream); concatenating the streams with the other streams' cells masked gives the same
-    softmax, so the model's single ``(n_tokens, n_kv)`` mask interface is kept.
+    ``il`` is the model's layer index; the cache maps it to its own tensors
+    ([`KVCache.layer_id`][]).
+
+    With several streams the ubatch's tokens come stream after stream, in equal blocks, and
+    the views and the mask put the streams' cells block after block; ``n_stream`` tells the
+    attention to run once per stream (``build_attn_mha``'s ``n_stream``), as llama.cpp's 4-D
+    views do, reading only the mask's diagonal blocks (a token sees nothing in another
+    stream's block).
     """
 
     def __init__(self, cache: KVCache, ubatch, sinfo: SlotInfo):
         self.cache, self.sinfo, self.ubatch = cache, sinfo, ubatch
+        self.n_stream = sinfo.n_stream()  # one attention per stream
         self.n_kv = cache.get_n_kv(sinfo)
         kv_size = cache.get_size()
         self.k_idxs = np.array(
@@ -379,11 +425,13 @@ class KVCacheAttnInput:
 
     def cpy_k(self, il: int, k_cur: np.ndarray) -> None:
         """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` in the slot's cells of layer ``il``."""
-        set_rows(self._rows(self.cache.k_l[il]), k_cur.reshape(len(self.k_idxs), -1), self.k_idxs)
+        k = self.cache.k_l[self.cache.layer_id(il)]
+        set_rows(self._rows(k), k_cur.reshape(len(self.k_idxs), -1), self.k_idxs)
 
     def cpy_v(self, il: int, v_cur: np.ndarray) -> None:
         """Store ``v_cur`` ``(n_tokens, n_head_kv, d_v)`` in the slot's cells of layer ``il``."""
-        set_rows(self._rows(self.cache.v_l[il]), v_cur.reshape(len(self.k_idxs), -1), self.k_idxs)
+        v = self.cache.v_l[self.cache.layer_id(il)]
+        set_rows(self._rows(v), v_cur.reshape(len(self.k_idxs), -1), self.k_idxs)
 
     def _view(self, t: np.ndarray, d: int) -> np.ndarray:
         n_head_kv = self.cache.hparams.n_head_kv
@@ -394,11 +442,13 @@ class KVCacheAttnInput:
 
     def get_k(self, il: int) -> np.ndarray:
         """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
-        return self._view(self.cache.k_l[il], self.cache.hparams.n_embd_head_k)
+        k = self.cache.k_l[self.cache.layer_id(il)]
+        return self._view(k, self.cache.hparams.n_embd_head_k)
 
     def get_v(self, il: int) -> np.ndarray:
         """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
-        return self._view(self.cache.v_l[il], self.cache.hparams.n_embd_head_v)
+        v = self.cache.v_l[self.cache.layer_id(il)]
+        return self._view(v, self.cache.hparams.n_embd_head_v)
 
     def get_kq_mask(self, il: int) -> np.ndarray:
         """The KQ mask ``(n_tokens, ns * n_kv)`` (the same for every layer)."""
@@ -421,16 +471,28 @@ class KVCache:
             [`kv_size_swa`][] cells (every layer of this cache is a SWA layer).
         n_ubatch: the ubatch size, used by [`kv_size_swa`][].
         dtype: dtype of K, V and the mask.
+        layers: the model's layers this cache holds, ascending (llama.cpp's layer
+            ``filter``); None: all of them. ``k_l[i]`` / ``v_l[i]`` belong to layer
+            ``layers[i]`` ([`layer_id`][] maps a model layer to ``i``, ``map_layer_ids``);
+            a state blob carries these layers only.
+        n_swa: the window of this cache; None: ``hparams.n_swa``. The base cache of an
+            iSWA pair ([`reference.memory.kv_cache_iswa`][reference.memory.kv_cache_iswa])
+            has none (0 with ``swa_type = SWA_TYPE_NONE``).
+        swa_type: the window type of this cache; None: ``hparams.swa_type``.
 
     Raises:
         KVCacheError: ``kv_size`` not a positive multiple of ``n_pad``, ``n_seq_max`` out of
-            ``[1, LLAMA_MAX_SEQ]``.
+            ``[1, LLAMA_MAX_SEQ]``, ``layers`` not ascending layers of the model, a window
+            (``n_swa``, ``swa_type``) half set.
 
     Examples:
         >>> from reference.testing import tiny_hparams
         >>> cache = KVCache(tiny_hparams(), kv_size=8, n_seq_max=2)
         >>> cache.k_l[0].shape, cache.get_n_stream(), cache.seq_pos_max(0)
         ((1, 8, 8), 1, -1)
+        >>> odd = KVCache(tiny_hparams(n_layer=3), kv_size=8, layers=[1])
+        >>> len(odd.k_l), odd.layer_id(1)
+        (1, 0)
     """
 
     def __init__(
@@ -443,6 +505,9 @@ class KVCache:
         swa_full: bool = True,
         n_ubatch: int = 512,
         dtype: DTypeLike = np.float32,
+        layers: Sequence[int] | None = None,
+        n_swa: int | None = None,
+        swa_type: int | None = None,
     ):
         if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
             raise KVCacheError(f"n_seq_max={n_seq_max} must be in [1, {LLAMA_MAX_SEQ}]")
@@ -453,8 +518,13 @@ class KVCache:
         self.kv_unified = kv_unified
         self.n_stream = 1 if kv_unified else n_seq_max
         self.n_pad = n_pad
-        self.n_swa = hparams.n_swa
-        self.swa_type = hparams.swa_type
+        self.layers = cache_layers(hparams, layers)
+        self.map_layer_ids = {il: i for i, il in enumerate(self.layers)}
+        self.n_swa = hparams.n_swa if n_swa is None else n_swa
+        self.swa_type = hparams.swa_type if swa_type is None else swa_type
+        if self.n_swa < 0 or (self.n_swa > 0) != (self.swa_type != SWA_TYPE_NONE):
+            raise KVCacheError(f"n_swa={self.n_swa} and swa_type={self.swa_type} disagree: a "
+                               "window needs n_swa > 0 and a window type, no window neither")
         if self.swa_type != SWA_TYPE_NONE and not swa_full:
             kv_size = kv_size_swa(kv_size, self.n_swa, n_seq_max, n_ubatch, kv_unified)
         self.dtype = np.dtype(dtype)
@@ -464,11 +534,23 @@ class KVCache:
         self.seq_to_stream = [0] * LLAMA_MAX_SEQ if kv_unified else list(range(n_seq_max))
         shape_k = (self.n_stream, kv_size, hparams.n_embd_k_gqa())
         shape_v = (self.n_stream, kv_size, hparams.n_embd_v_gqa())
-        self.k_l = [np.zeros(shape_k, self.dtype) for _ in range(hparams.n_layer)]
-        self.v_l = [np.zeros(shape_v, self.dtype) for _ in range(hparams.n_layer)]
+        self.k_l = [np.zeros(shape_k, self.dtype) for _ in self.layers]
+        self.v_l = [np.zeros(shape_v, self.dtype) for _ in self.layers]
         self.sc_info: list[tuple[int, int]] = []  # pending stream copies (ssrc, sdst)
 
     # ---- sizes ---------------------------------------------------------------------------
+
+    def layer_id(self, il: int) -> int:
+        """The index in ``k_l`` / ``v_l`` of the model's layer ``il`` (``map_layer_ids.at(il)``).
+
+        Raises:
+            KVCacheError: the cache does not hold layer ``il``.
+        """
+        try:
+            return self.map_layer_ids[il]
+        except KeyError:
+            raise KVCacheError(f"layer {il} is not in this cache (its layers: "
+                               f"{list(self.layers)})") from None
 
     def get_size(self) -> int:
         """Cells per stream."""
@@ -822,7 +904,11 @@ class KVCache:
         [`apply_ubatch`][] (which touches other cells) and the heads of streams other
         than stream 0 are not restored after a failure. Here the cells and heads are
         restored exactly (a divergence; decode's "memory unchanged" holds), by the cells'
-        undo journal ([`undone`][]): the cost is what the ubatches changed.
+        undo journal ([`undone`][]): the cost is what the ubatches changed. The purge leaks
+        after a success too: when a later ubatch of the batch reuses a cell whose position
+        an earlier ubatch's window still needs, llama.cpp computes the earlier ubatch without
+        it, and its logits depend on ``n_ubatch`` (``tests/test_oracle_iswa.py``,
+        ``test_llamacpp_prepare_leaks_the_swa_purge_divergence``); here they do not.
         """
         res: list[SlotInfo] = []
         with self.undone():
@@ -977,7 +1063,8 @@ class KVCache:
                       rope_factors: np.ndarray | None = None) -> None:
         """The array step of [`update`][]: turn the keys of ``rows`` of ``stream`` by ``shift``.
 
-        In every layer, [`build_rope_shift`][] on the rows' keys, written back in place.
+        In every layer of the cache, [`build_rope_shift`][] with that layer's RoPE parameters
+        on the rows' keys, written back in place.
 
         Args:
             stream: the stream.
@@ -986,9 +1073,9 @@ class KVCache:
             rope_factors: the model's ``rope_freqs.weight`` or None.
         """
         hp = self.hparams
-        for k in self.k_l:
+        for il, k in zip(self.layers, self.k_l, strict=True):
             k_rows = k[stream, rows].reshape(len(rows), hp.n_head_kv, hp.n_embd_head_k)
-            k_rows = build_rope_shift(k_rows, shift, hp, rope_factors)
+            k_rows = build_rope_shift(k_rows, shift, hp, rope_factors, il)
             k[stream, rows] = k_rows.reshape(len(rows), -1)  # (n_rows, n_embd_k_gqa)
 
     def copy_stream(self, ssrc: int, sdst: int) -> None:
@@ -1011,17 +1098,37 @@ class KVCache:
         """
         yield
 
-    def state_write(self, hparams: LlamaHParams, seq_id: int = -1) -> bytes:
+    def state_write(self, hparams: LlamaHParams, seq_id: int = -1,
+                    flags: int = state_io.LLAMA_STATE_SEQ_FLAGS_NONE) -> bytes:
         """The memory, or one sequence, as bytes:
-        [`reference.memory.state.state_write`][reference.memory.state.state_write]."""
+        [`reference.memory.state.state_write`][reference.memory.state.state_write].
+
+        ``flags``: a cache alone has no partial state, so ``PARTIAL_ONLY`` writes everything,
+        the same bytes (``llama_kv_cache::state_write`` ignores its flags).
+        """
+        state_io.check_state_flags(flags)
         with self.on_host():
             return state_io.state_write(self, hparams, seq_id)
 
-    def state_read(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1) -> None:
+    def state_read(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1,
+                   flags: int = state_io.LLAMA_STATE_SEQ_FLAGS_NONE) -> None:
         """Restore a blob of [`state_write`][]:
-        [`reference.memory.state.state_read`][reference.memory.state.state_read]."""
+        [`reference.memory.state.state_read`][reference.memory.state.state_read] (``flags`` as
+        [`state_write`][])."""
+        self.state_apply(self.state_prepare(hparams, data, dest_seq_id, flags), dest_seq_id)
+
+    def state_prepare(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1,
+                      flags: int = state_io.LLAMA_STATE_SEQ_FLAGS_NONE) -> state_io.KVState:
+        """The checks of [`state_read`][], nothing changed:
+        [`reference.memory.state.state_prepare`][reference.memory.state.state_prepare]."""
+        state_io.check_state_flags(flags)
+        return state_io.state_prepare(self, hparams, data, dest_seq_id)
+
+    def state_apply(self, state: state_io.KVState, dest_seq_id: int = -1) -> None:
+        """Restore what [`state_prepare`][] accepted:
+        [`reference.memory.state.state_apply`][reference.memory.state.state_apply]."""
         with self.on_host():
-            state_io.state_read(self, hparams, data, dest_seq_id)
+            state_io.state_apply(self, state, dest_seq_id)
 
     def state_save_file(self, path: str | Path, hparams: LlamaHParams, tokens: ArrayLike,
                         seq_id: int = -1) -> int:

@@ -100,6 +100,7 @@ from reference.memory.state import (
     DTYPE_OF_GGML_TYPE,
     FILE_MAGIC,
     FILE_VERSION,
+    LLAMA_STATE_SEQ_FLAGS_NONE,
     StateError,
     _ggml_type,
     _seal,
@@ -107,6 +108,7 @@ from reference.memory.state import (
     _unseal,
     _write_atomic,
     _Writer,
+    check_state_flags,
     hparams_fingerprint,
     read_layer_rows,
     write_layer_rows,
@@ -881,13 +883,23 @@ class RecurrentMemory:
         """
         yield
 
-    def state_write(self, hparams: RecurrentHParams, seq_id: int = -1) -> bytes:
-        """The memory, or one sequence, as bytes: the module's [`state_write`][]."""
+    def state_write(self, hparams: RecurrentHParams, seq_id: int = -1,
+                    flags: int = LLAMA_STATE_SEQ_FLAGS_NONE) -> bytes:
+        """The memory, or one sequence, as bytes: the module's [`state_write`][].
+
+        ``flags`` are checked and otherwise ignored: a recurrent state is all partial, so
+        ``PARTIAL_ONLY`` writes it whole, the same bytes (``llama_memory_recurrent::state_write``
+        ignores them too).
+        """
+        check_state_flags(flags)
         with self.on_host():
             return state_write(self, hparams, seq_id)
 
-    def state_read(self, hparams: RecurrentHParams, data: bytes, dest_seq_id: int = -1) -> None:
-        """Restore a blob of [`state_write`][]: the module's [`state_read`][]."""
+    def state_read(self, hparams: RecurrentHParams, data: bytes, dest_seq_id: int = -1,
+                   flags: int = LLAMA_STATE_SEQ_FLAGS_NONE) -> None:
+        """Restore a blob of [`state_write`][]: the module's [`state_read`][] (``flags`` as
+        [`state_write`][])."""
+        check_state_flags(flags)
         with self.on_host():
             state_read(self, hparams, data, dest_seq_id)
 

@@ -94,6 +94,11 @@ CONTEXT_VERSION = 1
 FILE_MAGIC = b"LRSF"  # a state file: tokens + a memory blob (llama.cpp: 'ggsn' / 'ggsq')
 FILE_VERSION = 1
 CHECKSUM_SIZE = 32  # SHA-256
+LLAMA_STATE_SEQ_FLAGS_NONE = 0  # llama.h: the whole state of a sequence
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY = 1  # only the partial state (the SWA cache of an iSWA pair)
+LLAMA_STATE_SEQ_FLAGS_SWA_ONLY = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # its older name
+LLAMA_STATE_SEQ_FLAGS_ON_DEVICE = 2  # llama.h: device buffers; not supported here
+SEQ_STATE_MAGIC = 0xAF143CD8  # llama_context's io_magic, before a sequence blob
 # --8<-- [end:constants]
 
 
@@ -106,6 +111,30 @@ class StateError(LlamarefError, ValueError):
     a sequence id out of range, no room in the cache. Raised before the memory changes.
     """
 # --8<-- [end:StateError]
+
+
+# --8<-- [start:check_state_flags]
+def check_state_flags(flags: int) -> None:
+    """Refuse ``flags`` other than ``NONE`` (0) and ``PARTIAL_ONLY`` (1).
+
+    ``llama_state_seq_flags``: ``PARTIAL_ONLY`` (alias ``SWA_ONLY``) saves and restores
+    only the partial part of a memory: the SWA cache of an iSWA pair, the whole state of a
+    recurrent memory, everything for a cache alone. ``ON_DEVICE`` (2) keeps the data in
+    per-sequence device buffers in llama.cpp; it has no meaning here and is refused.
+
+    Raises:
+        StateError: any other value.
+
+    Examples:
+        >>> check_state_flags(LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        >>> check_state_flags(2)
+        Traceback (most recent call last):
+        ...
+        reference.memory.state.StateError: state flags 2 not supported: 0 (NONE) or 1 (PARTIAL_ONLY)
+    """
+    if flags not in (LLAMA_STATE_SEQ_FLAGS_NONE, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY):
+        raise StateError(f"state flags {flags} not supported: 0 (NONE) or 1 (PARTIAL_ONLY)")
+# --8<-- [end:check_state_flags]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,8 +624,8 @@ def _check_stream(memory: KVCache, st: StreamState, s: int, seq_id: int, n_k: in
     if st.cell_count > memory.get_size():
         raise StateError(f"does not fit: stream {s} needs {st.cell_count} cells, the cache has "
                          f"{memory.get_size()}")
-    if len(st.k) != memory.hparams.n_layer:
-        raise StateError(f"blob has {len(st.k)} layers, the model {memory.hparams.n_layer}")
+    if len(st.k) != len(memory.k_l):
+        raise StateError(f"blob has {len(st.k)} layers, the cache {len(memory.k_l)}")
     for il, (k, v) in enumerate(zip(st.k, st.v, strict=True)):
         if k.shape[1] != n_k or v.shape[1] != n_v:
             raise StateError(f"layer {il}: rows of {k.shape[1]}/{v.shape[1]} elements (K/V), "
@@ -723,13 +752,52 @@ def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id:
         ...
         reference.memory.state.StateError: blob holds sequence 1: restore it with dest_seq_id >= 0
     """
+    state_apply(memory, state_prepare(memory, hparams, data, dest_seq_id), dest_seq_id)
+# --8<-- [end:state_read]
+
+
+# --8<-- [start:state_prepare]
+def state_prepare(memory: KVCache, hparams: LlamaHParams, data: bytes,
+                  dest_seq_id: int = -1) -> KVState:
+    """Everything [`state_read`][] checks, without changing anything: the parsed blob.
+
+    [`state_parse`][], [`state_check`][], then for a sequence blob whether the slot search
+    finds room once ``dest_seq_id`` is removed (tried, then undone). A memory made of
+    several caches (the iSWA pair) prepares every part before it applies any
+    ([`state_apply`][]), so that a refusal leaves all of them unchanged.
+
+    Raises:
+        StateError: as [`state_read`][].
+    """
     state = state_parse(data)
     state_check(memory, hparams, state, dest_seq_id)
+    if dest_seq_id != -1:
+        st = next((st for st in state.streams if st.cell_count), None)
+        strm = memory.seq_to_stream[dest_seq_id]
+        cells, head = memory.v_cells[strm], memory.v_heads[strm]
+        if st is not None:
+            cells.begin()
+            try:
+                memory.seq_rm(dest_seq_id, -1, -1)
+                fits = memory.find_slot(_seq_ubatch(st, dest_seq_id), cont=False) is not None
+            finally:
+                cells.rollback()
+                memory.v_heads[strm] = head
+            if not fits:
+                free = memory.get_size() - cells.get_used()
+                raise StateError(f"does not fit: sequence needs {st.cell_count} cells, stream "
+                                 f"{strm} has {free} free (+{len(cells.seq_pos[dest_seq_id])} "
+                                 f"of sequence {dest_seq_id} it replaces)")
+    return state
+
+
+def state_apply(memory: KVCache, state: KVState, dest_seq_id: int = -1) -> None:
+    """Restore a blob [`state_prepare`][] accepted: the whole memory, or into ``dest_seq_id``."""
     if dest_seq_id == -1:
         state_read_whole(memory, state)
     else:
         state_read_seq(memory, state, dest_seq_id)
-# --8<-- [end:state_read]
+# --8<-- [end:state_prepare]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,17 +855,47 @@ def state_save_file(
     Raises:
         StateError: as [`state_write`][].
     """
+    _check_tokens(tokens)
+    return state_file_write(path, tokens, state_write(memory, hparams, seq_id))
+# --8<-- [end:state_save_file]
+
+
+def _check_tokens(tokens: ArrayLike) -> np.ndarray:
     toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
     if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
         raise StateError("token ids must fit an int32")
+    return toks
+
+
+# --8<-- [start:state_file]
+def state_file_write(path: str | Path, tokens: ArrayLike, blob: bytes) -> int:
+    """The file of [`state_save_file`][] around any memory's blob; returns its size.
+
+    Raises:
+        StateError: a token id beyond int32.
+    """
+    toks = _check_tokens(tokens)
     body = _Writer()
     body.write("I", toks.size)
     body.write_array(toks.astype(np.int32))
-    body.write_bytes(state_write(memory, hparams, seq_id))
+    body.write_bytes(blob)
     data = _seal(FILE_MAGIC, FILE_VERSION, body.getvalue())
     _write_atomic(path, data)
     return len(data)
-# --8<-- [end:state_save_file]
+
+
+def state_file_read(path: str | Path) -> tuple[np.ndarray, bytes]:
+    """The tokens ``(n_token_count,)`` int32 and the memory blob of a file of
+    [`state_file_write`][], its magic, version, size and checksum checked.
+
+    Raises:
+        StateError: a refused file. OSError: the file cannot be read.
+    """
+    io = _unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
+    n_token_count = io.read("I")
+    tokens = io.read_array(np.dtype(np.int32), (n_token_count,))
+    return tokens, io.read_bytes(len(io.data) - io.off)
+# --8<-- [end:state_file]
 
 
 # --8<-- [start:state_load_file]
@@ -832,12 +930,70 @@ def state_load_file(
         >>> state_load_file(path, cache, hp).tolist()
         [1, 2, 3]
     """
-    io = _unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
-    n_token_count = io.read("I")
-    tokens = io.read_array(np.dtype(np.int32), (n_token_count,))
-    state_read(memory, hparams, io.read_bytes(len(io.data) - io.off), dest_seq_id)
+    tokens, blob = state_file_read(path)
+    state_read(memory, hparams, blob, dest_seq_id)
     return tokens
 # --8<-- [end:state_load_file]
+
+
+# ---------------------------------------------------------------------------------------------
+# one sequence, with flags: llama_state_seq_get_data_ext / set_data_ext
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:seq_state]
+def seq_state_write(memory: Memory, hparams: LlamaHParams, seq_id: int,
+                    flags: int = LLAMA_STATE_SEQ_FLAGS_NONE) -> bytes:
+    """One sequence's state with ``flags`` (``llama_context::state_seq_get_data``).
+
+    As llama.cpp: ``u32 0xaf143cd8`` (``io_magic``), ``i32 seq_id``, then the memory's
+    ``state_write(seq_id, flags)``: with ``PARTIAL_ONLY`` the SWA cache of an iSWA pair
+    only; the whole state of a recurrent memory or of a single KV cache either way.
+
+    Args:
+        memory: the context's memory.
+        hparams: its hyperparameters.
+        seq_id: the sequence.
+        flags: ``LLAMA_STATE_SEQ_FLAGS_NONE`` or ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``.
+
+    Raises:
+        StateError: other flags ([`check_state_flags`][]); as the memory's ``state_write``.
+
+    Examples:
+        >>> from reference.memory.kv_cache import KVCache
+        >>> from reference.testing import tiny_hparams
+        >>> hp = tiny_hparams(n_layer=1)
+        >>> blob = seq_state_write(KVCache(hp, kv_size=8, n_seq_max=2), hp, 1)
+        >>> blob[:4].hex(), blob[4:8].hex(), blob[8:12]
+        ('d83c14af', '01000000', b'LRKV')
+    """
+    check_state_flags(flags)
+    return struct.pack("<Ii", SEQ_STATE_MAGIC, seq_id) + memory.state_write(hparams, seq_id, flags)
+
+
+def seq_state_read(memory: Memory, hparams: LlamaHParams, data: bytes, dest_seq_id: int,
+                   flags: int = LLAMA_STATE_SEQ_FLAGS_NONE) -> None:
+    """Restore a blob of [`seq_state_write`][] into ``dest_seq_id``
+    (``llama_context::state_seq_set_data``).
+
+    The magic is checked; the stored sequence id is not used (the state goes into
+    ``dest_seq_id``, as llama.cpp). ``flags`` must be those the blob was written with.
+
+    Raises:
+        StateError: no magic, other flags, or any refusal of the memory's ``state_read``
+            (another model, corrupted, no room). Nothing changed then; llama.cpp returns 0
+            and has cleared the destination sequence (``state_read`` failing part way).
+    """
+    check_state_flags(flags)
+    data = bytes(data)
+    if len(data) < 8:
+        raise StateError(f"sequence state truncated at byte {len(data)}: the header needs 8")
+    magic = struct.unpack("<I", data[:4])[0]
+    if magic != SEQ_STATE_MAGIC:
+        raise StateError(f"wrong sequence state magic {magic:#010x} (expected "
+                         f"{SEQ_STATE_MAGIC:#010x})")
+    memory.state_read(hparams, data[8:], dest_seq_id, flags)
+# --8<-- [end:seq_state]
 
 
 # ---------------------------------------------------------------------------------------------

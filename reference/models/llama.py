@@ -71,8 +71,13 @@ class AttnInput(Protocol):
     - ``get_k(il)`` / ``get_v(il)``: views ``(n_kv, n_head_kv, d_k)`` / ``(n_kv, n_head_kv, d_v)``
       (``llama_kv_cache::get_k`` / ``get_v``);
     - ``get_kq_mask(il)``: additive mask ``(n_tokens, n_kv)``, 0 where a token sees a cell and
-      ``-inf`` where it does not (causal, same sequence, sliding window of SWA layers).
+      ``-inf`` where it does not (causal, same sequence, sliding window of SWA layers);
+    - ``n_stream``: the KV streams of the ubatch (1 for a unified cache): its tokens and the
+      cells in view come in ``n_stream`` equal blocks, and a token attends to its own
+      stream's block only (``build_attn_mha``'s ``n_stream``).
     """
+
+    n_stream: int
 
     def cpy_k(self, il: int, k_cur: np.ndarray) -> None: ...
 
@@ -278,7 +283,8 @@ def build_attn(
     k = inp.get_k(il)  # (n_kv, n_head_kv, d_k)
     v = inp.get_v(il)  # (n_kv, n_head_kv, d_v)
     kq_mask = inp.get_kq_mask(il)  # (n_tokens, n_kv)
-    cur = build_attn_mha(q_cur, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
+    cur = build_attn_mha(q_cur, k, v, kq_mask, kq_scale,
+                         n_stream=inp.n_stream)  # (n_tokens, n_head * d_v)
     cur = mul_mat(wo, cur)  # (n_tokens, n_embd)
     if wo_b is not None:
         cur = add(cur, wo_b)
@@ -440,9 +446,20 @@ def check_forward_inputs(
         >>> check_forward_inputs(tiny_hparams(), [3, 4], [0, 1], None, None)[2]
         array([0, 1])
     """
-    pos = np.asarray(pos, dtype=np.int64)
     if hparams.arch not in SUPPORTED_ARCHS:
         raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {SUPPORTED_ARCHS}")
+    return _check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
+
+
+def _check_ubatch_inputs(
+    hparams: LlamaHParams,
+    tokens: np.ndarray | None,
+    pos: np.ndarray,
+    out_ids: np.ndarray | None,
+    embd: np.ndarray | None,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray | None]:
+    """[`check_forward_inputs`][] less the arch check (shared with the Gemma graphs)."""
+    pos = np.asarray(pos, dtype=np.int64)
     if (tokens is None) == (embd is None):
         raise LlamaForwardError("give exactly one of tokens and embd")
     if tokens is not None:

@@ -87,17 +87,28 @@ class SimpleKVCacheContext:
 
     Implements [`reference.models.llama.AttnInput`][reference.models.llama.AttnInput]. ``k_idxs``
     are the cells the ubatch writes (here: its positions); ``n_kv`` is the number of cells it may
-    read (here: all used cells, ``n_past`` after the ubatch).
+    read (here: all used cells, ``n_past`` after the ubatch); one sequence, so one stream.
+
+    Two masks, as llama.cpp's iSWA cache builds one per cache: the causal one for the dense
+    layers and, when some layer is SWA (``hparams.is_swa(il)``, Gemma 2/3's pattern), the
+    causal one narrowed by the window for those layers. Every layer reads all ``n_kv`` cells:
+    a cell outside the window is masked, not dropped.
     """
+
+    n_stream = 1
 
     def __init__(self, cache: SimpleKVCache, pos: np.ndarray):
         self.cache = cache
         self.k_idxs = np.asarray(pos, dtype=np.int64)  # (n_tokens,)
         self.n_kv = int(self.k_idxs[-1]) + 1
         hp = cache.hparams
-        self.kq_mask = build_kq_mask(
-            np.arange(self.n_kv), self.k_idxs, hp.n_swa, hp.swa_type, cache.dtype
-        )  # (n_tokens, n_kv)
+        cells = np.arange(self.n_kv)  # cell i holds position i
+        self.kq_mask = build_kq_mask(cells, self.k_idxs, dtype=cache.dtype)  # (n_tokens, n_kv)
+        self.kq_mask_swa = self.kq_mask
+        if hp.is_swa_any():
+            self.kq_mask_swa = build_kq_mask(
+                cells, self.k_idxs, hp.n_swa, hp.swa_type, cache.dtype
+            )  # (n_tokens, n_kv)
 
     def cpy_k(self, il: int, k_cur: np.ndarray) -> None:
         """Store ``k_cur`` ``(n_tokens, n_head_kv, d_k)`` of layer ``il`` at ``k_idxs``."""
@@ -118,8 +129,16 @@ class SimpleKVCacheContext:
         return self.cache.v_l[il][: self.n_kv].reshape(self.n_kv, hp.n_head_kv, hp.n_embd_head_v)
 
     def get_kq_mask(self, il: int) -> np.ndarray:
-        """The KQ mask ``(n_tokens, n_kv)`` for layer ``il`` (every layer is alike here)."""
-        return self.kq_mask
+        """The KQ mask ``(n_tokens, n_kv)`` for layer ``il``: windowed for a SWA layer.
+
+        Examples:
+            >>> from reference.testing import tiny_gemma_hparams
+            >>> hp = tiny_gemma_hparams("gemma2", n_layer=2, n_swa=2)  # layer 0 SWA, 1 dense
+            >>> inp = SimpleKVCache(hp, n_ctx=4).init_batch(np.arange(3))
+            >>> inp.get_kq_mask(0)[2], inp.get_kq_mask(1)[2]
+            (array([-inf,   0.,   0.], dtype=float32), array([0., 0., 0.], dtype=float32))
+        """
+        return self.kq_mask_swa if self.cache.hparams.is_swa(il) else self.kq_mask
 # --8<-- [end:SimpleKVCacheContext]
 
 

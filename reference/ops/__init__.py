@@ -12,6 +12,7 @@ from reference.ops.matmul import mul_mat
 from reference.ops.norm import norm, rms_norm
 from reference.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM, rope_ext
 from reference.ops.rows import get_rows, set_rows
+from reference.ops.softcap import softcap, tanh
 from reference.ops.ssm import ssm_conv, ssm_scan
 
 __all__ = [
@@ -31,7 +32,9 @@ __all__ = [
     "set_rows",
     "silu",
     "soft_max_ext",
+    "softcap",
     "ssm_conv",
     "ssm_scan",
     "swiglu",
+    "tanh",
 ]

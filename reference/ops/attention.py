@@ -41,10 +41,14 @@ from the ops above, in this order, with ``q`` ``(n_tokens, n_head, d_k)``, ``k``
 2. ``kq = mul_mat(k, q)``: $(n_\text{head}, n_\text{tokens}, n_\text{kv})$, GQA by
    ``mul_mat``'s block broadcast (query head $h$ uses KV head
    $\lfloor h / (n_\text{head}/n_\text{head\_kv}) \rfloor$);
-3. ``kq = soft_max_ext(kq, kq_mask, kq_scale, max_bias)``;
-4. ``kqv = mul_mat(v^T, kq)``: $(n_\text{head}, n_\text{tokens}, d_v)$ (llama.cpp's cache stores
+3. with a soft-cap $c > 0$ (Gemma 2's ``attn_soft_cap``): ``kq = softcap(kq, c)``,
+   $c \tanh(kq / c)$ ([`reference.ops.softcap.softcap`][reference.ops.softcap.softcap]), on
+   the scores *before* ``kq_scale`` and the mask (Gemma scales $q$ beforehand and passes
+   ``kq_scale = 1``);
+4. ``kq = soft_max_ext(kq, kq_mask, kq_scale, max_bias)``;
+5. ``kqv = mul_mat(v^T, kq)``: $(n_\text{head}, n_\text{tokens}, d_v)$ (llama.cpp's cache stores
    V already transposed when flash attention is off; otherwise it transposes here);
-5. permute back and make contiguous: $(n_\text{tokens}, n_\text{head} \cdot d_v)$.
+6. permute back and make contiguous: $(n_\text{tokens}, n_\text{head} \cdot d_v)$.
 
 $$
 \mathrm{out}_{t,h} = \sum_j \mathrm{softmax}_j\!\big(\mathrm{kq\_scale}\; q_{t,h}\cdot k_{j,g(h)}
@@ -52,8 +56,17 @@ $$
     n_\text{head} \rfloor.
 $$
 
-Not covered here (other ``build_attn_mha`` branches): logit soft-capping (Gemma 2, Grok),
-``kq_b``, attention sinks, MLA, and the stream dimension of a multi-sequence KV cache.
+**Streams.** A KV cache with one stream per sequence (``kv_unified = false``) gives a ubatch
+whose tokens come in ``n_stream`` equal blocks, one per stream, and whose cells in view come in
+``n_stream`` blocks of ``n_kv`` cells. llama.cpp views ``q``, ``k``, ``v`` and the mask as 4-D
+tensors with the stream as the outermost dimension (``ggml_view_4d(q, d, n_head,
+n_tokens/n_stream, n_stream)``), so every step above runs once per stream and a token's block
+attends to its own stream's cells only. Here ``n_stream`` does the same: the mask rows of
+stream $s$ are read at stream $s$'s columns (the other streams' columns are $-\infty$ there
+anyway), and the work is $n_\text{stream}$ times smaller than one attention over every cell.
+
+Not covered here (other ``build_attn_mha`` branches): Grok's soft-capping, ``kq_b``,
+attention sinks, MLA.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ import numpy as np
 
 from reference.ops.errors import OpShapeError
 from reference.ops.matmul import mul_mat
+from reference.ops.softcap import softcap as softcap_op
 
 
 # --8<-- [start:alibi_slopes]
@@ -183,6 +197,38 @@ def _tile_reps(mask_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> tuple[i
     return tuple(dx // dm for dx, dm in zip(x_shape[:-2], lead, strict=True)) + (1, 1)
 
 
+# --8<-- [start:stream_blocks]
+def stream_blocks(x: np.ndarray, n_stream: int) -> np.ndarray:
+    """``x`` ``(n, ...)`` as ``n_stream`` equal blocks ``(n_stream, n / n_stream, ...)`` (a view).
+
+    Examples:
+        >>> stream_blocks(np.arange(6).reshape(6, 1), 2)[:, :, 0]
+        array([[0, 1, 2],
+               [3, 4, 5]])
+    """
+    return x.reshape((n_stream, x.shape[0] // n_stream) + x.shape[1:])
+
+
+def stream_mask(kq_mask: np.ndarray, n_stream: int) -> np.ndarray:
+    """The diagonal blocks of a ``(n_tokens, n_stream * n_kv)`` mask: stream $s$'s tokens at
+    stream $s$'s cells, ``(n_stream, 1, n_tokens / n_stream, n_kv)`` (1: shared by the heads).
+
+    Examples:
+        >>> m = np.arange(16.0).reshape(4, 4)   # 2 streams: 2 tokens x 2 cells each
+        >>> stream_mask(m, 2)[:, 0]
+        array([[[ 0.,  1.],
+                [ 4.,  5.]],
+        <BLANKLINE>
+               [[10., 11.],
+                [14., 15.]]])
+    """
+    n_tokens, n_cols = kq_mask.shape
+    m = kq_mask.reshape(n_stream, n_tokens // n_stream, n_stream, n_cols // n_stream)
+    s = np.arange(n_stream)
+    return m[s, :, s, :][:, None]  # (n_stream, 1, n_tokens/ns, n_kv)
+# --8<-- [end:stream_blocks]
+
+
 # --8<-- [start:build_attn_mha]
 def build_attn_mha(
     q: np.ndarray,
@@ -191,6 +237,8 @@ def build_attn_mha(
     kq_mask: np.ndarray,
     kq_scale: float,
     max_bias: float = 0.0,
+    softcap: float = 0.0,
+    n_stream: int = 1,
 ) -> np.ndarray:
     r"""Multi-head attention as ``llm_graph_context::build_attn_mha`` builds it (no flash attn).
 
@@ -201,13 +249,20 @@ def build_attn_mha(
         kq_mask: additive mask ``(n_tokens_pad >= n_tokens, n_kv)``, built by the memory.
         kq_scale: the scale applied to $QK^T$, usually $1/\sqrt{d_k}$.
         max_bias: ALiBi maximum bias (``f_max_alibi_bias``), 0 for none.
+        softcap: the attention logit soft-cap $c$ (``f_attn_logit_softcapping`` when
+            ``hparams.attn_soft_cap``): $QK^T \mapsto c \tanh(QK^T / c)$ before the softmax;
+            0 for none (then nothing else changes).
+        n_stream: the KV streams of the ubatch: tokens and cells come in ``n_stream`` equal
+            blocks and block $s$ of the tokens attends to block $s$ of the cells only
+            (the module docstring's *Streams*).
 
     Returns:
         ``(n_tokens, n_head * d_v)``: for every token, the heads' outputs side by side.
 
     Raises:
-        OpShapeError: if the arguments are not 3-D, the dimensions disagree, or ``n_head`` is
-            not a multiple of ``n_head_kv``.
+        OpShapeError: if the arguments are not 3-D, the dimensions disagree, ``n_head`` is
+            not a multiple of ``n_head_kv``, or the tokens or cells do not split into
+            ``n_stream`` equal blocks.
 
     Examples:
         >>> import numpy as np
@@ -222,25 +277,30 @@ def build_attn_mha(
         >>> bool(np.allclose(out[0].reshape(4, 3), v[0, [0, 0, 1, 1]]))   # token 0 sees key 0
         True
     """
-    _check_attn_args(q, k, v, kq_mask)
+    _check_attn_args(q, k, v, kq_mask, n_stream)
     n_tokens, n_head, _ = q.shape
-    q = q.transpose(1, 0, 2)  # (n_head, n_tokens, d_k)
-    k = k.transpose(1, 0, 2)  # (n_head_kv, n_kv, d_k)
-    v = v.transpose(1, 0, 2)  # (n_head_kv, n_kv, d_v)
-    kq = mul_mat(k, q)  # (n_head, n_tokens, n_kv)
-    kq = soft_max_ext(kq, kq_mask, kq_scale, max_bias)  # (n_head, n_tokens, n_kv)
+    ns = n_stream
+    q = stream_blocks(q, ns).transpose(0, 2, 1, 3)  # (ns, n_head, n_tokens/ns, d_k)
+    k = stream_blocks(k, ns).transpose(0, 2, 1, 3)  # (ns, n_head_kv, n_kv/ns, d_k)
+    v = stream_blocks(v, ns).transpose(0, 2, 1, 3)  # (ns, n_head_kv, n_kv/ns, d_v)
+    mask = stream_mask(kq_mask[:n_tokens], ns)  # (ns, 1, n_tokens/ns, n_kv/ns)
+    kq = mul_mat(k, q)  # (ns, n_head, n_tokens/ns, n_kv/ns)
+    if softcap > 0.0:
+        kq = softcap_op(kq, softcap)  # (ns, n_head, n_tokens/ns, n_kv/ns)
+    kq = soft_max_ext(kq, mask, kq_scale, max_bias)  # (ns, n_head, n_tokens/ns, n_kv/ns)
     # llama.cpp's cache holds V transposed for this product; here v^T is a view of the
     # cells' rows (mul_mat reads its rows back as v's columns: no copy of the whole V)
-    v_t = v.transpose(0, 2, 1)  # (n_head_kv, d_v, n_kv)
-    kqv = mul_mat(v_t, kq)  # (n_head, n_tokens, d_v)
-    cur = kqv.transpose(1, 0, 2)  # (n_tokens, n_head, d_v)
+    v_t = v.transpose(0, 1, 3, 2)  # (ns, n_head_kv, d_v, n_kv/ns)
+    kqv = mul_mat(v_t, kq)  # (ns, n_head, n_tokens/ns, d_v)
+    cur = kqv.transpose(0, 2, 1, 3)  # (ns, n_tokens/ns, n_head, d_v)
     return np.ascontiguousarray(cur).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
 
 
 # --8<-- [end:build_attn_mha]
 
 
-def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray) -> None:
+def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray,
+                     n_stream: int = 1) -> None:
     """Shape checks of ``build_attn_mha``, with messages naming llama.cpp's dimensions."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise OpShapeError(
@@ -262,4 +322,9 @@ def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.nd
         raise OpShapeError(
             f"build_attn_mha: kq_mask must be (n_tokens_pad >= {n_tokens}, n_kv={n_kv}); "
             f"got {kq_mask.shape}"
+        )
+    if n_stream < 1 or n_tokens % n_stream or n_kv % n_stream:
+        raise OpShapeError(
+            f"build_attn_mha: n_stream={n_stream} must be >= 1 and divide n_tokens={n_tokens} "
+            f"and n_kv={n_kv} (one equal block of tokens and of cells per stream)"
         )

@@ -30,4 +30,8 @@ class OpTypeError(OpError, TypeError):
     """An argument has a dtype the operator does not accept (e.g. float row indices)."""
 
 
+class OpValueError(OpError, ValueError):
+    """A scalar parameter of an operator is out of its domain (e.g. a soft-cap of 0)."""
+
+
 # --8<-- [end:errors]
