@@ -45,6 +45,7 @@ from llamaref import __version__
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.bench import add_bench_command
 from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
+from llamaref.finetune import add_finetune_command
 from llamaref.parallel import add_parallel_commands
 from llamaref.passkey import add_passkey_command
 from llamaref.speculative import add_speculative_commands
@@ -577,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_passkey_command(sub)
     add_speculative_commands(sub)
     add_parallel_commands(sub)
+    add_finetune_command(sub)
     return parser
 
 

@@ -23,8 +23,8 @@ resolves, every chapter and anchor exists, and every public method of the
 [`Context`][reference.context.Context], every memory operation, every sampler and every op
 that ``reference.ops`` exports is either here or in [`NOT_IN_LLAMA_CPP`][], with the reason.
 
-What is not here is not implemented: embeddings outputs (``llama_get_embeddings*``), LoRA
-adapters, grammars, encoder models, ``llama_batch_ext``, training.
+What is not here is not implemented: embeddings outputs (``llama_get_embeddings*``),
+grammars, encoder models, ``llama_batch_ext``.
 """
 
 from __future__ import annotations
@@ -128,6 +128,24 @@ _LLAMA_H = [
      "memory/ops.md", ""),
     ("llama_memory_can_shift", "reference.memory.kv_cache.KVCache.can_shift",
      "context-shift.md", ""),
+    ("llama_memory_clear", "reference.memory.kv_cache_iswa.KVCacheISWA.clear",
+     "memory/swa.md#swa_full", "both caches"),
+    ("llama_memory_seq_rm", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_rm",
+     "memory/swa.md#swa_full", "both caches"),
+    ("llama_memory_seq_cp", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_cp",
+     "memory/swa.md#swa_full", "both caches"),
+    ("llama_memory_seq_keep", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_keep",
+     "memory/swa.md#swa_full", "both caches"),
+    ("llama_memory_seq_add", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_add",
+     "memory/swa.md#swa_full", "both caches"),
+    ("llama_memory_seq_div", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_div",
+     "memory/swa.md#swa_full", "both caches"),
+    ("llama_memory_seq_pos_min", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_pos_min",
+     "memory/swa.md#swa_full", "from the SWA cache"),
+    ("llama_memory_seq_pos_max", "reference.memory.kv_cache_iswa.KVCacheISWA.seq_pos_max",
+     "memory/swa.md#swa_full", "from the SWA cache"),
+    ("llama_memory_can_shift", "reference.memory.kv_cache_iswa.KVCacheISWA.can_shift",
+     "memory/swa.md#swa_full", "both can, and the two sizes are equal"),
     ("llama_memory_clear", "reference.memory.recurrent.RecurrentMemory.clear",
      "memory/recurrent.md#side-by-side", ""),
     ("llama_memory_seq_rm", "reference.memory.recurrent.RecurrentMemory.seq_rm",
@@ -155,6 +173,14 @@ _LLAMA_H = [
      "state.md#what-is-saved", ""),
     ("llama_state_seq_set_data", "reference.context.Context.state_seq_set_data",
      "state.md#reading-check-everything-then-change-the-memory", ""),
+    ("llama_state_seq_get_data_ext", "reference.context.Context.state_seq_get_data_ext",
+     "state.md#what-is-saved", "flags: `NONE` or `PARTIAL_ONLY` (the SWA cache of an iSWA pair)"),
+    ("llama_state_seq_set_data_ext", "reference.context.Context.state_seq_set_data_ext",
+     "state.md#reading-check-everything-then-change-the-memory",
+     "a refused blob raises `StateError`, nothing changed (llama.cpp clears the sequence)"),
+    ("LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
+     "reference.memory.state.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "state.md#what-is-saved",
+     "alias `LLAMA_STATE_SEQ_FLAGS_SWA_ONLY`; `ON_DEVICE` is refused"),
     ("llama_state_save_file", "reference.context.Context.state_save_file",
      "state.md#files-and-the-contexts-state", ""),
     ("llama_state_load_file", "reference.context.Context.state_load_file",
@@ -199,6 +225,24 @@ _LLAMA_H = [
      "ops/rope.md#which-dimensions-pair-up-the-two-layouts", ""),
     ("LLAMA_ROPE_TYPE_NEOX", "reference.ops.rope.ROPE_TYPE_NEOX",
      "ops/rope.md#which-dimensions-pair-up-the-two-layouts", "`GGML_ROPE_TYPE_NEOX`"),
+    # training
+    ("llama_opt_init", "reference.training.opt.OptContext", "training.md#gradient-accumulation",
+     "the trainable tensors and ggml-opt's state; `opt_period = n_batch / n_ubatch`"),
+    ("llama_opt_params", "reference.training.opt.OptContext", "training.md#gradient-accumulation",
+     "the constructor's arguments"),
+    ("llama_opt_param_filter", "reference.training.opt.trainable_params",
+     "training.md#what-is-trained", "the `param_filter` argument"),
+    ("llama_opt_param_filter_all", "reference.training.opt.trainable_params",
+     "training.md#what-is-trained", "`param_filter=None`"),
+    ("llama_opt_epoch", "reference.training.epoch.opt_epoch", "training.md#an-epoch",
+     "`n_ubatch == n_ctx`: one optimizer step per training datapoint"),
+    ("llama_model_save_to_file", "reference.training.save.model_save_to_file",
+     "training.md#llamaref-finetune", "every tensor F32, the source's metadata"),
+    # LoRA adapters
+    ("llama_adapter_lora_init", "reference.training.lora.load_lora_gguf",
+     "training.md#lora-adapters", "a refused file raises `LoraFileError` (llama.cpp: NULL)"),
+    ("llama_set_adapters_lora", "reference.training.lora.lora_weights",
+     "training.md#lora-adapters", "merged: $W + sBA$, with `adapter_scale`"),
 ]
 
 _SAMPLER = [
@@ -244,6 +288,23 @@ _COMMON = [
      "`seq_rm`, then `seq_add`; `llama-completion`, `llama-server`"),
     ("a chat turn", "reference.generate.ChatSession.turn", "cli.md#llamaref-chat",
      "`llama-cli`; the common prefix stays in the cache"),
+    ("common_opt_dataset_init", "reference.training.dataset.opt_dataset_init",
+     "training.md#the-dataset", "`finetune` passes `stride = n_ctx / 2`"),
+    ("the validation split", "reference.training.dataset.idata_split", "training.md#the-dataset",
+     "`finetune`'s `idata_split`, from `-val-split`"),
+    ("struct lr_opt", "reference.training.schedule.LrOpt",
+     "training.md#the-learning-rate-schedule",
+     "`common_params::lr`: `-lr`, `-lr-min`, `-decay-epochs`, `-wd`, `-epochs`"),
+    ("lr_opt::init (after parsing)", "reference.training.schedule.lr_opt_init",
+     "training.md#the-learning-rate-schedule", ""),
+    ("lr_opt::get_lr (every step)", "reference.training.schedule.get_lr",
+     "training.md#the-learning-rate-schedule", "constant within an epoch"),
+    ("common_opt_lr_pars", "reference.training.schedule.opt_lr_pars",
+     "training.md#the-learning-rate-schedule", "$\\alpha$ and `wd` for both optimizers"),
+    ("the fine-tuning loop", "reference.training.finetune.finetune",
+     "training.md#llamaref-finetune", "`examples/training/finetune.cpp`, on either twin"),
+    ("llama-export-lora's merge", "reference.training.lora.merge_lora",
+     "training.md#lora-adapters", "$W + sBA$, a model that needs no adapter"),
 ]
 
 _GGML_OP = [
@@ -271,6 +332,7 @@ _GGML_OP = [
      "ops/ssm.md#the-conv-step-and-the-self-overlapping-view", ""),
     ("ggml_ssm_scan", "reference.ops.ssm.ssm_scan", "ops/ssm.md#the-scan",
      "Mamba-1 and Mamba-2"),
+    ("ggml_tanh", "reference.ops.softcap.tanh", "gemma.md#soft-capping", ""),
 ]
 
 _GGML_H = [
@@ -282,6 +344,47 @@ _GGML_H = [
      "quantization.md#writing-the-reference-quantizers", ""),
     ("gguf_init_from_file", "reference.gguf.read_gguf", "gguf.md#reading", ""),
     ("gguf_write_to_file", "reference.gguf.write_gguf", "gguf.md#writing", ""),
+    # the backward ops and the optimizer steps (ggml.h): not in reference.ops
+    ("ggml_get_rows_back", "reference.training.grad.get_rows_back",
+     "training.md#tensors-and-matmul", "a scatter-add"),
+    ("ggml_repeat_back", "reference.training.grad.repeat_back", "training.md#tensors-and-matmul",
+     "the gradient of `add`'s and `mul`'s broadcast operand"),
+    ("ggml_out_prod", "reference.training.grad.mul_mat_back", "training.md#tensors-and-matmul",
+     "the two products of `mul_mat`'s backward"),
+    ("ggml_rms_norm_back", "reference.training.grad.rms_norm_back", "training.md#normalization",
+     ""),
+    ("ggml_silu_back", "reference.training.grad.silu_back", "training.md#activations", ""),
+    ("ggml_rope_ext_back", "reference.training.grad.rope_back", "training.md#rope",
+     "the inverse rotation, `rope_ext` at `-pos`"),
+    ("ggml_soft_max_ext_back", "reference.training.grad.soft_max_ext_back",
+     "training.md#softmax-and-attention", "no ALiBi (`max_bias == 0`)"),
+    ("ggml_cross_entropy_loss", "reference.training.grad.cross_entropy_loss",
+     "training.md#the-loss", ""),
+    ("ggml_cross_entropy_loss_back", "reference.training.grad.cross_entropy_loss_back",
+     "training.md#the-loss", ""),
+    ("ggml_build_backward_expand", "reference.training.llama_grad.train_backward",
+     "training.md#the-model-backward", "the walk written out for the Llama graph"),
+    ("ggml_opt_step_adamw", "reference.training.opt.opt_step_adamw", "training.md#adamw-and-sgd",
+     ""),
+    ("ggml_opt_step_sgd", "reference.training.opt.opt_step_sgd", "training.md#adamw-and-sgd", ""),
+    # ggml-opt.h
+    ("ggml_opt_get_default_optimizer_params", "reference.training.opt.OptimizerParams",
+     "training.md#adamw-and-sgd", "`ggml-opt.h`; the defaults of `ggml_opt_optimizer_params`"),
+    ("ggml_opt_init", "reference.training.opt.OptContext", "training.md#gradient-accumulation",
+     "`ggml-opt.h`"),
+    ("ggml_opt_eval", "reference.training.opt.OptContext.eval_backward",
+     "training.md#gradient-accumulation",
+     "accumulate, then step; the loss is `loss_and_grads`, the result `OptResult.add`"),
+    ("ggml_opt_result_init", "reference.training.result.OptResult",
+     "training.md#loss-accuracy-and-the-progress-line", "`ggml-opt.h`"),
+    ("ggml_opt_result_loss", "reference.training.result.OptResult.loss",
+     "training.md#loss-accuracy-and-the-progress-line", "with its uncertainty"),
+    ("ggml_opt_result_accuracy", "reference.training.result.OptResult.accuracy",
+     "training.md#loss-accuracy-and-the-progress-line", "with its uncertainty"),
+    ("ggml_opt_result_reset", "reference.training.result.OptResult.reset",
+     "training.md#loss-accuracy-and-the-progress-line", ""),
+    ("ggml_opt_epoch_callback_progress_bar", "reference.training.result.progress_bar",
+     "training.md#loss-accuracy-and-the-progress-line", "returns the text it writes to stderr"),
 ]
 
 _INTERNAL = [
@@ -331,6 +434,14 @@ _INTERNAL = [
      "memory/kshift.md", ""),
     ("llama_kv_cells::pos_div", "reference.memory.kv_cells.KVCells.pos_div",
      "memory/kshift.md#the-sign-of-seq_div", "the sign of its shift differs"),
+    ("llama_kv_cache_iswa", "reference.memory.kv_cache_iswa.KVCacheISWA",
+     "memory/swa.md#swa_full", "a base cache and a SWA cache, each over its own layers"),
+    ("llama_kv_cache_iswa::init_batch", "reference.memory.kv_cache_iswa.KVCacheISWA.init_batch",
+     "memory/swa.md#swa_full", "one split, both caches prepared"),
+    ("llama_kv_cache_iswa::state_write", "reference.memory.kv_cache_iswa.KVCacheISWA.state_write",
+     "state.md#the-byte-layout", "base then SWA; SWA only with `PARTIAL_ONLY`"),
+    ("llm_graph_input_attn_kv_iswa", "reference.memory.kv_cache_iswa.KVCacheISWAAttnInput",
+     "memory/swa.md#swa_full", "two masks; layer `il` to the SWA cache when `is_swa(il)`"),
     ("llama_kv_cache::state_write", "reference.memory.state.state_write",
      "state.md#the-byte-layout", ""),
     ("llama_kv_cache::state_read", "reference.memory.state.state_read",
@@ -350,6 +461,10 @@ _INTERNAL = [
      "llama.md#residual-ffn-residual", ""),
     ("llm_graph_context::build_attn_mha", "reference.ops.attention.build_attn_mha",
      "ops/attention.md#build_attn_mha", ""),
+    ("llama_model_gemma2::graph", "reference.models.gemma.llm_build_gemma",
+     "gemma.md#one-forward-pass", "one function for `gemma`, `gemma2` and `gemma3`"),
+    ("llama_model_gemma2::graph", "reference.ops.softcap.softcap", "gemma.md#soft-capping",
+     "its `ggml_scale`, `ggml_tanh`, `ggml_scale` on the scores and on the logits"),
     ("llama_model_mamba::graph", "reference.models.mamba.llm_build_mamba", "mamba.md#the-block",
      "`mamba` and `mamba2`"),
     ("llm_build_mamba_base::build_mamba_layer", "reference.models.mamba.build_mamba_layer",
@@ -359,6 +474,15 @@ _INTERNAL = [
     # sampling
     ("llama_sampler_softmax_impl", "reference.sampling.softmax",
      "sampling.md#the-candidates-array", "the softmax most samplers start with"),
+    # training
+    ("llama_set_param", "reference.training.opt.trainable_params", "training.md#what-is-trained",
+     "F32 only; never `token_embd.weight` or `rope_freqs.weight`"),
+    ("llama_context::opt_epoch_iter", "reference.training.llama_grad.loss_and_grads",
+     "training.md#the-model-backward", "one datapoint: forward, loss, backward"),
+    ("llm_graph_context::build_lora_mm", "reference.training.lora.build_lora_mm",
+     "training.md#lora-adapters", "$Wx + sB(Ax)$; the specification runs the merged weights"),
+    ("llama_adapter_lora_weight::get_scale", "reference.training.lora.lora_scale",
+     "training.md#lora-adapters", ""),
 ]
 
 SURFACE: tuple[Entry, ...] = tuple(

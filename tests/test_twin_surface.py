@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TWIN, REF = ROOT / "accelerated", ROOT / "reference"
 # The subtrees of accelerated/ whose twins are complete and checked; every module pair found
 # under them is compared. Add an entry (e.g. "models", "memory", "quants.py") as a subtree lands.
-SCOPE = ("ops", "models", "memory", "context.py", "sampling.py")
+SCOPE = ("ops", "models", "memory", "context.py", "sampling.py", "training")
 
 
 def _pairs() -> list[tuple[Path, Path]]:

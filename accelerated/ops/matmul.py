@@ -4,13 +4,16 @@ Same convention (``mul_mat(a, b) = b @ a^T``, block broadcast of ``a``'s leading
 ``np.repeat`` not ``np.tile``). ``mx.matmul`` only broadcasts size-1 dimensions, so ``a`` is
 repeated with ``mx.repeat`` first, exactly as the reference does with ``np.repeat``. The
 product is lazy and runs in float32 (MLX's CPU backend calls its bundled BLAS; Metal uses its
-own GEMM kernels), so the result differs from NumPy's by summation order only.
+own GEMM kernels), so the result differs from NumPy's by summation order only. The
+reference's `FEW_ROWS` rule (which operand BLAS packs) is about OpenBLAS and does not apply to
+MLX's kernels: the twin imports the constant and computes every product one way.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from reference.ops.matmul import FEW_ROWS as FEW_ROWS  # the reference's rule, not used here
 from reference.ops.matmul import _mul_mat_leading
 
 

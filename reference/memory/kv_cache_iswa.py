@@ -48,8 +48,9 @@ What differs from llama.cpp:
 
 - the state blob is llamaref's ([`reference.memory.state`][reference.memory.state]): the two
   caches' blobs in an envelope (magic ``LRIS``, flags, each part's layers, checksum:
-  [`state_write`][]), so that a partial blob read without ``PARTIAL_ONLY`` (or the reverse)
-  or a part written for other layers is refused. llama.cpp writes the two blobs back to
+  [`KVCacheISWA.state_write`][reference.memory.kv_cache_iswa.KVCacheISWA.state_write]), so
+  that a partial blob read without ``PARTIAL_ONLY`` (or the reverse) or a part written for
+  other layers is refused. llama.cpp writes the two blobs back to
   back, and reading one with the other flag fails somewhere inside (or, for two caches of
   the same shape, loads the SWA part into the base cache);
 - a refused restore changes nothing: every part is checked (and its room found) before any

@@ -116,6 +116,8 @@ GEMMA_LAYER_TENSORS = {
     "ffn_down": ("ffn_down.weight", GEMMA_ARCHS),
     "ffn_post_norm": ("post_ffw_norm.weight", ("gemma2", "gemma3")),
 }
+"""A block's tensors: ``llama_layer``'s field name -> (GGUF name after ``blk.{il}.``, the
+architectures that create it)."""
 # --8<-- [end:GEMMA_LAYER_TENSORS]
 
 

@@ -31,6 +31,13 @@ Precision: the specification computes in the dtype of its inputs (NumPy's ``matm
 float32 BLAS for float32). ggml's CPU ``vec_dot_f32`` also sums float32 products; for
 float16 or quantized weights ggml first converts ``b`` to the weight's ``vec_dot_type``
 (F16, Q8_0, Q8_1, ...) and the result differs from a float32 product by that rounding.
+
+**Few rows (a decode step, a draft to verify).** For a 2-D weight and fewer than
+`FEW_ROWS` rows of ``b``, the product is computed as $(a\, b^T)^T$: the same dot products,
+but BLAS's ``gemm`` packs its *second* operand into cache-sized panels, so ``b @ a.T`` copies
+the whole weight on every call while ``a @ b.T`` copies only the few rows of ``b``. With
+OpenBLAS on one thread this makes 2 to 32 rows 1.5 to 2.8 times faster (a decode of 2 tokens
+cost almost twice one token), which is what speculative and parallel decoding live on.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ def _mul_mat_leading(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
     return a_lead, b_lead
 
 
+FEW_ROWS = 64  # below it, mul_mat of a 2-D weight packs the rows of b, not the weight
+
+
 # --8<-- [start:mul_mat]
 def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``ggml_mul_mat(a, b)``: every row of ``b`` dotted with every row of ``a``.
@@ -100,6 +110,9 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         array([0., 0., 1., 1.])
     """
     a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
+    if a.ndim == 2 and b.ndim == 2 and b.shape[0] < FEW_ROWS:
+        # a weight and a few rows: (a b^T)^T, so that gemm packs b, not a (module docstring)
+        return np.ascontiguousarray((a @ b.T).T)  # (N, M)
     # block broadcast: matrix i of a serves matrices i*r .. i*r + r-1 of b. Each leading dim
     # db of b is split into (da, r) and a gets a size-1 axis in the place of r, so matmul's
     # own broadcasting pairs them: the same products as np.repeat(a, r, axis), without
