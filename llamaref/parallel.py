@@ -170,7 +170,16 @@ def check_parallel_flags(args: argparse.Namespace) -> None:
         raise CLIError(f"-c {args.ctx_size} must be >= 0 (0: the model's n_ctx_train)")
     if args.file is not None and not Path(args.file).is_file():
         raise CLIError(f"-f {args.file}: no such file")
+    _check_vs(args)
     args.seed = _check_seed(args.seed)
+
+
+def _check_vs(args: argparse.Namespace) -> None:
+    """``--vs llama.cpp`` reads a GGUF file; ``--threads`` goes with it."""
+    if args.threads is not None and (args.threads < 1 or args.vs != "llama.cpp"):
+        raise CLIError("--threads sets llama.cpp's threads: a count >= 1 with --vs llama.cpp")
+    if args.vs == "llama.cpp" and model_path(args).is_dir():
+        raise CLIError("--vs llama.cpp reads a GGUF file; this model is a directory")
 
 
 def prompt_lines(args: argparse.Namespace) -> list[str] | None:
@@ -216,6 +225,24 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         log(line)
     log("")
     _print_perf(ctx, t_load_ms, t_start)
+    if args.vs == "llama.cpp":
+        del ctx  # one model in memory at a time
+        peer = LlamaCppBatchContext(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                                    n_ubatch=args.ubatch_size, n_seq_max=args.parallel + 1,
+                                    kv_unified=args.kv_unified, n_threads=args.threads)
+        chains = [make_sampler("reference", _parallel_sampler(args, seed), hp.n_vocab, tok)
+                  for seed in client_seeds(args.seed, args.parallel)]
+        theirs = ParallelRun(peer, [c for c, _ in chains], system, requests, args.n_predict,
+                             args.batch_size, args.is_pp_shared, tok.is_eog, _piece(tok),
+                             info=lambda line: None)
+        theirs.run()
+        log(f"the same schedule on llama.cpp ({peer.n_threads} threads, its defaults, our "
+            "samplers on its logits):")
+        for line in totals(theirs, args.file, str(path))[4:]:
+            log(line)
+        ours_t = (run.n_total_prompt + run.n_total_gen) / max(run.seconds, 1e-9)
+        theirs_t = (theirs.n_total_prompt + theirs.n_total_gen) / max(theirs.seconds, 1e-9)
+        log(f"Total speed ours / llama.cpp: {ours_t / theirs_t:.2f}")
     return 0
 # --8<-- [end:cmd_parallel]
 
@@ -244,16 +271,13 @@ def check_bench_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} = {value} must be >= 1")
     if args.ctx_size < 0:
         raise CLIError(f"-c {args.ctx_size} must be >= 0 (0: the model's n_ctx_train)")
-    if args.threads is not None and (args.threads < 1 or args.vs != "llama.cpp"):
-        raise CLIError("--threads sets llama.cpp's threads: a count >= 1 with --vs llama.cpp")
+    _check_vs(args)
 
 
 # --8<-- [start:cmd_batched_bench]
 def cmd_batched_bench(args: argparse.Namespace) -> int:
     """``llama-batched-bench``: the PP / TG / B table, markdown or JSONL, on stdout."""
     check_bench_flags(args)
-    if args.vs == "llama.cpp" and model_path(args).is_dir():
-        raise CLIError("--vs llama.cpp reads a GGUF file; this model is a directory")
     path, hp, weights, _, backend, t_load_ms = _load(args, tokenizer=False)
     t_start = time.perf_counter() - t_load_ms / 1e3
     ctx = make_context(backend, hp, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
@@ -405,6 +429,11 @@ def add_parallel_commands(sub) -> None:
                    help="context size (default: 0 = the model's n_ctx_train)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
                    help="tokens per decode (default: 2048)")
+    p.add_argument("--vs", choices=("llama.cpp",), default=None,
+                   help="then run the same requests on llama.cpp (llama-cpp-python, the same "
+                        "GGUF, its defaults) and print its totals and the speed ratio")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="llama.cpp's CPU threads with --vs llama.cpp (default: every core)")
     _add_sampling(p, common=True)
     p.set_defaults(func=cmd_parallel)
 

@@ -82,9 +82,26 @@ def test_batched_bench_vs_llamacpp_runs_the_same_rows_on_llamacpp(gguf, capsys):
     assert all(float(r[6]) > 0 for r in ratios)
 
 
+@pytest.mark.oracle
+def test_parallel_vs_llamacpp_serves_the_same_requests_on_llamacpp(gguf, capsys):
+    """``--vs llama.cpp``: the same requests, the same schedule (chunks, halving, finishes)
+    over llama.cpp's own context; greedy, so its totals count the same tokens as ours."""
+    pytest.importorskip("llama_cpp")
+    assert main(["parallel", "-m", gguf, "-np", "2", "-ns", "3", "-n", "4", "-pps",
+                 "-c", "8192", "--temp", "0", "--backend", "reference", "--vs", "llama.cpp",
+                 "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    ours, theirs = err.split("the same schedule on llama.cpp (1 threads")
+    for key in ("Total prompt tokens:", "Total gen tokens:", "Cache misses:"):
+        line = [x for x in ours.splitlines() if x.startswith(key)][0]
+        assert line.split(",")[0] in theirs, (key, line)
+    assert float(err.rsplit("Total speed ours / llama.cpp: ", 1)[1].split()[0]) > 0
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["batched-bench", "-npp", "8", "-ntg", "4", "-npl", "1", "--threads", "2"],
      "--threads sets llama.cpp's threads"),
+    (["parallel", "--threads", "2"], "--threads sets llama.cpp's threads"),
     (["batched", "-np", "300"], "-np 300: a context holds 1 to 256 sequences"),
     (["batched", "-n", "5"], "the prompt has 26 tokens and -n 5 is the total length"),
     (["parallel", "-np", "256"], "need -np + 1 sequences, at most 256"),

@@ -22,7 +22,8 @@ from types import ModuleType
 HERE = Path(__file__).resolve().parent
 OUT_DIR = HERE.parents[1] / "docs" / "assets" / "figures"
 # the scripts of docs/figures/ that draw a picture: <name>.py writes <name>.svg
-FIGURES = ["layers", "llama_block", "kv_cells", "ubatch_splits", "sampler_chain", "rope_pairs"]
+FIGURES = ["layers", "llama_block", "kv_cells", "ubatch_splits", "sampler_chain", "rope_pairs",
+           "iswa"]
 
 log = logging.getLogger("mkdocs.hooks.figures")
 

@@ -68,34 +68,35 @@ def run() -> dict:
     """Run ``STEPS`` on a real Context; the cells before and after the last decode, its mask."""
     hp = tiny_hparams(n_swa=N_SWA)
     ctx = Context(hp, random_weights(hp), n_ctx=256, n_seq_max=3)
-    memory = ctx.memory
+    memory = ctx.memory  # every layer is SWA: an iSWA pair whose SWA cache holds them all
+    cache = memory.get_swa()  # the cells drawn
     recorded = []
     graph_input = memory.graph_input
 
     def record(placement, ubatch):  # what the forward of each ubatch is given
         inp = graph_input(placement, ubatch)
-        recorded.append((ubatch, inp))
+        recorded.append((ubatch, inp.swa))
         return inp
 
     memory.graph_input = record
     for k, (op, args) in enumerate(STEPS):
         if k == len(STEPS) - 1:
-            before = memory.v_cells[0].copy()
+            before = cache.v_cells[0].copy()
             recorded.clear()
         if op == "decode":
             assert ctx.decode(tokens(*args)) == 0, ctx.last_error
         else:
             getattr(memory, op)(*args)
     [(ubatch, inp)] = recorded  # the last decode is one ubatch
-    cells = memory.v_cells[0]
-    no_window = set_input_kq_mask(memory.v_cells, memory.seq_to_stream, ubatch.pos,
+    cells = cache.v_cells[0]
+    no_window = set_input_kq_mask(cache.v_cells, cache.seq_to_stream, ubatch.pos,
                                   ubatch.seq_id, inp.sinfo.strm, inp.n_kv, 0, SWA_TYPE_NONE)
     assert cells.used_max_p1() <= N_SHOWN < inp.n_kv
     assert not (inp.kq_mask[:, N_SHOWN:] == 0).any()  # nothing visible beyond the drawn cells
     assert ((inp.kq_mask == 0) <= (no_window == 0)).all()  # the window only hides
     return {"hp": hp, "before": before, "after": cells, "ubatch": ubatch,
             "slot": inp.sinfo.idxs[0], "mask": inp.kq_mask, "no_window": no_window,
-            "n_kv": inp.n_kv, "swa_type": memory.swa_type}
+            "n_kv": inp.n_kv, "swa_type": cache.swa_type}
 
 
 CW = 0.355  # inches per cell column
@@ -107,19 +108,7 @@ MROW = 0.3  # a row of the mask
 def draw_cells(ax, cells, y: float, slot=()) -> None:
     """One row of cells: each a square striped by its sequences, its position inside."""
     for i in range(N_SHOWN):
-        x = X0 + i * CW
-        seqs = sorted(cells.seq_get_all(i))
-        if not seqs:
-            sf.rect(ax, x + 0.02, y, CW - 0.04, ROW, fill="white", edge="#bbbbbb",
-                    linestyle=(0, (2, 2)))
-            continue
-        w = (CW - 0.04) / len(seqs)
-        for k, s in enumerate(seqs):
-            sf.rect(ax, x + 0.02 + k * w, y, w, ROW, fill=sf.SEQ_FILL[s], edge="none", lw=0)
-        edge, lw = ("#111111", 2.0) if i in slot else ("#888888", 0.8)
-        sf.rect(ax, x + 0.02, y, CW - 0.04, ROW, fill="none", edge=edge, lw=lw)
-        ax.text(x + CW / 2, y + ROW / 2, str(cells.pos_get(i)), ha="center", va="center",
-                fontsize=sf.TEXT, color=sf.INK)
+        sf.kv_cell(ax, cells, i, X0 + i * CW, y, CW, ROW, i in slot, sf.TEXT)
 
 
 def draw(out: Path = OUT) -> Path:
@@ -197,15 +186,7 @@ def draw(out: Path = OUT) -> Path:
         ax.text(x + 0.36, y, "written by step " + str(len(STEPS)), va="center",
                 fontsize=sf.SMALL, color=sf.INK)
         y -= 0.32
-        x = 0.15
-        for fill, edge, hatch, label in [
-            (sf.SEQ_EDGE[0], "none", None, "0: the token sees it"),
-            ("white", sf.SEQ_EDGE[0], "////", f"\u2212inf: outside the window (n_swa = {N_SWA})"),
-            ("#f4f4f4", "#dddddd", None, "\u2212inf: other sequence, empty, later"),
-        ]:
-            sf.rect(ax, x, y - 0.1, 0.28, 0.2, fill=fill, edge=edge, hatch=hatch)
-            ax.text(x + 0.36, y, label, va="center", fontsize=sf.SMALL, color=sf.INK)
-            x += 0.55 + sf.text_width(ax, label, fontsize=sf.SMALL)
+        sf.mask_legend(ax, y, N_SWA)
         return sf.save(plt, fig, out, "kv_cells.py")
 
 

@@ -64,6 +64,8 @@ class RecordedInput:
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)
+        if not callable(method):  # an attribute (n_stream), not a call to record
+            return method
 
         def call(il, *args):
             result = method(il, *args)

@@ -103,3 +103,36 @@ def text_width(ax, s: str, **kw) -> float:
     width = t.get_window_extent(ax.figure.canvas.get_renderer()).width / ax.figure.dpi
     t.remove()
     return width
+
+
+def kv_cell(ax, cells, i: int, x: float, y: float, cw: float, row: float, in_slot: bool,
+            fontsize: float) -> None:
+    """Cell ``i`` of a KV cache's ``cells`` as a square at ``(x, y)``, ``cw`` wide and ``row``
+    high: dashed when empty, else striped by its sequences, framed black when the ubatch
+    wrote it, its position inside."""
+    seqs = sorted(cells.seq_get_all(i))
+    if not seqs:
+        rect(ax, x + 0.02, y, cw - 0.04, row, fill="white", edge="#bbbbbb",
+             linestyle=(0, (2, 2)))
+        return
+    w = (cw - 0.04) / len(seqs)
+    for k, s in enumerate(seqs):
+        rect(ax, x + 0.02 + k * w, y, w, row, fill=SEQ_FILL[s], edge="none", lw=0)
+    edge, lw = ("#111111", 2.0) if in_slot else ("#888888", 0.8)
+    rect(ax, x + 0.02, y, cw - 0.04, row, fill="none", edge=edge, lw=lw)
+    ax.text(x + cw / 2, y + row / 2, str(cells.pos_get(i)), ha="center", va="center",
+            fontsize=fontsize, color=INK)
+
+
+def mask_legend(ax, y: float, n_swa: int) -> None:
+    """The legend line of a KQ mask drawn by ``kv_cells.py`` and ``iswa.py``: seen, hidden by
+    the window only (hatched), hidden otherwise."""
+    x = 0.15
+    for fill, edge, hatch, label in [
+        (SEQ_EDGE[0], "none", None, "0: the token sees it"),
+        ("white", SEQ_EDGE[0], "////", f"\u2212inf: outside the window (n_swa = {n_swa})"),
+        ("#f4f4f4", "#dddddd", None, "\u2212inf: other sequence, empty, later"),
+    ]:
+        rect(ax, x, y - 0.1, 0.28, 0.2, fill=fill, edge=edge, hatch=hatch)
+        ax.text(x + 0.36, y, label, va="center", fontsize=SMALL, color=INK)
+        x += 0.55 + text_width(ax, label, fontsize=SMALL)

@@ -528,12 +528,14 @@ _LOG_CALLBACK = None  # keeps llama.cpp's no-op logger alive
 
 # --8<-- [start:LlamaCppBatchContext]
 class LlamaCppBatchContext:
-    """llama.cpp's own ``llama_context`` behind the names batched-bench calls.
+    """llama.cpp's own ``llama_context`` behind the names batched-bench and parallel call.
 
-    [`reference.batched_bench.batched_bench`][reference.batched_bench.batched_bench] is written
-    against the Context protocol, so ``llamaref batched-bench --vs llama.cpp`` runs the same
-    code over llama.cpp: ``decode`` (one ``llama_batch`` per call), ``synchronize``,
-    ``memory.clear / seq_cp / seq_rm`` and the sizes. llama.cpp keeps its defaults (f16 KV
+    [`reference.batched_bench.batched_bench`][reference.batched_bench.batched_bench] and
+    [`reference.parallel.ParallelRun`][reference.parallel.ParallelRun] are written against the
+    Context protocol, so ``llamaref batched-bench --vs llama.cpp`` and ``llamaref parallel
+    --vs llama.cpp`` run the same code over llama.cpp: ``decode`` (one ``llama_batch`` per
+    call), ``get_logits_ith`` (for our samplers), ``synchronize``, ``memory.clear / seq_cp /
+    seq_rm`` and the sizes. llama.cpp keeps its defaults (f16 KV
     cache, the file's quantized matmuls, flash attention ``auto``) with ``n_threads`` threads;
     the sizes are ours (``n_ctx``, ``n_batch``, ``n_ubatch``, ``n_seq_max``, ``kv_unified``).
 
@@ -570,6 +572,7 @@ class LlamaCppBatchContext:
         self.n_batch = ll.llama_n_batch(self._ctx)
         self.n_ubatch = ll.llama_n_ubatch(self._ctx)
         self.n_seq_max = ll.llama_n_seq_max(self._ctx)
+        self.n_ctx_seq = self.n_ctx if kv_unified else self.n_ctx // self.n_seq_max
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
         self.n_threads = cparams.n_threads
         self.kv_unified = kv_unified
@@ -599,6 +602,11 @@ class LlamaCppBatchContext:
             return int(ll.llama_decode(self._ctx, b))
         finally:
             ll.llama_batch_free(b)
+
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """``llama_get_logits_ith``: row ``i`` of the last decode, copied (``(n_vocab,)``)."""
+        row = self._ll.llama_get_logits_ith(self._ctx, i)
+        return np.ctypeslib.as_array(row, shape=(self.n_vocab,)).copy()
 
     def synchronize(self) -> None:
         """``llama_synchronize``."""

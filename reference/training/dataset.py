@@ -4,9 +4,11 @@ r"""The training data: datapoints cut from one tokenized text, and the train/val
 tokens, stride = n_ctx / 2)`` (``common/common.cpp``). With $N$ tokens:
 
 $$
-n_{data} = \left\lfloor \frac{N - n_{ctx} - 1}{\mathrm{stride}} \right\rfloor, \qquad
-\mathrm{data}_i = t[i\,\mathrm{stride} : i\,\mathrm{stride} + n_{ctx}], \qquad
-\mathrm{labels}_i = t[i\,\mathrm{stride} + 1 : i\,\mathrm{stride} + n_{ctx} + 1],
+\begin{aligned}
+n_{data} &= \left\lfloor \frac{N - n_{ctx} - 1}{\mathrm{stride}} \right\rfloor, \\
+\mathrm{data}_i &= t[i\,\mathrm{stride} : i\,\mathrm{stride} + n_{ctx}], \\
+\mathrm{labels}_i &= t[i\,\mathrm{stride} + 1 : i\,\mathrm{stride} + n_{ctx} + 1],
+\end{aligned}
 $$
 
 so datapoints overlap by half a context and every label is the next token. (The formula leaves

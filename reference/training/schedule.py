@@ -5,10 +5,11 @@ no decay), ``-decay-epochs`` (default $-1$) and ``-epochs`` (default 2); ``lr_op
 runs once after parsing. When $0 < \mathrm{lr}_{min} < \mathrm{lr}_0$ it sets
 
 $$
-n_{half} = \log_2 \frac{\mathrm{lr}_0}{\mathrm{lr}_{min}},\qquad
-E = \begin{cases} \mathrm{decay\_epochs} & 0 < \mathrm{decay\_epochs} < \mathrm{epochs}\\
-  \mathrm{epochs} & \text{otherwise (and decay\_epochs} \leftarrow \mathrm{epochs)}\end{cases},
-\qquad s = n_{half} / E,
+\begin{aligned}
+n_{half} &= \log_2 \frac{\mathrm{lr}_0}{\mathrm{lr}_{min}}, \qquad s = n_{half} / E, \\
+E &= \begin{cases} \mathrm{decay\_epochs} & 0 < \mathrm{decay\_epochs} < \mathrm{epochs}\\
+  \mathrm{epochs} & \text{otherwise (and decay\_epochs} \leftarrow \mathrm{epochs)}\end{cases}
+\end{aligned}
 $$
 
 so that the rate halves $n_{half}$ times over $E$ epochs. ``get_lr(epoch)``, constant within an
