@@ -17,11 +17,14 @@ import numpy as np
 from accelerated.training.llama_grad import _cross_entropy, loss_and_grads, train_forward
 from accelerated.training.opt import OptContext
 from reference.hparams import LlamaHParams
-from reference.training.epoch import EpochCallback  # the callback type, imported as it is
-from reference.training.errors import DatasetError
+from reference.training.epoch import (  # the callback type and the loop, imported as they are
+    EpochCallback,
+    check_epoch_args,
+    epoch_loop,
+)
 from reference.training.result import OptResult
 
-__all__ = ["EpochCallback", "opt_epoch"]
+__all__ = ["EpochCallback", "check_epoch_args", "epoch_loop", "opt_epoch"]
 
 
 def _eval_datapoint(weights: dict, hparams: LlamaHParams, tokens, labels, opt_period: int):
@@ -63,25 +66,17 @@ def opt_epoch(
         >>> len(data), train.ndata, val.ndata
         (5, 32, 8)
     """
-    ndata = len(data)
-    if labels.shape != data.shape or not 0 <= idata_split <= ndata:
-        raise DatasetError(
-            f"need labels of data's shape {data.shape} and 0 <= idata_split <= {ndata}; got "
-            f"{labels.shape} and {idata_split}"
-        )
-    if opt_ctx.opt_period != 1:
-        raise DatasetError("with n_ubatch == n_ctx every datapoint is one step: opt_period is 1")
-    n_ctx = data.shape[1] if data.ndim == 2 else 0
-    for idata in range(idata_split):
-        loss, grads, logits = loss_and_grads(weights, hparams, data[idata], labels[idata])
-        result_train.add(loss, _argmax(logits), labels[idata], opt_ctx.opt_period)
+    check_epoch_args(opt_ctx, data, labels, idata_split)
+
+    def train_step(tokens, target):
+        loss, grads, logits = loss_and_grads(weights, hparams, tokens, target)
         opt_ctx.eval_backward(weights, grads)
-        if callback:
-            callback(True, result_train, idata + 1, idata_split, n_ctx)
-    for idata in range(idata_split, ndata):
-        loss, logits = _eval_datapoint(weights, hparams, data[idata], labels[idata],
-                                       opt_ctx.opt_period)
-        result_eval.add(loss, _argmax(logits), labels[idata], opt_ctx.opt_period)
-        if callback:
-            callback(False, result_eval, idata - idata_split + 1, ndata - idata_split, n_ctx)
+        return loss, _argmax(logits)
+
+    def eval_step(tokens, target):
+        loss, logits = _eval_datapoint(weights, hparams, tokens, target, opt_ctx.opt_period)
+        return loss, _argmax(logits)
+
+    epoch_loop(train_step, eval_step, data, labels, idata_split, opt_ctx.opt_period,
+               result_train, result_eval, callback)
 # --8<-- [end:opt_epoch]

@@ -37,16 +37,17 @@ from accelerated.models.llama import (
 from accelerated.ops import build_attn_mha, swiglu
 from reference.hparams import LlamaHParams, rope_cparams
 from reference.models.llama import LLAMA_LAYER_TENSORS, check_forward_inputs, model_dtype
-from reference.training.errors import TrainGraphError
-from reference.training.llama_grad import (  # the tapes: containers, imported as they are
+from reference.training.llama_grad import (  # the tapes and the checks, imported as they are
     LayerTape,
     TrainTape,
     _kq_masks,
+    check_train_inputs,
 )
 
 __all__ = [
     "LayerTape",
     "TrainTape",
+    "check_train_inputs",
     "ffn_back",
     "layer_back",
     "layer_forward",
@@ -375,13 +376,7 @@ def loss_and_grads(
         >>> 2.0 < loss < 6.0, sorted(grads)[:2]
         (True, ['blk.0.attn_k.weight', 'blk.0.attn_norm.weight'])
     """
-    labels = np.asarray(labels, dtype=np.int64)
-    if labels.shape != np.shape(tokens) or ((labels < 0) | (labels >= hparams.n_vocab)).any():
-        raise TrainGraphError(
-            f"labels must be one id in [0, {hparams.n_vocab}) per token; got {labels.tolist()}"
-        )
-    if opt_period < 1:
-        raise TrainGraphError(f"opt_period must be at least 1, got {opt_period}")
+    labels = check_train_inputs(hparams, tokens, labels, opt_period)
     params = _differentiable(weights)
     label_ids = mx.array(labels.astype(np.int32))
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+import reference.training.opt as ref_opt
 from reference.ops.errors import OpShapeError
-from reference.training.errors import OptParamsError
 from reference.training.opt import (  # host-side, imported as they are
     OPTIMIZERS,
     AdamWParams,
@@ -133,10 +133,11 @@ def trainable_params(
 
 
 # --8<-- [start:OptContext]
-class OptContext:
-    """Twin of [`reference.training.opt.OptContext`][reference.training.opt.OptContext]: the same
-    counters and rules; accumulators, moments and updated weights are ``mx.array`` (evaluated
-    after every step, so the graph never grows across steps).
+class OptContext(ref_opt.OptContext):
+    """Twin of [`reference.training.opt.OptContext`][reference.training.opt.OptContext]: the
+    reference's counters and rules, inherited; only the arrays are MLX's (the filter, the
+    kernels and the zeros), and every ubatch ends with ``mx.eval`` of the accumulators, moments
+    and updated weights, so the graph never grows across steps.
 
     Examples:
         >>> w = {"output_norm.weight": mx.ones(2)}
@@ -149,62 +150,16 @@ class OptContext:
         (True, [0.0, 2.0], 2)
     """
 
-    def __init__(
-        self,
-        weights: dict,
-        optimizer: str = "adamw",
-        opt_period: int = 1,
-        get_opt_pars: Callable[[], OptimizerParams] | None = None,
-        param_filter: Callable[[str, np.ndarray], bool] | None = None,
-    ):
-        if optimizer not in OPTIMIZERS:
-            raise OptParamsError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        if opt_period < 1:
-            raise OptParamsError(f"opt_period must be at least 1, got {opt_period}")
-        self.optimizer = optimizer
-        self.opt_period = opt_period
-        self.get_opt_pars = get_opt_pars or OptimizerParams
-        self.params = trainable_params(weights, param_filter)
-        self.iter = 1  # optimizer steps taken + 1 (AdamW's bias corrections)
-        self.opt_i = 0  # ubatches into the current period
-        zeros = {name: mx.zeros(weights[name].shape, mx.float32) for name in self.params}
-        self.grad_accs = dict(zeros)
-        self.m = dict(zeros) if optimizer == "adamw" else {}
-        self.v = dict(zeros) if optimizer == "adamw" else {}
+    trainable = staticmethod(trainable_params)
+    step_adamw = staticmethod(opt_step_adamw)
+    step_sgd = staticmethod(opt_step_sgd)
 
-    def eval_backward(self, weights: dict, grads: dict) -> bool:
-        """Twin of
-        [`reference.training.opt.OptContext.eval_backward`][reference.training.opt.OptContext.eval_backward]."""
-        for name in self.params:
-            if name in grads:
-                _check_same_shapes(f"gradient of {name}", mx.array(weights[name]),
-                                   mx.array(grads[name]))
-        stepping = (self.opt_i + 1) % self.opt_period == 0
-        pars = self.get_opt_pars() if stepping else None
-        if stepping:
-            check_optimizer_params(pars, self.optimizer)
-        for name in self.params:
-            if self.opt_i == 0:
-                self.grad_accs[name] = mx.zeros(weights[name].shape, mx.float32)  # a new period
-            if name in grads:
-                self.grad_accs[name] = self.grad_accs[name] + grads[name]
-        if stepping:
-            self._step(weights, pars)
+    @staticmethod
+    def zeros_like(w: mx.array) -> mx.array:
+        """A float32 zero tensor of ``w``'s shape (an accumulator or a moment)."""
+        return mx.zeros(w.shape, mx.float32)
+
+    def settle(self, weights: dict) -> None:
+        """Evaluate what the ubatch changed."""
         mx.eval(self.grad_accs, self.m, self.v, [weights[n] for n in self.params])
-        self.opt_i = (self.opt_i + 1) % self.opt_period
-        return stepping
-
-    def _step(self, weights: dict, pars: OptimizerParams) -> None:
-        """The optimizer over every trainable tensor, then ``iter += 1``."""
-        if self.optimizer == "adamw":
-            b1h, b2h = adamw_bias_corrections(pars.adamw.beta1, pars.adamw.beta2, self.iter)
-            for name in self.params:
-                weights[name], self.m[name], self.v[name] = opt_step_adamw(
-                    weights[name], self.grad_accs[name], self.m[name], self.v[name],
-                    pars.adamw, b1h, b2h,
-                )
-        else:
-            for name in self.params:
-                weights[name] = opt_step_sgd(weights[name], self.grad_accs[name], pars.sgd)
-        self.iter += 1
 # --8<-- [end:OptContext]

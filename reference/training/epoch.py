@@ -40,6 +40,60 @@ def _eval_datapoint(weights: dict, hparams: LlamaHParams, tokens, labels, opt_pe
     return float(cross_entropy_loss(logits, onehot) * (t(1) / t(opt_period))), logits
 
 
+# --8<-- [start:epoch_loop]
+def check_epoch_args(opt_ctx: OptContext, data: np.ndarray, labels: np.ndarray,
+                     idata_split: int) -> None:
+    """What ``llama_opt_epoch`` asserts, as a
+    [`DatasetError`][reference.training.errors.DatasetError].
+
+    Examples:
+        >>> check_epoch_args(OptContext({}), np.zeros((2, 4)), np.zeros((2, 4)), 3)
+        Traceback (most recent call last):
+        ...
+        reference.training.errors.DatasetError: need labels of data's shape (2, 4) and 0 <= ...
+    """
+    ndata = len(data)
+    if labels.shape != data.shape or not 0 <= idata_split <= ndata:
+        raise DatasetError(
+            f"need labels of data's shape {data.shape} and 0 <= idata_split <= {ndata}; got "
+            f"{labels.shape} and {idata_split}"
+        )
+    if opt_ctx.opt_period != 1:
+        raise DatasetError("with n_ubatch == n_ctx every datapoint is one step: opt_period is 1")
+
+
+def epoch_loop(train_step: Callable, eval_step: Callable, data: np.ndarray, labels: np.ndarray,
+               idata_split: int, opt_period: int, result_train: OptResult,
+               result_eval: OptResult, callback: EpochCallback | None = None) -> None:
+    """The loop of ``llama_opt_epoch``, whatever computes a datapoint: ``data[:idata_split]``
+    through ``train_step(tokens, labels) -> (loss, predicted ids)`` (which also steps the
+    optimizer), the rest through ``eval_step`` (no gradient), in order, no shuffling; each
+    datapoint's loss and predictions go to its [`OptResult`][reference.training.result.OptResult]
+    and to ``callback``. Both twins' [`opt_epoch`][] run it.
+
+    Examples:
+        >>> r_t, r_v, seen = OptResult(), OptResult(), []
+        >>> step = lambda tokens, target: (1.0, np.asarray(target))
+        >>> epoch_loop(step, step, np.zeros((3, 2)), np.ones((3, 2)), 2, 1, r_t, r_v,
+        ...            lambda train, result, i, n, b: seen.append((train, i, n)))
+        >>> seen, r_t.ndata, r_v.ndata
+        ([(True, 1, 2), (True, 2, 2), (False, 1, 1)], 4, 2)
+    """
+    ndata = len(data)
+    n_ctx = data.shape[1] if data.ndim == 2 else 0
+    for idata in range(idata_split):
+        loss, predicted = train_step(data[idata], labels[idata])
+        result_train.add(loss, predicted, labels[idata], opt_period)
+        if callback:
+            callback(True, result_train, idata + 1, idata_split, n_ctx)
+    for idata in range(idata_split, ndata):
+        loss, predicted = eval_step(data[idata], labels[idata])
+        result_eval.add(loss, predicted, labels[idata], opt_period)
+        if callback:
+            callback(False, result_eval, idata - idata_split + 1, ndata - idata_split, n_ctx)
+# --8<-- [end:epoch_loop]
+
+
 # --8<-- [start:opt_epoch]
 def opt_epoch(
     weights: dict,
@@ -83,25 +137,17 @@ def opt_epoch(
         >>> len(data), train.ndata, val.ndata
         (5, 32, 8)
     """
-    ndata = len(data)
-    if labels.shape != data.shape or not 0 <= idata_split <= ndata:
-        raise DatasetError(
-            f"need labels of data's shape {data.shape} and 0 <= idata_split <= {ndata}; got "
-            f"{labels.shape} and {idata_split}"
-        )
-    if opt_ctx.opt_period != 1:
-        raise DatasetError("with n_ubatch == n_ctx every datapoint is one step: opt_period is 1")
-    n_ctx = data.shape[1] if data.ndim == 2 else 0
-    for idata in range(idata_split):
-        loss, grads, logits = loss_and_grads(weights, hparams, data[idata], labels[idata])
-        result_train.add(loss, logits.argmax(-1), labels[idata], opt_ctx.opt_period)
+    check_epoch_args(opt_ctx, data, labels, idata_split)
+
+    def train_step(tokens, target):
+        loss, grads, logits = loss_and_grads(weights, hparams, tokens, target)
         opt_ctx.eval_backward(weights, grads)
-        if callback:
-            callback(True, result_train, idata + 1, idata_split, n_ctx)
-    for idata in range(idata_split, ndata):
-        loss, logits = _eval_datapoint(weights, hparams, data[idata], labels[idata],
-                                       opt_ctx.opt_period)
-        result_eval.add(loss, logits.argmax(-1), labels[idata], opt_ctx.opt_period)
-        if callback:
-            callback(False, result_eval, idata - idata_split + 1, ndata - idata_split, n_ctx)
+        return loss, logits.argmax(-1)
+
+    def eval_step(tokens, target):
+        loss, logits = _eval_datapoint(weights, hparams, tokens, target, opt_ctx.opt_period)
+        return loss, logits.argmax(-1)
+
+    epoch_loop(train_step, eval_step, data, labels, idata_split, opt_ctx.opt_period,
+               result_train, result_eval, callback)
 # --8<-- [end:opt_epoch]

@@ -432,6 +432,29 @@ def train_backward(
 # --8<-- [end:train_backward]
 
 
+def check_train_inputs(hparams: LlamaHParams, tokens, labels, opt_period: int) -> np.ndarray:
+    """The labels as int64, checked: one in-range id per token, and ``opt_period >= 1``.
+
+    Raises:
+        TrainGraphError: otherwise, saying which.
+
+    Examples:
+        >>> from reference.testing import tiny_hparams
+        >>> check_train_inputs(tiny_hparams(), [1, 2], [2, 99], 1)
+        Traceback (most recent call last):
+        ...
+        reference.training.errors.TrainGraphError: labels must be one id in [0, 32) per token; ...
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.shape != np.shape(tokens) or ((labels < 0) | (labels >= hparams.n_vocab)).any():
+        raise TrainGraphError(
+            f"labels must be one id in [0, {hparams.n_vocab}) per token; got {labels.tolist()}"
+        )
+    if opt_period < 1:
+        raise TrainGraphError(f"opt_period must be at least 1, got {opt_period}")
+    return labels
+
+
 # --8<-- [start:loss_and_grads]
 def loss_and_grads(
     weights: dict,
@@ -467,13 +490,7 @@ def loss_and_grads(
         >>> 2.0 < loss < 6.0, sorted(grads)[:2]
         (True, ['blk.0.attn_k.weight', 'blk.0.attn_norm.weight'])
     """
-    labels = np.asarray(labels, dtype=np.int64)
-    if labels.shape != np.shape(tokens) or ((labels < 0) | (labels >= hparams.n_vocab)).any():
-        raise TrainGraphError(
-            f"labels must be one id in [0, {hparams.n_vocab}) per token; got {labels.tolist()}"
-        )
-    if opt_period < 1:
-        raise TrainGraphError(f"opt_period must be at least 1, got {opt_period}")
+    labels = check_train_inputs(hparams, tokens, labels, opt_period)
     logits, tape = train_forward(weights, hparams, tokens)
     onehot = np.zeros(logits.shape, dtype=logits.dtype)  # (n_tokens, n_vocab)
     onehot[np.arange(len(labels)), labels] = 1  # not np.eye(n_vocab)[labels]: n_vocab^2 floats

@@ -294,7 +294,19 @@ class OptContext:
         (False, array([1., 1.], dtype=float32))
         >>> ctx.eval_backward(w, g), w["output_norm.weight"], ctx.iter
         (True, array([0., 2.], dtype=float32), 2)
+
+    The array work goes through four class attributes, which the MLX twin replaces and
+    nothing else: `trainable` ([`trainable_params`][]), `step_adamw`, `step_sgd` (the kernels)
+    and `zeros_like`; `settle` runs after every ubatch (here nothing: NumPy has computed).
     """
+
+    trainable = staticmethod(trainable_params)
+    step_adamw = staticmethod(opt_step_adamw)
+    step_sgd = staticmethod(opt_step_sgd)
+    zeros_like = staticmethod(np.zeros_like)
+
+    def settle(self, weights: dict) -> None:
+        """After a ubatch: nothing to wait for (the MLX twin evaluates its lazy arrays)."""
 
     def __init__(
         self,
@@ -311,10 +323,10 @@ class OptContext:
         self.optimizer = optimizer
         self.opt_period = opt_period
         self.get_opt_pars = get_opt_pars or OptimizerParams
-        self.params = trainable_params(weights, param_filter)
+        self.params = self.trainable(weights, param_filter)
         self.iter = 1  # optimizer steps taken + 1 (AdamW's bias corrections)
         self.opt_i = 0  # ubatches into the current period
-        zeros = {name: np.zeros_like(weights[name]) for name in self.params}
+        zeros = {name: self.zeros_like(weights[name]) for name in self.params}
         self.grad_accs = dict(zeros)
         self.m = dict(zeros) if optimizer == "adamw" else {}
         self.v = dict(zeros) if optimizer == "adamw" else {}
@@ -340,26 +352,29 @@ class OptContext:
             check_optimizer_params(pars, self.optimizer)
         for name in self.params:
             if self.opt_i == 0:
-                self.grad_accs[name] = np.zeros_like(weights[name])  # a new period
+                self.grad_accs[name] = self.zeros_like(weights[name])  # a new period
             if name in grads:
                 self.grad_accs[name] = self.grad_accs[name] + grads[name]
         if stepping:
             self._step(weights, pars)
+        self.settle(weights)
         self.opt_i = (self.opt_i + 1) % self.opt_period
         return stepping
 
     def _step(self, weights: dict, pars: OptimizerParams) -> None:
         """The optimizer over every trainable tensor, then ``iter += 1``."""
         if self.optimizer == "adamw":
-            dtype = weights[self.params[0]].dtype if self.params else np.float32
+            dtype = np.float32  # ggml's float; a float64 model keeps its own
+            if self.params and isinstance(weights[self.params[0]], np.ndarray):
+                dtype = weights[self.params[0]].dtype
             b1h, b2h = adamw_bias_corrections(pars.adamw.beta1, pars.adamw.beta2, self.iter, dtype)
             for name in self.params:
-                weights[name], self.m[name], self.v[name] = opt_step_adamw(
+                weights[name], self.m[name], self.v[name] = self.step_adamw(
                     weights[name], self.grad_accs[name], self.m[name], self.v[name],
                     pars.adamw, b1h, b2h,
                 )
         else:
             for name in self.params:
-                weights[name] = opt_step_sgd(weights[name], self.grad_accs[name], pars.sgd)
+                weights[name] = self.step_sgd(weights[name], self.grad_accs[name], pars.sgd)
         self.iter += 1
 # --8<-- [end:OptContext]
