@@ -222,6 +222,8 @@ def stream_mask(kq_mask: np.ndarray, n_stream: int) -> np.ndarray:
                [[10., 11.],
                 [14., 15.]]])
     """
+    if n_stream == 1:
+        return kq_mask[None, None]  # (1, 1, n_tokens, n_kv): a view, no copy per layer
     n_tokens, n_cols = kq_mask.shape
     m = kq_mask.reshape(n_stream, n_tokens // n_stream, n_stream, n_cols // n_stream)
     s = np.arange(n_stream)
