@@ -48,6 +48,7 @@ from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, m
 from llamaref.finetune import add_finetune_command
 from llamaref.parallel import add_parallel_commands
 from llamaref.passkey import add_passkey_command
+from llamaref.server.main import add_serve_command
 from llamaref.speculative import add_speculative_commands
 from llamaref.verify import run_verify
 from reference.common import LLAMA_DEFAULT_SEED
@@ -579,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_commands(sub)
     add_parallel_commands(sub)
     add_finetune_command(sub)
+    add_serve_command(sub)
     return parser
 
 

@@ -431,6 +431,27 @@ class Generator:
 
 
 # --8<-- [start:ChatSession]
+def chat_tokens(tokenizer: Any, messages: list[dict]) -> list[int]:
+    r"""``messages`` rendered by the model's chat template, ready for the assistant's reply,
+    as tokens (BOS added, special tokens parsed; a template that writes its own BOS does not
+    get a second one).
+
+    Examples:
+        >>> from reference.model import default_model_path
+        >>> from reference.tokenizer import Tokenizer
+        >>> tok = Tokenizer.from_gguf(default_model_path())
+        >>> ids = chat_tokens(tok, [{"role": "user", "content": "Hi"}])
+        >>> tok.detokenize(ids[-4:], unparse_special=True)
+        '<|im_start|>assistant\n'
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    tokens = tokenizer.tokenize(text, add_special=True, parse_special=True)
+    bos = tokenizer.bos_id
+    if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:  # the template had its own BOS
+        tokens = tokens[1:]
+    return tokens
+
+
 class ChatSession:
     """A conversation on a [`Generator`][]: render, decode the new suffix, reply.
 
@@ -451,12 +472,7 @@ class ChatSession:
 
     def render(self) -> list[int]:
         """The conversation so far as tokens, ready for the assistant's reply."""
-        text = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-        tokens = self.tokenizer.tokenize(text, add_special=True, parse_special=True)
-        bos = self.tokenizer.bos_id
-        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:  # the template had its own BOS
-            tokens = tokens[1:]
-        return tokens
+        return chat_tokens(self.tokenizer, self.messages)
 
     def turn(self, user: str, n_predict: int, emit: Callable[[str], None]) -> str:
         """Add ``user``'s message, decode only what the cache lacks, stream the reply.

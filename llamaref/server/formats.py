@@ -1,0 +1,620 @@
+r"""Results to llama.cpp's JSON: the native, OpenAI completion and OpenAI chat formats.
+
+Pure functions from the engine's result dataclasses ([`Partial`][reference.server.results.Partial],
+[`Final`][reference.server.results.Final]) to the objects llama.cpp sends
+(``tools/server/server-task.cpp``):
+
+- **native** ``/completion``: ``to_json_non_oaicompat`` of a final (``:340-363``) or partial
+  (``:1049-1071``) result, with ``completion_probabilities`` (``probs_vector_to_json``,
+  ``:282-307``);
+- **OpenAI** ``/v1/completions``: ``text_completion`` objects (``:374-412``, ``:1073-1109``), the
+  same shape streamed, ``logprobs`` as llama.cpp writes it (``{"content": [...]}``);
+- **OpenAI chat**: ``chat.completion`` (``:414-460``) and its stream of
+  ``chat.completion.chunk`` (``:462-526``, ``:1111-1164``): the first token's chunk opens with
+  ``{"role": "assistant", "content": null}``, then content deltas, then a chunk with the
+  ``finish_reason`` and an empty delta, then (``stream_options.include_usage``) a chunk with
+  ``choices: []`` and the ``usage``.
+
+``finish_reason`` is ``"stop"`` for an end-of-generation token or a stop string and
+``"length"`` otherwise. A probability is reported as ``logprob`` (``log p``; ``p = 0`` gives the
+lowest float, since JSON has no ``-inf``) or, with ``post_sampling_probs``, as ``prob``; a
+token's ``token`` text is its bytes cut before an incomplete UTF-8 character (``validate_utf8``)
+and its ``bytes`` the full list.
+
+Several results of one request (``n > 1``, several prompts) are merged as llama.cpp does
+(``server-context.cpp:4336-4352``): native ones into an array, OpenAI ones into the first
+object's ``choices`` (its ``usage`` stays the first result's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from reference.server.params import SlotParams
+from reference.server.results import Final, Partial, TokenOutput, TokenProb, logarithm
+
+#: ``system_fingerprint`` (llama.cpp writes its build info there)
+SYSTEM_FINGERPRINT = "llamaref"
+
+#: the end of an OpenAI stream
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the wire
+# ---------------------------------------------------------------------------------------------
+
+def dumps(obj) -> str:
+    """Compact JSON, non-ASCII kept (``safe_json_to_str``); NaN and infinities are an error,
+    never invalid JSON.
+
+    Examples:
+        >>> dumps({"a": "é", "b": [1, 2]})
+        '{"a":"é","b":[1,2]}'
+    """
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def sse(obj) -> bytes:
+    r"""One server-sent event: ``data: <json>\n\n`` (``format_oai_sse``); a list of chunks
+    becomes one event per chunk.
+
+    Examples:
+        >>> sse({"content": "Hi"})
+        b'data: {"content":"Hi"}\n\n'
+        >>> sse([{"a": 1}, {"b": 2}])
+        b'data: {"a":1}\n\ndata: {"b":2}\n\n'
+    """
+    if isinstance(obj, list):
+        return b"".join(sse(o) for o in obj)
+    return f"data: {dumps(obj)}\n\n".encode()
+
+
+def gen_cmpl_id() -> str:
+    """``gen_chatcmplid``: ``"chatcmpl-"`` and 32 random letters and digits.
+
+    Examples:
+        >>> i = gen_cmpl_id(); i.startswith("chatcmpl-"), len(i)
+        (True, 41)
+    """
+    alphabet = string.digits + string.ascii_uppercase + string.ascii_lowercase
+    return "chatcmpl-" + "".join(secrets.choice(alphabet) for _ in range(32))
+
+
+# ---------------------------------------------------------------------------------------------
+# probabilities
+# ---------------------------------------------------------------------------------------------
+
+def validate_utf8(data: bytes) -> int:
+    """``validate_utf8`` (``server-common.cpp:901-925``): the length of ``data`` without a
+    multi-byte character cut off at its end.
+
+    Examples:
+        >>> validate_utf8("é".encode()), validate_utf8("é".encode()[:1]), validate_utf8(b"ab")
+        (2, 0, 2)
+    """
+    n = len(data)
+    for i in range(1, min(4, n) + 1):
+        c = data[n - i]
+        if ((c & 0xE0) == 0xC0 and i < 2) or ((c & 0xF0) == 0xE0 and i < 3) or (
+                (c & 0xF8) == 0xF0 and i < 4):
+            return n - i
+    return n
+
+
+def token_text(piece: bytes) -> str:
+    """A token's ``token`` text: its bytes up to an incomplete trailing character, other
+    invalid UTF-8 replaced by U+FFFD (as ``safe_json_to_str``).
+
+    Examples:
+        >>> token_text(b" world"), token_text("\u00e9".encode()[:1])
+        (' world', '')
+    """
+    return piece[: validate_utf8(piece)].decode("utf-8", "replace")
+
+
+def _prob_fields(prob: float, post_sampling: bool) -> tuple[str, float]:
+    return ("prob", prob) if post_sampling else ("logprob", logarithm(prob))
+
+
+def candidate_json(p: TokenProb, post_sampling: bool) -> dict:
+    """One of a token's top candidates (``completion_token_output::to_json``, ``:264-280``).
+
+    Examples:
+        >>> candidate_json(TokenProb(5, b"Hi", 0.0), False)
+        {'id': 5, 'token': 'Hi', 'bytes': [72, 105], 'logprob': -3.4028234663852886e+38}
+    """
+    key, value = _prob_fields(p.prob, post_sampling)
+    return {"id": p.id, "token": token_text(p.piece), "bytes": list(p.piece), key: value}
+
+
+def probs_json(probs: list[TokenOutput], post_sampling: bool) -> list[dict]:
+    """``completion_token_output::probs_vector_to_json`` (``server-task.cpp:282-307``): per
+    generated token its id, text, bytes, ``logprob`` (or ``prob``) and ``top_logprobs`` (or
+    ``top_probs``).
+
+    Args:
+        probs: the generated tokens with their candidates.
+        post_sampling: the request's ``post_sampling_probs``.
+
+    Returns:
+        The list for ``completion_probabilities`` or ``logprobs.content``.
+
+    Examples:
+        >>> out = probs_json([TokenOutput(5, b"Hi", 1.0, [TokenProb(5, b"Hi", 1.0)])], True)
+        >>> out[0]["prob"], out[0]["top_probs"][0]["prob"], sorted(out[0])
+        (1.0, 1.0, ['bytes', 'id', 'prob', 'token', 'top_probs'])
+    """
+    top_key = "top_probs" if post_sampling else "top_logprobs"
+    out = []
+    for t in probs:
+        key, value = _prob_fields(t.prob, post_sampling)
+        out.append({"id": t.id, "token": token_text(t.piece), "bytes": list(t.piece),
+                    key: value, top_key: [candidate_json(c, post_sampling) for c in t.top]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# native /completion
+# ---------------------------------------------------------------------------------------------
+
+def _finite(x: float) -> float | None:
+    """A float JSON can carry (nlohmann writes ``-inf`` as ``null``)."""
+    return x if math.isfinite(x) else None
+
+
+def generation_settings(params: SlotParams) -> dict:
+    """``task_params::to_json`` (``server-task.cpp:30-175``), the fields a [`SlotParams`][]
+    holds.
+
+    Examples:
+        >>> g = generation_settings(SlotParams())
+        >>> g["temperature"], g["n_predict"], g["samplers"][:2]
+        (0.8, -1, ['penalties', 'dry'])
+    """
+    s = params.sampling
+    return {
+        "seed": s.seed, "temperature": s.temp, "dynatemp_range": s.dynatemp_range,
+        "dynatemp_exponent": s.dynatemp_exponent, "top_k": s.top_k, "top_p": s.top_p,
+        "min_p": s.min_p, "top_n_sigma": s.top_n_sigma, "xtc_probability": s.xtc_probability,
+        "xtc_threshold": s.xtc_threshold, "typical_p": s.typ_p,
+        "repeat_last_n": s.penalty_last_n, "repeat_penalty": s.penalty_repeat,
+        "presence_penalty": s.penalty_present, "frequency_penalty": s.penalty_freq,
+        "dry_multiplier": s.dry_multiplier, "dry_base": s.dry_base,
+        "dry_allowed_length": s.dry_allowed_length, "dry_penalty_last_n": s.dry_penalty_last_n,
+        "dry_sequence_breakers": list(s.dry_sequence_breakers), "mirostat": s.mirostat,
+        "mirostat_tau": s.mirostat_tau, "mirostat_eta": s.mirostat_eta,
+        "stop": list(params.stop), "max_tokens": params.n_predict,
+        "n_predict": params.n_predict, "n_keep": params.n_keep, "n_discard": params.n_discard,
+        "ignore_eos": params.ignore_eos, "stream": params.stream,
+        "logit_bias": [{"bias": _finite(b), "token": t} for t, b in s.logit_bias.items()],
+        "n_probs": params.n_probs, "min_keep": s.min_keep, "samplers": list(s.samplers),
+        "timings_per_token": params.timings_per_token,
+        "post_sampling_probs": params.post_sampling_probs,
+    }
+
+
+# --8<-- [start:completion_json]
+def completion_final(res: Final, params: SlotParams, *, model: str, prompt: str) -> dict:
+    """The native ``/completion`` answer (``to_json_non_oaicompat``, ``server-task.cpp:340``);
+    also the last event of a native stream (then without ``completion_probabilities``: they
+    went with the partial results).
+
+    Args:
+        res: the final result.
+        params: the request's parameters (``generation_settings``, ``stream``,
+            ``post_sampling_probs``).
+        model: the model name.
+        prompt: the prompt as text.
+
+    Returns:
+        The object.
+
+    Examples:
+        >>> from reference.server.results import Timings
+        >>> fin = Final(0, 0, 1, "Hi!", [7, 8], "eos", "", 2, 5, 3, 7, False, False, Timings())
+        >>> out = completion_final(fin, SlotParams(), model="m", prompt="Say hi")
+        >>> out["stop"], out["stop_type"], out["tokens_predicted"], out["tokens_cached"]
+        (True, 'eos', 2, 7)
+    """
+    out = {
+        "index": res.index, "content": res.content, "tokens": list(res.tokens),
+        "id_slot": res.id_slot, "stop": True, "model": model, "tokens_predicted": res.n_decoded,
+        "tokens_evaluated": res.n_prompt, "generation_settings": generation_settings(params),
+        "prompt": prompt, "has_new_line": res.has_new_line, "truncated": res.truncated,
+        "stop_type": res.stop_type, "stopping_word": res.stopping_word,
+        "tokens_cached": res.n_tokens_cached, "timings": res.timings.to_json(),
+    }
+    if not params.stream and res.probs:
+        out["completion_probabilities"] = probs_json(res.probs, params.post_sampling_probs)
+    return out
+
+
+def completion_partial(res: Partial, post_sampling: bool = False) -> dict:
+    """One native stream event (``server-task.cpp:1049-1071``): new text, ``stop: false``,
+    the token's probabilities, and ``timings`` with ``timings_per_token``.
+
+    Examples:
+        >>> out = completion_partial(Partial(0, 0, 1, "Hi", [7], [], 1, 5))
+        >>> out["content"], out["stop"], "timings" in out
+        ('Hi', False, False)
+    """
+    out = {"index": res.index, "content": res.content, "tokens": list(res.tokens),
+           "stop": False, "id_slot": res.id_slot, "tokens_predicted": res.n_decoded,
+           "tokens_evaluated": res.n_prompt}
+    if res.timings is not None:
+        out["timings"] = res.timings.to_json()
+    if res.probs:
+        out["completion_probabilities"] = probs_json(res.probs, post_sampling)
+    return out
+# --8<-- [end:completion_json]
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI /v1/completions
+# ---------------------------------------------------------------------------------------------
+
+def finish_reason(stop_type: str) -> str:
+    """``"stop"`` for an end-of-generation token or a stop string, ``"length"`` otherwise.
+
+    Examples:
+        >>> [finish_reason(s) for s in ("eos", "word", "limit", "none")]
+        ['stop', 'stop', 'length', 'length']
+    """
+    return "stop" if stop_type in ("eos", "word") else "length"
+
+
+def usage(res: Final) -> dict:
+    """``usage_json_oaicompat`` (``server-task.cpp:365-372``).
+
+    Examples:
+        >>> from reference.server.results import Timings
+        >>> usage(Final(0, 0, 0, "", [], "eos", "", 4, 10, 6, 14, False, False, Timings()))
+        {'completion_tokens': 4, 'prompt_tokens': 10, 'total_tokens': 14, \
+'prompt_tokens_details': {'cached_tokens': 6}}
+    """
+    return {"completion_tokens": res.n_decoded, "prompt_tokens": res.n_prompt,
+            "total_tokens": res.n_decoded + res.n_prompt,
+            "prompt_tokens_details": {"cached_tokens": res.n_cached}}
+
+
+def _envelope(obj: str, model: str, cmpl_id: str, created: int) -> dict:
+    return {"created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "object": obj, "id": cmpl_id}
+
+
+def oai_completion_final(
+    res: Final, *, model: str, cmpl_id: str, created: int, stream: bool = False,
+    post_sampling: bool = False,
+) -> dict:
+    """A ``text_completion`` object (``to_json_oaicompat``, ``server-task.cpp:374-412``): the
+    answer, or the last chunk of a stream (then ``logprobs`` is null: it went with the
+    partial chunks). ``usage`` and ``timings`` are always there.
+
+    Examples:
+        >>> from reference.server.results import Timings
+        >>> fin = Final(0, 0, 0, "Hi", [7], "limit", "", 1, 3, 0, 4, False, False, Timings())
+        >>> out = oai_completion_final(fin, model="m", cmpl_id="chatcmpl-x", created=1)
+        >>> out["object"], out["choices"], out["usage"]["total_tokens"]
+        ('text_completion', [{'text': 'Hi', 'index': 0, 'logprobs': None, \
+'finish_reason': 'length'}], 4)
+    """
+    logprobs = None
+    if not stream and res.probs:
+        logprobs = {"content": probs_json(res.probs, post_sampling)}
+    choice = {"text": res.content, "index": res.index, "logprobs": logprobs,
+              "finish_reason": finish_reason(res.stop_type)}
+    return {"choices": [choice], **_envelope("text_completion", model, cmpl_id, created),
+            "usage": usage(res), "timings": res.timings.to_json()}
+
+
+def oai_completion_partial(
+    res: Partial, *, model: str, cmpl_id: str, created: int, post_sampling: bool = False,
+) -> dict:
+    """One ``text_completion`` stream chunk (``server-task.cpp:1073-1109``),
+    ``finish_reason: null``.
+
+    Examples:
+        >>> out = oai_completion_partial(Partial(0, 1, 0, "Hi", [7], [], 1, 3), model="m",
+        ...                              cmpl_id="c", created=1)
+        >>> out["choices"]
+        [{'text': 'Hi', 'index': 1, 'logprobs': None, 'finish_reason': None}]
+    """
+    logprobs = {"content": probs_json(res.probs, post_sampling)} if res.probs else None
+    choice = {"text": res.content, "index": res.index, "logprobs": logprobs,
+              "finish_reason": None}
+    out = {"choices": [choice], **_envelope("text_completion", model, cmpl_id, created)}
+    if res.timings is not None:
+        out["timings"] = res.timings.to_json()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI chat
+# ---------------------------------------------------------------------------------------------
+
+# --8<-- [start:oai_chat]
+def oai_chat_final(
+    res: Final, *, model: str, cmpl_id: str, created: int, post_sampling: bool = False,
+) -> dict:
+    """A ``chat.completion`` object (``to_json_oaicompat_chat``, ``server-task.cpp:414-460``).
+
+    Examples:
+        >>> from reference.server.results import Timings
+        >>> fin = Final(0, 0, 0, "Hello", [7], "eos", "", 1, 9, 0, 10, False, False, Timings())
+        >>> out = oai_chat_final(fin, model="m", cmpl_id="chatcmpl-x", created=1)
+        >>> out["object"], out["choices"]
+        ('chat.completion', [{'finish_reason': 'stop', 'index': 0, 'message': {'role': \
+'assistant', 'content': 'Hello'}}])
+    """
+    choice = {"finish_reason": finish_reason(res.stop_type), "index": res.index,
+              "message": {"role": "assistant", "content": res.content}}
+    if res.probs:
+        choice["logprobs"] = {"content": probs_json(res.probs, post_sampling)}
+    return {"choices": [choice], **_envelope("chat.completion", model, cmpl_id, created),
+            "usage": usage(res), "timings": res.timings.to_json()}
+
+
+def _chunk(index: int, delta: dict, reason: str | None, head: dict) -> dict:
+    choice = {"finish_reason": reason, "index": index, "delta": delta}
+    return {"choices": [choice], **head}
+
+
+def oai_chat_partial(
+    res: Partial, *, model: str, cmpl_id: str, created: int, post_sampling: bool = False,
+    send_role: bool | None = None,
+) -> list[dict]:
+    """The ``chat.completion.chunk`` objects of one partial result
+    (``server-task.cpp:1111-1164``): for the first token a ``{"role": "assistant",
+    "content": null}`` delta, then the content delta (none when the text is held back);
+    ``logprobs`` and ``timings`` go with the last chunk. An empty list sends nothing.
+    ``send_role`` overrides the first-token rule (a stream that opened with the role delta
+    already passes False).
+
+    Examples:
+        >>> chunks = oai_chat_partial(Partial(0, 0, 0, "Hi", [7], [], 1, 3), model="m",
+        ...                           cmpl_id="c", created=1)
+        >>> [c["choices"][0]["delta"] for c in chunks]
+        [{'role': 'assistant', 'content': None}, {'content': 'Hi'}]
+        >>> oai_chat_partial(Partial(0, 0, 0, "", [8], [], 2, 3), model="m", cmpl_id="c",
+        ...                  created=1)
+        []
+    """
+    head = _envelope("chat.completion.chunk", model, cmpl_id, created)
+    chunks = []
+    if res.n_decoded == 1 if send_role is None else send_role:
+        chunks.append(_chunk(res.index, {"role": "assistant", "content": None}, None, head))
+    if res.content:
+        chunks.append(_chunk(res.index, {"content": res.content}, None, head))
+    if chunks and res.probs:
+        chunks[-1]["choices"][0]["logprobs"] = {"content": probs_json(res.probs, post_sampling)}
+    if chunks and res.timings is not None:
+        chunks[-1]["timings"] = res.timings.to_json()
+    return chunks
+
+
+def oai_chat_final_chunks(
+    res: Final, *, model: str, cmpl_id: str, created: int, include_usage: bool = False,
+    send_role: bool = False,
+) -> list[dict]:
+    r"""The last ``chat.completion.chunk`` objects (``to_json_oaicompat_chat_stream``,
+    ``server-task.cpp:462-526``): the text not sent yet, a chunk with the ``finish_reason``
+    and an empty delta, and with ``include_usage`` a chunk with ``choices: []`` and the
+    ``usage``; ``timings`` go with the last one.
+
+    Args:
+        res: the final result (its ``content`` is the unsent text).
+        model, cmpl_id, created: the envelope.
+        include_usage: ``stream_options.include_usage``.
+        send_role: also open with the role delta (no partial chunk was sent before).
+
+    Examples:
+        >>> from reference.server.results import Timings
+        >>> fin = Final(0, 0, 0, "", [], "word", "\n", 3, 9, 0, 12, False, True, Timings())
+        >>> chunks = oai_chat_final_chunks(fin, model="m", cmpl_id="c", created=1,
+        ...                                include_usage=True)
+        >>> [(c["choices"], "usage" in c) for c in chunks]
+        [([{'finish_reason': 'stop', 'index': 0, 'delta': {}}], False), ([], True)]
+    """
+    head = _envelope("chat.completion.chunk", model, cmpl_id, created)
+    chunks = []
+    if send_role:
+        chunks.append(_chunk(res.index, {"role": "assistant", "content": None}, None, head))
+    if res.content:
+        chunks.append(_chunk(res.index, {"content": res.content}, None, head))
+    chunks.append(_chunk(res.index, {}, finish_reason(res.stop_type), head))
+    if include_usage:
+        chunks.append({"choices": [], **head, "usage": usage(res)})
+    chunks[-1]["timings"] = res.timings.to_json()
+    return chunks
+# --8<-- [end:oai_chat]
+
+
+# ---------------------------------------------------------------------------------------------
+# several results of one request
+# ---------------------------------------------------------------------------------------------
+
+def merge_results(objs: list[dict], oai: bool) -> dict | list[dict]:
+    """The answer to a request with several results, in task order
+    (``server-context.cpp:4336-4352``): one result is itself; native ones become an array;
+    OpenAI ones become the first object with every result's choice in ``choices`` (its
+    ``usage`` is the first result's, as in llama.cpp).
+
+    Examples:
+        >>> a = {"choices": [{"index": 0}], "usage": 1}
+        >>> b = {"choices": [{"index": 1}], "usage": 2}
+        >>> merge_results([a, b], oai=True)
+        {'choices': [{'index': 0}, {'index': 1}], 'usage': 1}
+        >>> merge_results([{"content": "x"}, {"content": "y"}], oai=False)
+        [{'content': 'x'}, {'content': 'y'}]
+    """
+    if len(objs) == 1:
+        return objs[0]
+    if not oai:
+        return list(objs)
+    merged = dict(objs[0])
+    merged["choices"] = [o["choices"][0] for o in objs]
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# what the HTTP layer calls: one entry per phase of a response
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """The envelope of one request's OpenAI objects: model name, creation time, id."""
+
+    model: str
+    created: int
+    id: str
+
+
+#: ``/props``' ``default_generation_settings.params``
+params_json = generation_settings
+
+
+def final_response(kind: str, finals: list[Final], params: SlotParams,
+                   meta: ResponseMeta) -> dict | list[dict]:
+    """The non-streamed answer of a request in format ``kind`` (``"native"``,
+    ``"oai_cmpl"``, ``"oai_chat"``), its results merged ([`merge_results`][]).
+
+    Examples:
+        >>> from reference.server.results import Timings
+        >>> fins = [Final(0, i, 0, "x", [7], "eos", "", 1, 2, 0, 3, False, False, Timings())
+        ...         for i in range(2)]
+        >>> out = final_response("oai_chat", fins, SlotParams(), ResponseMeta("m", 1, "c"))
+        >>> [c["index"] for c in out["choices"]], out["id"]
+        ([0, 1], 'c')
+    """
+    env = {"model": meta.model, "cmpl_id": meta.id, "created": meta.created}
+    post = params.post_sampling_probs
+    if kind == "native":
+        objs = [completion_final(f, params, model=meta.model, prompt="") for f in finals]
+    elif kind == "oai_cmpl":
+        objs = [oai_completion_final(f, **env, post_sampling=post) for f in finals]
+    else:
+        objs = [oai_chat_final(f, **env, post_sampling=post) for f in finals]
+    return merge_results(objs, oai=kind != "native")
+
+
+def stream_start(kind: str, tasks: list[Any], meta: ResponseMeta) -> list[dict]:
+    """The first events of a stream: for chat, the ``{"role": "assistant", "content":
+    null}`` delta of every choice (so that it comes first even when the first token ends the
+    generation); nothing for the other formats.
+
+    Examples:
+        >>> class T: index = 0
+        >>> stream_start("oai_chat", [T()], ResponseMeta("m", 1, "c"))[0]["choices"]
+        [{'finish_reason': None, 'index': 0, 'delta': {'role': 'assistant', 'content': None}}]
+    """
+    if kind != "oai_chat":
+        return []
+    head = _envelope("chat.completion.chunk", meta.model, meta.id, meta.created)
+    return [_chunk(t.index, {"role": "assistant", "content": None}, None, head) for t in tasks]
+
+
+def stream_chunks(kind: str, res: Partial | Final, params: SlotParams,
+                  meta: ResponseMeta) -> list[dict]:
+    """The events of one result in a stream of format ``kind``; a chat final brings its
+    finish chunk and, with ``include_usage``, its usage chunk (one per choice, as llama.cpp).
+
+    Examples:
+        >>> meta = ResponseMeta("m", 1, "c")
+        >>> stream_chunks("native", Partial(0, 0, 0, "Hi", [7], [], 1, 2), SlotParams(), meta)
+        [{'index': 0, 'content': 'Hi', 'tokens': [7], 'stop': False, 'id_slot': 0, \
+'tokens_predicted': 1, 'tokens_evaluated': 2}]
+    """
+    env = {"model": meta.model, "cmpl_id": meta.id, "created": meta.created}
+    post = params.post_sampling_probs
+    if isinstance(res, Partial):
+        if kind == "native":
+            return [completion_partial(res, post)]
+        if kind == "oai_cmpl":
+            return [oai_completion_partial(res, **env, post_sampling=post)]
+        return oai_chat_partial(res, **env, post_sampling=post, send_role=False)
+    if kind == "native":
+        return [completion_final(res, params, model=meta.model, prompt="")]
+    if kind == "oai_cmpl":
+        return [oai_completion_final(res, **env, stream=True, post_sampling=post)]
+    return oai_chat_final_chunks(res, **env, include_usage=params.include_usage)
+
+
+def stream_end(kind: str, finals: list[Final], params: SlotParams,
+               meta: ResponseMeta) -> list[dict]:
+    """The events after every result (none: usage went with each final; ``[DONE]`` is the
+    HTTP layer's).
+
+    Examples:
+        >>> stream_end("oai_chat", [], SlotParams(), ResponseMeta("m", 1, "c"))
+        []
+    """
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# /metrics
+# ---------------------------------------------------------------------------------------------
+
+def _metric_lines(kind: str, items: list[tuple[str, str, float]]) -> list[str]:
+    lines = []
+    for name, help_text, value in items:
+        lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
+                  f"llamacpp:{name} {value:g}"]
+    return lines
+
+
+def prometheus(metrics: Any, engine: Any) -> str:
+    """``server_task_result_metrics::to_metrics`` (``server-task.cpp:1523-1618``): the
+    Prometheus text of ``/metrics``, llama.cpp's ``llamacpp:`` names (no speculative ones).
+
+    Args:
+        metrics: the engine's counters (``reference.server.engine.Metrics``; times in ms).
+        engine: its ``slots`` (``is_processing``) and ``n_queued``.
+
+    Examples:
+        >>> from types import SimpleNamespace as NS
+        >>> m = NS(n_prompt_tokens_processed_total=10, n_prompt_tokens_cached_total=0,
+        ...        t_prompt_processing_total=500.0, n_tokens_predicted_total=4,
+        ...        t_tokens_generation_total=100.0, n_decode_total=5, n_busy_slots_total=5,
+        ...        n_tokens_max=14, n_prompt_tokens_processed=10, t_prompt_processing=500.0,
+        ...        n_tokens_predicted=4, t_tokens_generation=100.0)
+        >>> text = prometheus(m, NS(slots=[NS(is_processing=False)], n_queued=0))
+        >>> [line for line in text.splitlines() if line.startswith("llamacpp:predicted")]
+        ['llamacpp:predicted_tokens_seconds 40']
+    """
+    def rate(n, ms):
+        return 1e3 * n / ms if ms > 0 else 0.0
+    m = metrics
+    counters = [
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+         m.n_prompt_tokens_processed_total),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+         m.n_prompt_tokens_cached_total),
+        ("prompt_seconds_total", "Total time spent processing prompts",
+         m.t_prompt_processing_total / 1e3),
+        ("tokens_predicted_total", "Number of generation tokens processed",
+         m.n_tokens_predicted_total),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens",
+         m.t_tokens_generation_total / 1e3),
+        ("n_decode_total", "Total number of llama_decode() calls", m.n_decode_total),
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
+         m.n_tokens_max),
+    ]
+    gauges = [
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
+         rate(m.n_prompt_tokens_processed, m.t_prompt_processing)),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+         rate(m.n_tokens_predicted, m.t_tokens_generation)),
+        ("requests_processing", "Number of requests processing",
+         sum(s.is_processing for s in engine.slots)),
+        ("requests_deferred", "Number of requests deferred", getattr(engine, "n_queued", 0)),
+        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         m.n_busy_slots_total / max(m.n_decode_total, 1)),
+    ]
+    return "\n".join(_metric_lines("counter", counters) + _metric_lines("gauge", gauges)) + "\n"
