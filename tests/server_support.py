@@ -41,7 +41,7 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_gguf(default_model_path())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(kind: str = "llama"):
     """``(hparams, weights)`` of a tiny random model over SmolLM2's vocabulary."""
     if kind == "llama":
@@ -58,7 +58,7 @@ def model(kind: str = "llama"):
     raise ValueError(kind)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def prepared(backend: str, kind: str):
     hp, w = model(kind)
     return hp, prepare_weights(w, "accelerated") if backend == "mlx" else w
@@ -126,11 +126,18 @@ def run_engine(engine: Engine, tasks, max_steps: int = 100_000) -> None:
 class LiveServer:
     """uvicorn on a free port in a thread, with an engine thread behind it."""
 
-    def __init__(self, engine: Engine, **state_kw):
-        self.state = ServerState(tokenizer=engine.tokenizer, n_vocab=N_VOCAB,
-                                 model_name="tiny", **state_kw)
+    def __init__(self, factory, **state_kw):
+        """``factory``: builds the Engine (on the engine's thread, as MLX needs)."""
+        self.state = ServerState(tokenizer=tokenizer(), n_vocab=N_VOCAB, model_name="tiny",
+                                 **state_kw)
         self.app = build_app(self.state)
-        start_engine(self.state, engine)
+        start_engine(self.state, factory)
+        for _ in range(3000):
+            if self.state.engine is not None or self.state.load_error:
+                break
+            time.sleep(0.01)
+        assert self.state.engine is not None, self.state.load_error
+        self.engine = self.state.engine
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                 timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)

@@ -590,13 +590,27 @@ def build_app(state: ServerState) -> Starlette:
     return app
 
 
-def start_engine(state: ServerState, engine: Engine) -> threading.Thread:
-    """Hand the engine to the handlers and start its decode loop on a daemon thread."""
-    state.engine = engine
-    state.thread = threading.Thread(target=engine.run, args=(state.stop,), daemon=True,
-                                    name="llamaref-engine")
+# --8<-- [start:start_engine]
+def start_engine(state: ServerState, factory: Callable[[], Engine]) -> threading.Thread:
+    """Build the engine with ``factory`` on a new thread and run its decode loop there.
+
+    MLX keeps its streams per thread, and an array made lazily on one thread cannot be
+    evaluated on another: the Context is made on the thread that will use it. Until
+    ``factory`` returns, every endpoint answers 503 "Loading model"; if it raises, the
+    server stays up and every endpoint says why (500).
+    """
+    def main():
+        try:
+            engine = factory()
+        except Exception as e:
+            state.load_error = f"{type(e).__name__}: {e}"
+            return
+        state.engine = engine
+        engine.run(state.stop)
+    state.thread = threading.Thread(target=main, daemon=True, name="llamaref-engine")
     state.thread.start()
     return state.thread
+# --8<-- [end:start_engine]
 
 
 def dumps(obj: Any) -> str:

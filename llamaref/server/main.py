@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -149,18 +148,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = new_state(args)
     app = build_app(state)
 
-    def load():
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+
+    def load() -> Engine:
         try:
             engine = load_engine(args, state)
         except Exception as e:  # the server stays up and reports it on every request
-            state.load_error = f"{type(e).__name__}: {e}"
-            log(f"llamaref serve: error: {state.load_error}")
-            return
-        start_engine(state, engine)
+            log(f"llamaref serve: error: {type(e).__name__}: {e}")
+            raise
         log(f"llamaref serve: model loaded in {time.perf_counter() - t0:.1f} s; "
             f"{len(engine.slots)} slots of {engine.slots[0].n_ctx} tokens")
-    threading.Thread(target=load, daemon=True, name="llamaref-load").start()
+        return engine
+    start_engine(state, load)
     log(f"llamaref serve: listening on http://{args.host}:{args.port}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=1)

@@ -445,7 +445,10 @@ def check_unsupported(body: dict) -> None:
             refuse(name, "constrained generation (grammars, JSON schemas)")
     fmt = body.get("response_format")
     if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict):
+            raise InvalidRequest(f"Field 'response_format': must be an object, got "
+                                 f"{_type_name(fmt)}")
+        kind = fmt.get("type")
         if kind not in (None, "text"):
             refuse("response_format", f"response_format type {json.dumps(kind)}")
     if body.get("tools") not in (None, []):

@@ -176,6 +176,7 @@ class Engine:
         self._lock = threading.Lock()
         self.n_queued = 0  # tasks submitted and not yet launched (for the 503 rule)
         self.t_start = time.time()
+        self.last_error: str | None = None  # the last exception the loop survived
 
     # ---- the HTTP side's calls (any thread) --------------------------------------------------
 
@@ -215,7 +216,13 @@ class Engine:
     def run(self, stop: threading.Event) -> None:
         """The decode loop: step while there is work, sleep until a task arrives."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as e:  # a bug must not take the server down: fail and go on
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._fail_processing(f"Compute error: {self.last_error}")
+                busy = True
+            if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
@@ -667,10 +674,12 @@ class Engine:
                     time.perf_counter() - slot.t_start_gen) > params.t_max_predict_ms):
                 stop = "limit"
         slot.content += text
+        if stop is not None and stop != "word":
+            slot.content += slot.text.flush()  # held partial matches are text after all
+        if params.stream and (len(slot.content) > slot.n_sent or params.n_probs > 0):
+            self._send_partial(slot)  # the last token too: the final result has no text
         if stop is not None:
             self._finish(slot, stop)
-        elif params.stream and (text or params.n_probs > 0):
-            self._send_partial(slot)
     # --8<-- [end:sample]
 
     def _token_probs(self, slot: Slot, row: int, output: TokenOutput) -> None:
@@ -718,8 +727,6 @@ class Engine:
     def _finish(self, slot: Slot, stop_type: str) -> None:
         """Send the final result and release the slot (``send_final_response``)."""
         task, params = slot.task, slot.task.params
-        if stop_type != "word":
-            slot.content += slot.text.flush()
         slot.stop_type = stop_type
         timings = self._timings(slot)
         slot.t_gen_ms = timings.predicted_ms
