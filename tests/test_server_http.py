@@ -9,15 +9,18 @@ import json
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 import requests
+from playwright.sync_api import sync_playwright
 
 from tests.server_corpus import malformed_requests
 from tests.server_support import LiveServer, alone, make_engine, tokenizer
 
 pytestmark = pytest.mark.slow
+CHROMIUM = "/usr/bin/chromium"  # Debian's; with LLAMAREF_REQUIRE_ORACLES=1 a skip fails
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +288,49 @@ def test_api_key_and_loading():
         srv.state.engine = engine
     finally:
         srv.close()
+
+
+# ---- the chat page, in a real browser ------------------------------------------------------------
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                    reason=f"{CHROMIUM} is missing: apt-get install chromium (CI installs it)")
+def test_chat_page_streams_an_answer_and_stops_in_chromium(server):
+    """Debian's Chromium (driven by Playwright) on the live server's ``/``: a message gets
+    a streamed answer equal to the API's; Stop ends a long answer and keeps it; a second
+    turn sends the whole conversation (its prefix comes from the cache)."""
+    c = client(server)
+    want = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content":
+                                                              "Hello"}],
+                                     max_tokens=8, temperature=0).choices[0].message.content
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.fill("#temperature", "0")
+            page.fill("#max-tokens", "8")
+            page.fill("#prompt", "Hello")
+            page.click("#send")
+            page.wait_for_function("document.querySelectorAll('.message.assistant')"
+                                   ".length === 1", timeout=60_000)
+            page.wait_for_function("document.querySelector('#stop').disabled",
+                                   timeout=60_000)
+            got = page.locator(".message.assistant").last.inner_text()
+            assert got.strip() == want.strip()
+            page.fill("#max-tokens", "200")
+            page.fill("#prompt", "Tell me more")
+            page.click("#send")
+            page.wait_for_function("document.querySelectorAll('.message.assistant').length"
+                                   " === 2 && document.querySelector('.message.assistant"
+                                   ":last-of-type').innerText.length > 3", timeout=60_000)
+            page.click("#stop")
+            page.wait_for_function("document.querySelector('#stop').disabled",
+                                   timeout=60_000)
+            assert page.locator(".message.assistant").count() == 2
+            assert page.locator("#error").inner_text().strip() == ""
+            assert not errors
+        finally:
+            browser.close()

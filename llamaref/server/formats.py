@@ -409,7 +409,9 @@ def oai_chat_final_chunks(
 
     Args:
         res: the final result (its ``content`` is the unsent text).
-        model, cmpl_id, created: the envelope.
+        model: the envelope's model name.
+        cmpl_id: the envelope's id.
+        created: the envelope's time.
         include_usage: ``stream_options.include_usage``.
         send_role: also open with the role delta (no partial chunk was sent before).
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ MIB = 1024 * 1024
 F_KEEP_MIN = np.float32(0.25)
 
 
-def checkpoint_size(checkpoint) -> int:
+def checkpoint_size(checkpoint: Any) -> int:
     """The bytes of a context checkpoint (``common_prompt_checkpoint::size()``).
 
     Args:
@@ -168,7 +169,8 @@ class PromptCache:
     # --8<-- [end:PromptCache]
 
     # --8<-- [start:save]
-    def save(self, ctx, seq_id: int, tokens: Sequence[int], checkpoints: Sequence = ()) -> bool:
+    def save(self, ctx: Any, seq_id: int, tokens: Sequence[int],
+             checkpoints: Sequence = ()) -> bool:
         """Park a slot's prompt and its sequence state (``prompt_save`` + ``alloc``).
 
         Args:
@@ -229,7 +231,7 @@ class PromptCache:
                 f_keep_best, f_sim_best, found = f_keep, f_sim, entry
         return found
 
-    def load(self, ctx, seq_id: int, own_tokens: Sequence[int],
+    def load(self, ctx: Any, seq_id: int, own_tokens: Sequence[int],
              new_tokens: Sequence[int]) -> CacheEntry | None:
         """Bring back the best entry for ``new_tokens`` into the slot's sequence
         (``prompt_load``, and ``prompt_clear`` when the restore fails).

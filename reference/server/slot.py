@@ -162,7 +162,8 @@ def select_slot(slots: list[Slot], tokens: list[int], id_slot: int,
     1. A requested slot (``id_slot >= 0``, taken modulo the number of slots as llama.cpp
        does, server-context.cpp:1501-1511): that slot if it is idle, else None.
     2. With ``similarity > 0``: the idle slot whose cached tokens share the largest
-       fraction $f = \mathrm{lcp}/|\text{prompt}|$ of the new prompt, if $f > $ ``similarity``.
+       fraction $f = \mathrm{lcp}/|\text{prompt}|$ of the new prompt, if $f$ exceeds
+       ``similarity``.
     3. The least recently used idle slot (among ties the last one, as ``<=`` picks it).
 
     Examples:

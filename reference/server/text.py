@@ -52,7 +52,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     (``server_tokens::get_common_prefix``, ``server-common.cpp:697-710``, text tokens only).
 
     Args:
-        a, b: token ids.
+        a: token ids.
+        b: token ids.
 
     Returns:
         The largest ``n`` with ``a[:n] == b[:n]``.
