@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import sys
 import time
@@ -581,11 +582,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_commands(sub)
     add_finetune_command(sub)
     add_serve_command(sub)
+    sub.add_parser("bench-server", add_help=False,
+                   help="load benchmark of `serve` (--vs mlx-lm: mlx_lm.server on the same "
+                        "weights); `llamaref bench-server --help` for its flags")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``llamaref`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench-server"]:
+        # imported only for this command: it brings openai and transformers (about 1 s)
+        return importlib.import_module("llamaref.bench.server").main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
