@@ -277,7 +277,8 @@ def window_itls(records: list[RequestRecord], t0: float, t1: float) -> tuple[lis
 
     Args:
         records: generating streams.
-        t0, t1: the window, ``time.perf_counter`` seconds.
+        t0: the window's start, ``time.perf_counter`` seconds.
+        t1: the window's end.
 
     Returns:
         ``(inside, outside)``: lists of gaps in seconds.
@@ -303,7 +304,8 @@ def longest_stall(records: list[RequestRecord], t0: float, t1: float) -> float:
 
     Args:
         records: one client's requests, in order.
-        t0, t1: the window, ``time.perf_counter`` seconds.
+        t0: the window's start, ``time.perf_counter`` seconds.
+        t1: the window's end.
 
     Returns:
         Seconds.
@@ -571,12 +573,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_argv(template: str, **fields) -> list[str]:
+def server_argv(template: str, **fields: object) -> list[str]:
     """Split a command template as a shell would, then fill each word's ``{fields}``.
 
     Args:
         template: e.g. [`PEER_CMD`][]; ``{python}`` is always this interpreter.
-        fields: the other placeholders' values (``model``, ``port`` ...).
+        **fields: the other placeholders' values (``model``, ``port`` ...).
 
     Returns:
         The argv list; a value with spaces stays one argument.
