@@ -23,6 +23,7 @@ from reference.model import default_model_path
 from reference.sampling import SamplerChain, SamplerParams
 from reference.server.engine import Engine, EngineConfig
 from reference.server.params import SlotParams
+from reference.server.spans import user_delimiter
 from reference.testing import (
     random_gemma_weights,
     random_mamba_weights,
@@ -129,7 +130,7 @@ class LiveServer:
     def __init__(self, factory, **state_kw):
         """``factory``: builds the Engine (on the engine's thread, as MLX needs)."""
         self.state = ServerState(tokenizer=tokenizer(), n_vocab=N_VOCAB, model_name="tiny",
-                                 **state_kw)
+                                 user_delimiter=user_delimiter(tokenizer()), **state_kw)
         self.app = build_app(self.state)
         start_engine(self.state, factory)
         for _ in range(3000):

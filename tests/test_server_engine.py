@@ -9,12 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference.generate import chat_tokens
 from reference.sampling import SamplerParams
 from reference.server.engine import Engine, EngineConfig, EngineError
 from reference.server.errors import ExceedContextSize, NotFound, ServerError, Unavailable
 from reference.server.params import SlotParams
 from reference.server.results import Failed, Final, Partial
 from reference.server.slot import SlotState, Task
+from reference.server.spans import user_delimiter, user_starts
 from tests.server_support import (
     alone,
     greedy,
@@ -477,3 +479,30 @@ def test_sampling_with_a_seed_is_reproducible_across_batching():
         outs.append({i: f.tokens for i, f in finals(out).items()})
     assert outs[0] == outs[1]
     assert np.unique([tuple(v) for v in outs[0].values()], axis=0).shape[0] >= 1
+
+
+def test_a_checkpoint_at_the_last_user_message_serves_an_edit_of_it():
+    """A chat prompt's user messages are located by the template's user delimiter; the
+    chunk stops at the last one, so a checkpoint lands there. Editing that message later
+    (after the SWA cache wrapped) restores exactly there and answers as a fresh decode."""
+    tok = tokenizer()
+    history = []
+    for i in range(3):
+        history += [{"role": "user", "content": " ".join(f"u{i}w{j}" for j in range(20))},
+                    {"role": "assistant", "content": " ".join(f"a{i}w{j}" for j in range(20))}]
+    first = chat_tokens(tok, history + [{"role": "user", "content": "the last question"}])
+    starts = user_starts(first, user_delimiter(tok))
+    assert len(starts) == 4
+    eng = make_engine(kind="gemma", n_slots=1, n_ctx=2048, cache_ram_mib=0)
+    out: dict = {}
+    run_engine(eng, [Task(1, first, greedy(300, ignore_eos=True), collect(out, 0),
+                          user_starts=starts)])
+    slot = eng.slots[0]
+    assert starts[-1] in [c.n_tokens for c in slot.checkpoints]
+    assert starts[0] in [c.n_tokens for c in slot.checkpoints]  # the first one: list empty
+    second = chat_tokens(tok, history + [{"role": "user", "content": "another question"}])
+    run_engine(eng, [Task(2, second, greedy(6), collect(out, 1),
+                          user_starts=user_starts(second, user_delimiter(tok)))])
+    got = finals(out)[1]
+    assert got.n_cached == starts[-1]
+    assert got.tokens == alone("reference", second, 6, kind="gemma")[: len(got.tokens)]

@@ -50,6 +50,7 @@ from reference.server.errors import (
 from reference.server.params import SlotParams
 from reference.server.results import Failed, Final, Partial
 from reference.server.slot import Task
+from reference.server.spans import user_starts
 
 STATIC = Path(__file__).parent / "static"
 PUBLIC_PATHS = ("/", "/health", "/v1/health", "/index.html")
@@ -76,6 +77,8 @@ class ServerState:
         n_vocab: the vocabulary size.
         props: extra ``/props`` fields (chat template, BOS/EOS, build).
         load_error: why the model did not load (the server stays up and says so).
+        user_delimiter: the chat template's user-message opening, as tokens (checkpoints go
+            where it matches in a chat prompt; [`reference.server.spans`][]).
     """
 
     engine: Engine | None = None
@@ -91,6 +94,7 @@ class ServerState:
     n_vocab: int = 0
     props: dict = field(default_factory=dict)
     load_error: str | None = None
+    user_delimiter: list[int] = field(default_factory=list)
     task_ids: Any = field(default_factory=lambda: itertools.count(1))
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
@@ -301,9 +305,11 @@ def prometheus(engine: Engine) -> str:
 
 # --8<-- [start:submit]
 def submit(state: ServerState, prompts: list[list[int]], params: SlotParams,
-           loop: asyncio.AbstractEventLoop, results: asyncio.Queue) -> list[Task]:
+           loop: asyncio.AbstractEventLoop, results: asyncio.Queue,
+           chat: bool = False) -> list[Task]:
     """One task per prompt and completion (``n_cmpl``: children sharing the parent's
-    prompt through ``seq_cp``); their results go to ``results``.
+    prompt through ``seq_cp``); their results go to ``results``. A chat prompt's user
+    messages are located, for the checkpoints.
 
     Raises:
         ExceedContextSize: a prompt does not fit a slot (checked before anything is queued).
@@ -319,7 +325,8 @@ def submit(state: ServerState, prompts: list[list[int]], params: SlotParams,
         loop.call_soon_threadsafe(results.put_nowait, result)
     tasks: list[Task] = []
     for i, tokens in enumerate(prompts):
-        parent = Task(next(state.task_ids), list(tokens), params, emit, index=i * params.n_cmpl)
+        parent = Task(next(state.task_ids), list(tokens), params, emit, index=i * params.n_cmpl,
+                      user_starts=user_starts(tokens, state.user_delimiter) if chat else [])
         for j in range(1, params.n_cmpl):
             child = Task(next(state.task_ids), list(tokens), params, emit,
                          index=i * params.n_cmpl + j, id_parent=parent.id)
@@ -394,7 +401,7 @@ async def _complete(state: ServerState, request: Request, kind: Kind) -> Respons
         prompts = schema.parse_prompt(body["prompt"], state.tokenizer, state.n_vocab)
     loop = asyncio.get_running_loop()
     results: asyncio.Queue = asyncio.Queue()
-    tasks = submit(state, prompts, params, loop, results)
+    tasks = submit(state, prompts, params, loop, results, chat=kind is OAI_CHAT)
     meta = Meta(kind, state.model_name, int(time.time()),
                 ("chatcmpl-" if kind is OAI_CHAT else "cmpl-") + uuid.uuid4().hex, params,
                 {t.index: t.tokens for t in tasks}, state.tokenizer)

@@ -25,6 +25,7 @@ from reference.model import load_model
 from reference.sampling import SamplerParams
 from reference.server.engine import Engine, EngineConfig
 from reference.server.params import SlotParams
+from reference.server.spans import user_delimiter
 from reference.tokenizer import load_tokenizer
 
 DEFAULT_N_SLOTS = 4  # server.cpp:156-161: n_parallel = -1 ("auto") means 4 unified slots
@@ -116,6 +117,7 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
         return make_sampler(backend, params, hparams.n_vocab, tokenizer)
     engine = Engine(ctx, tokenizer, sampler_for, config)
     state.tokenizer, state.n_vocab = tokenizer, hparams.n_vocab
+    state.user_delimiter = user_delimiter(tokenizer)
     state.model_name = args.alias or Path(path).name
     state.model_path = str(path)
     state.defaults = default_params(args)

@@ -485,11 +485,19 @@ class Engine:
     def _add_prompt_chunk(self, slot: Slot, tok, pos, seq, out) -> None:
         """Prompt tokens of ``slot`` until the batch holds ``n_batch`` tokens; a checkpoint
         of the memory *before* the chunk when the memory needs one (server-context.cpp:
-        3441-3620). The chunk stops ``4 + n_ubatch`` and ``4`` tokens before the prompt's
-        end, so that checkpoints land there."""
-        prompt = slot.task.tokens
-        n_start = len(slot.tokens)
-        n_prev = len(tok)
+        3441-3620).
+
+        With checkpoints on, a chunk also stops where a checkpoint is wanted next: at the
+        start of the last user message, at a user message at least ``checkpoint_min_step``
+        tokens past the last checkpoint, and ``4 + n_ubatch`` and ``4`` tokens before the
+        prompt's end. The next chunk then checkpoints before it is decoded.
+        """
+        task, prompt = slot.task, slot.task.tokens
+        starts = set(task.user_starts)
+        last_user = task.user_starts[-1] if task.user_starts else -1
+        do_ckpt = self.do_checkpoints and task.params.n_predict != 0
+        min_step = self.config.checkpoint_min_step
+        n_start, n_prev = len(slot.tokens), len(tok)
         while len(slot.tokens) < len(prompt) and len(tok) < self.n_batch:
             i = len(slot.tokens)
             tok.append(prompt[i])
@@ -497,24 +505,29 @@ class Engine:
             seq.append([slot.id])
             out.append(False)
             slot.tokens.append(prompt[i])
-            if self.do_checkpoints and any(
-                    len(prompt) == len(slot.tokens) + min(self.n_batch, off)
-                    for off in (4 + self.n_ubatch, 4)):
+            if not do_ckpt:
+                continue
+            n = len(slot.tokens)
+            if n in starts and (n == last_user or not slot.checkpoints
+                                or n > slot.checkpoints[-1].n_tokens + min_step):
                 break
-        n_cur = len(tok) - n_prev
-        slot.n_prompt_processed += n_cur
+            if any(len(prompt) == n + min(self.n_batch, off) for off in (4 + self.n_ubatch, 4)):
+                break
+        slot.n_prompt_processed += len(tok) - n_prev
         done = len(slot.tokens) == len(prompt)
         if done:
             slot.state = SlotState.DONE_PROMPT
             out[-1] = True
             slot.i_batch = len(tok) - 1
-        if self.do_checkpoints and slot.task.params.n_predict != 0:
-            near_end = len(prompt) < len(slot.tokens) + self.n_ubatch
-            pos_min = self.memory.seq_pos_min(slot.id)
-            if (pos_min >= 0 and (done or near_end) and (
-                    not slot.checkpoints or near_end
-                    or n_start > slot.checkpoints[-1].n_tokens + self.config.checkpoint_min_step)):
-                self._create_checkpoint(slot, n_start, pos_min)
+        if not do_ckpt:
+            return
+        near_end = len(prompt) < len(slot.tokens) + self.n_ubatch
+        if not (done or near_end or n_start in starts):
+            return  # no ordinary mid-prompt checkpoints
+        pos_min = self.memory.seq_pos_min(slot.id)
+        if pos_min >= 0 and (not slot.checkpoints or n_start == last_user or near_end
+                             or n_start > slot.checkpoints[-1].n_tokens + min_step):
+            self._create_checkpoint(slot, n_start, pos_min)
     # --8<-- [end:add_prompt_chunk]
 
     def _create_checkpoint(self, slot: Slot, n_tokens: int, pos_min: int) -> None:

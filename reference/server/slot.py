@@ -82,6 +82,9 @@ class Task:
         children: the children of a parent.
         cancelled: set by the client's side (a disconnect); the slot is freed at the next
             step.
+        user_starts: where the prompt's user messages start (a chat request;
+            [`reference.server.spans.user_starts`][reference.server.spans.user_starts]):
+            checkpoints are taken there.
     """
 
     id: int
@@ -92,6 +95,7 @@ class Task:
     id_parent: int = -1
     children: list[Task] = field(default_factory=list)
     cancelled: bool = False
+    user_starts: list[int] = field(default_factory=list)
     t_queued: float = field(default_factory=time.perf_counter)
 
 
