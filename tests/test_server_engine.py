@@ -506,3 +506,29 @@ def test_a_checkpoint_at_the_last_user_message_serves_an_edit_of_it():
     got = finals(out)[1]
     assert got.n_cached == starts[-1]
     assert got.tokens == alone("reference", second, 6, kind="gemma")[: len(got.tokens)]
+
+
+def test_a_prompt_budget_spreads_a_long_prompt_and_keeps_the_answers():
+    """``prompt_budget``: while a stream generates, a step takes at most that many prompt
+    tokens; the streams get a token at every step and every answer is unchanged."""
+    tok = tokenizer()
+    short = tok.tokenize("a b c", add_special=True, parse_special=True)
+    long = tok.tokenize(" ".join(f"t{i}" for i in range(60)), add_special=True,
+                        parse_special=True)
+    eng = make_engine(n_slots=2, n_batch=64, n_ubatch=32, prompt_budget=8)
+    out: dict = {}
+    eng.submit(Task(1, short, greedy(60, ignore_eos=True), collect(out, 0)))
+    eng.step()
+    eng.submit(Task(2, long, greedy(4), collect(out, 1)))
+    sizes = []
+    while True:
+        runner = next((s for s in eng.slots if s.task is not None and s.task.id == 1), None)
+        n_before = sum(len(s.tokens) for s in eng.slots)
+        if not eng.step():
+            break
+        if runner is not None and runner.state == SlotState.GENERATING:
+            sizes.append(sum(len(s.tokens) for s in eng.slots) - n_before)
+    assert max(sizes) <= 1 + 8
+    got = finals(out)
+    assert got[0].tokens == alone("reference", short, 60)[: len(got[0].tokens)]
+    assert got[1].tokens == alone("reference", long, 4)[: len(got[1].tokens)]

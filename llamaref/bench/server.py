@@ -87,7 +87,7 @@ __all__ = [
 ]
 
 OURS_CMD = ("{python} -m llamaref.cli serve -m {model} --host 127.0.0.1 --port {port} "
-            "--backend accelerated -np {parallel} -c {ctx}")
+            "--backend accelerated -np {parallel} -kvu -c {ctx}")
 """Our server's command; ``{python}``, ``{model}``, ``{port}``, ``{parallel}`` (the most
 clients of the run) and ``{ctx}`` (tokens for every slot's prompt and answer) are filled in."""
 
@@ -946,9 +946,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ctx(args: argparse.Namespace) -> int:
-    """Tokens our server needs (llama.cpp's ``-c``: all slots together): the load test's
-    clients each with a prompt and an answer, or the arrivals test's streams and long prompts,
-    whichever is more, plus a margin of 64 tokens a slot."""
+    """Tokens our server needs (llama.cpp's ``-c``: all slots together, one unified cache as
+    mlx-lm has, ``-kvu``): the load test's clients each with a prompt and an answer, or the
+    arrivals test's streams and long prompts, whichever is more, plus a margin of 64 tokens
+    a slot."""
     load = max(args.clients) * (args.prompt_tokens + args.max_tokens + 64)
     arrivals = (args.arrival_clients + args.arrivals) * (
         args.long_prompt_tokens + args.arrival_max_tokens + 64)

@@ -40,7 +40,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         n_ctx_checkpoints=args.ctx_checkpoints, checkpoint_min_step=args.checkpoint_min_step,
         swa_full=args.swa_full, cache_ram_mib=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots, n_cache_reuse=args.cache_reuse,
-        max_queue=args.max_queue)
+        max_queue=args.max_queue, prompt_budget=args.prompt_budget)
 # --8<-- [end:engine_config]
 
 
@@ -76,6 +76,7 @@ def check_serve_flags(args: argparse.Namespace) -> None:
                              ("--cache-reuse", args.cache_reuse, 0),
                              ("--body-limit", args.body_limit, 1),
                              ("--max-queue", args.max_queue, 1),
+                             ("--prompt-budget", args.prompt_budget, 0),
                              ("--port", args.port, 0)):
         if value < low:
             raise CLIError(f"{flag} = {value} must be >= {low}")
@@ -211,6 +212,9 @@ def add_serve_command(sub) -> None:
                    help="tokens per step, all slots together (default: 2048)")
     c.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch size (default: 512)")
+    c.add_argument("--prompt-budget", type=int, default=0, metavar="N",
+                   help="most prompt tokens per step while a slot generates (ours, not "
+                        "llama.cpp's; default: 0 = what -b leaves)")
     c.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default n_predict of a request (default: -1 = no limit)")
     c.add_argument("--keep", type=int, default=0, metavar="N",

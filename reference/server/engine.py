@@ -80,6 +80,10 @@ class EngineConfig:
         cache_idle_slots: ``--cache-idle-slots`` (needs the RAM cache).
         n_cache_reuse: ``--cache-reuse`` (the default of a request's ``n_cache_reuse``).
         max_queue: the most waiting tasks (beyond, a new one is refused with 503).
+        prompt_budget: the most prompt tokens a step takes while some slot is generating
+            (0: as many as ``n_batch`` leaves, as llama.cpp). Ours, not llama.cpp's: a
+            smaller budget bounds the time of a step, so the streams keep their pace while
+            a long prompt arrives, and the prompt takes more steps.
     """
 
     n_slots: int = 4
@@ -92,6 +96,7 @@ class EngineConfig:
     cache_idle_slots: bool = True
     n_cache_reuse: int = 0
     max_queue: int = 1024
+    prompt_budget: int = 0
 # --8<-- [end:EngineConfig]
 
 
@@ -371,7 +376,8 @@ class Engine:
 
     # --8<-- [start:build_batch]
     def _build_batch(self) -> tuple[Batch, int]:
-        """The generating slots' tokens, then prompt chunks up to ``n_batch`` tokens."""
+        """The generating slots' tokens, then prompt chunks up to ``n_batch`` tokens (or
+        ``prompt_budget`` prompt tokens while some slot generates)."""
         tok, pos, seq, out = [], [], [], []
         for slot in self.slots:
             if slot.state != SlotState.GENERATING:
@@ -383,15 +389,17 @@ class Engine:
             out.append(True)
             slot.tokens.append(slot.sampled)
         n_gen = len(tok)
+        budget = self.config.prompt_budget
+        limit = min(self.n_batch, n_gen + budget) if budget > 0 and n_gen else self.n_batch
         for slot in self.slots:
-            if len(tok) >= self.n_batch:
+            if len(tok) >= limit:
                 break
             if slot.state == SlotState.STARTED:
                 if not self._start_prompt(slot):
                     continue
             if slot.state != SlotState.PROCESSING_PROMPT:
                 continue
-            self._add_prompt_chunk(slot, tok, pos, seq, out)
+            self._add_prompt_chunk(slot, tok, pos, seq, out, limit)
         return Batch(token=tok, pos=pos, seq_id=seq, logits=out), n_gen
     # --8<-- [end:build_batch]
 
@@ -482,8 +490,8 @@ class Engine:
     # --8<-- [end:restore_if_needed]
 
     # --8<-- [start:add_prompt_chunk]
-    def _add_prompt_chunk(self, slot: Slot, tok, pos, seq, out) -> None:
-        """Prompt tokens of ``slot`` until the batch holds ``n_batch`` tokens; a checkpoint
+    def _add_prompt_chunk(self, slot: Slot, tok, pos, seq, out, limit: int) -> None:
+        """Prompt tokens of ``slot`` until the batch holds ``limit`` tokens; a checkpoint
         of the memory *before* the chunk when the memory needs one (server-context.cpp:
         3441-3620).
 
@@ -498,7 +506,7 @@ class Engine:
         do_ckpt = self.do_checkpoints and task.params.n_predict != 0
         min_step = self.config.checkpoint_min_step
         n_start, n_prev = len(slot.tokens), len(tok)
-        while len(slot.tokens) < len(prompt) and len(tok) < self.n_batch:
+        while len(slot.tokens) < len(prompt) and len(tok) < limit:
             i = len(slot.tokens)
             tok.append(prompt[i])
             pos.append(i)
