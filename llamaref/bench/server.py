@@ -611,11 +611,11 @@ class ServerProcess:
         template: the command, e.g. [`PEER_CMD`][]; ``{model}`` and ``{port}`` are filled in.
         model: the HF folder (or file) both servers load.
         startup_s: how long to wait for ``/health``.
-        fields: more placeholders (``parallel``, ``ctx``).
+        **fields: more placeholders (``parallel``, ``ctx``).
     """
 
     def __init__(self, name: str, template: str, model: str | Path, startup_s: float = 300.0,
-                 **fields):
+                 **fields: object):
         self.name, self.startup_s = name, startup_s
         self.port = free_port()
         self.argv = server_argv(template, model=str(model), port=self.port, **fields)
