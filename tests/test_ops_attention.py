@@ -313,3 +313,20 @@ def test_fully_masked_row_is_nan_in_ggml_and_zeros_here():
     ours = soft_max_ext(kq, mask)
     assert np.array_equal(ours[:, 1], np.zeros((2, 4)))
     np.testing.assert_array_equal(ours[:, 0], theirs[:, 0])
+
+
+def test_keys_cut_per_stream_give_the_rows_of_the_flat_form():
+    """The cache hands several streams over as ``(n_stream, n_kv, n_head_kv, d)``: the same
+    rows as the flat ``(n_stream * n_kv, ...)`` form; a block count that is not
+    ``n_stream`` is refused."""
+    rng = np.random.default_rng(5)
+    ns, n_kv, h, d = 3, 4, 2, 8
+    q = rng.standard_normal((ns * 2, 4, d))
+    k = rng.standard_normal((ns, n_kv, h, d))
+    v = rng.standard_normal((ns, n_kv, h, 5))
+    mask = np.where(rng.random((ns * 2, ns * n_kv)) < 0.3, -np.inf, 0.0)
+    mask[:, ::n_kv] = 0.0
+    flat = build_attn_mha(q, k.reshape(-1, h, d), v.reshape(-1, h, 5), mask, 0.3, n_stream=ns)
+    assert np.array_equal(build_attn_mha(q, k, v, mask, 0.3, n_stream=ns), flat)
+    with pytest.raises(OpShapeError, match="one block per stream"):
+        build_attn_mha(q, k, v, mask, 0.3, n_stream=1)

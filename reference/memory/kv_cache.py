@@ -435,18 +435,25 @@ class KVCacheAttnInput:
 
     def _view(self, t: np.ndarray, d: int) -> np.ndarray:
         n_head_kv = self.cache.hparams.n_head_kv
-        blocks = [t[s, : self.n_kv] for s in self.sinfo.strm]  # each (n_kv, n_embd_gqa)
-        if len(blocks) == 1:  # one stream: a view of the cache, as llama.cpp's get_k
-            return blocks[0].reshape(-1, n_head_kv, d)  # (n_kv, n_head_kv, d)
-        return np.concatenate(blocks).reshape(-1, n_head_kv, d)  # (ns * n_kv, n_head_kv, d)
+        strm = self.sinfo.strm
+        if len(strm) == 1:  # one stream: a view of the cache, as llama.cpp's get_k
+            return t[strm[0], : self.n_kv].reshape(-1, n_head_kv, d)  # (n_kv, n_head_kv, d)
+        s0 = strm[0]
+        if list(strm) == list(range(s0, s0 + len(strm))):  # consecutive: a view, no copy
+            blocks = t[s0 : s0 + len(strm), : self.n_kv]  # (ns, n_kv, n_embd_gqa)
+        else:
+            blocks = t[np.asarray(strm), : self.n_kv]  # (ns, n_kv, n_embd_gqa)
+        return blocks.reshape(len(strm), self.n_kv, n_head_kv, d)  # (ns, n_kv, n_head_kv, d)
 
     def get_k(self, il: int) -> np.ndarray:
-        """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``."""
+        """Keys of layer ``il`` in view: ``(n_kv, n_head_kv, d_k)`` for one stream, else
+        ``(ns, n_kv, n_head_kv, d_k)``, the streams' cells side by side (the attention takes
+        either: [`build_attn_mha`][reference.ops.attention.build_attn_mha])."""
         k = self.cache.k_l[self.cache.layer_id(il)]
         return self._view(k, self.cache.hparams.n_embd_head_k)
 
     def get_v(self, il: int) -> np.ndarray:
-        """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
+        """Values of layer ``il`` in view, shaped as ``get_k``'s keys (``d_v`` last)."""
         v = self.cache.v_l[self.cache.layer_id(il)]
         return self._view(v, self.cache.hparams.n_embd_head_v)
 

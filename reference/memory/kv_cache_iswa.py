@@ -137,11 +137,12 @@ class KVCacheISWAAttnInput:
         self.layer_input(il).cpy_v(il, v_cur)
 
     def get_k(self, il: int):
-        """Keys of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_k)``, ``n_kv`` of its cache."""
+        """Keys of layer ``il`` in view, ``n_kv`` of its cache: ``(n_kv, n_head_kv, d_k)``, or
+        ``(ns, n_kv, n_head_kv, d_k)`` for several streams (``KVCacheAttnInput.get_k``)."""
         return self.layer_input(il).get_k(il)
 
     def get_v(self, il: int):
-        """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
+        """Values of layer ``il`` in view, shaped as ``get_k``'s keys (``d_v`` last)."""
         return self.layer_input(il).get_v(il)
 
     def get_kq_mask(self, il: int):

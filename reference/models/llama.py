@@ -69,7 +69,8 @@ class AttnInput(Protocol):
     - ``cpy_k(il, k_cur)`` / ``cpy_v(il, v_cur)``: store ``(n_tokens, n_head_kv, d)`` at the
       ubatch's cells (``ggml_set_rows`` at ``k_idxs``, ``llama_kv_cache::cpy_k``);
     - ``get_k(il)`` / ``get_v(il)``: views ``(n_kv, n_head_kv, d_k)`` / ``(n_kv, n_head_kv, d_v)``
-      (``llama_kv_cache::get_k`` / ``get_v``);
+      (``llama_kv_cache::get_k`` / ``get_v``), or with several streams one block per stream
+      in front, ``(n_stream, n_kv / n_stream, n_head_kv, d)``;
     - ``get_kq_mask(il)``: additive mask ``(n_tokens, n_kv)``, 0 where a token sees a cell and
       ``-inf`` where it does not (causal, same sequence, sliding window of SWA layers);
     - ``n_stream``: the KV streams of the ubatch (1 for a unified cache): its tokens and the

@@ -246,8 +246,11 @@ def build_attn_mha(
 
     Args:
         q: queries ``(n_tokens, n_head, d_k)``, already RoPE'd.
-        k: keys ``(n_kv, n_head_kv, d_k)`` (the visible part of the cache plus the new ones).
-        v: values ``(n_kv, n_head_kv, d_v)``.
+        k: keys ``(n_kv, n_head_kv, d_k)`` (the visible part of the cache plus the new ones),
+            or already cut per stream, ``(n_stream, n_kv / n_stream, n_head_kv, d_k)``
+            (the cache's streams side by side, a view: no copy of the cells).
+        v: values ``(n_kv, n_head_kv, d_v)``, or ``(n_stream, n_kv / n_stream, n_head_kv,
+            d_v)`` as ``k``.
         kq_mask: additive mask ``(n_tokens_pad >= n_tokens, n_kv)``, built by the memory.
         kq_scale: the scale applied to $QK^T$, usually $1/\sqrt{d_k}$.
         max_bias: ALiBi maximum bias (``f_max_alibi_bias``), 0 for none.
@@ -262,9 +265,10 @@ def build_attn_mha(
         ``(n_tokens, n_head * d_v)``: for every token, the heads' outputs side by side.
 
     Raises:
-        OpShapeError: if the arguments are not 3-D, the dimensions disagree, ``n_head`` is
-            not a multiple of ``n_head_kv``, or the tokens or cells do not split into
-            ``n_stream`` equal blocks.
+        OpShapeError: if ``q`` is not 3-D or ``k``, ``v`` are neither 3-D nor 4-D with one
+            block per stream, the dimensions disagree, ``n_head`` is not a multiple of
+            ``n_head_kv``, or the tokens or cells do not split into ``n_stream`` equal
+            blocks.
 
     Examples:
         >>> import numpy as np
@@ -283,8 +287,10 @@ def build_attn_mha(
     n_tokens, n_head, _ = q.shape
     ns = n_stream
     q = stream_blocks(q, ns).transpose(0, 2, 1, 3)  # (ns, n_head, n_tokens/ns, d_k)
-    k = stream_blocks(k, ns).transpose(0, 2, 1, 3)  # (ns, n_head_kv, n_kv/ns, d_k)
-    v = stream_blocks(v, ns).transpose(0, 2, 1, 3)  # (ns, n_head_kv, n_kv/ns, d_v)
+    if k.ndim == 3:  # one flat block of cells: cut it per stream (a view)
+        k, v = stream_blocks(k, ns), stream_blocks(v, ns)  # (ns, n_kv/ns, n_head_kv, d)
+    k = k.transpose(0, 2, 1, 3)  # (ns, n_head_kv, n_kv/ns, d_k)
+    v = v.transpose(0, 2, 1, 3)  # (ns, n_head_kv, n_kv/ns, d_v)
     mask = stream_mask(kq_mask[:n_tokens], ns)  # (ns, 1, n_tokens/ns, n_kv/ns)
     kq = mul_mat(k, q)  # (ns, n_head, n_tokens/ns, n_kv/ns)
     if softcap > 0.0:
@@ -304,14 +310,23 @@ def build_attn_mha(
 def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray,
                      n_stream: int = 1) -> None:
     """Shape checks of ``build_attn_mha``, with messages naming llama.cpp's dimensions."""
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+    blocked = k.ndim == 4 and v.ndim == 4  # (n_stream, n_kv / n_stream, heads, dim)
+    if q.ndim != 3 or not (blocked or (k.ndim == 3 and v.ndim == 3)):
         raise OpShapeError(
-            f"build_attn_mha: q, k, v must be 3-D (tokens, heads, dim); "
-            f"got q={q.shape}, k={k.shape}, v={v.shape}"
+            f"build_attn_mha: q must be 3-D (tokens, heads, dim), k and v 3-D too or 4-D "
+            f"(streams, cells, heads, dim); got q={q.shape}, k={k.shape}, v={v.shape}"
         )
+    if blocked and (k.shape[0] != n_stream or v.shape[:2] != k.shape[:2]):
+        raise OpShapeError(
+            f"build_attn_mha: 4-D k and v need one block per stream (n_stream={n_stream}); "
+            f"got k={k.shape}, v={v.shape}"
+        )
+    # the shapes of the flat (n_kv, heads, dim) form
+    k_shape = (k.shape[0] * k.shape[1],) + k.shape[2:] if blocked else k.shape
+    v_shape = (v.shape[0] * v.shape[1],) + v.shape[2:] if blocked else v.shape
     n_tokens, n_head, d_k = q.shape
-    n_kv, n_head_kv, _ = k.shape
-    if k.shape[2] != d_k or v.shape[:2] != (n_kv, n_head_kv):
+    n_kv, n_head_kv, _ = k_shape
+    if k_shape[2] != d_k or v_shape[:2] != (n_kv, n_head_kv):
         raise OpShapeError(
             f"build_attn_mha: need k (n_kv, n_head_kv, d_k={d_k}) and v (n_kv, n_head_kv, d_v); "
             f"got q={q.shape}, k={k.shape}, v={v.shape}"
