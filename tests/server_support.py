@@ -65,11 +65,16 @@ def prepared(backend: str, kind: str):
     return hp, prepare_weights(w, "accelerated") if backend == "mlx" else w
 
 
+#: the Contexts every law runs on: the reference in float32 and float64, and the MLX twin
+BACKENDS = ("reference", "reference64", "mlx")
+
+
 def make_context(backend: str, kind: str = "llama", **kw):
+    """A Context of ``backend`` (one of ``BACKENDS``) on the tiny model ``kind``."""
     hp, w = prepared(backend, kind)
     if backend == "mlx":
         return backend_context("accelerated", hp, w, **kw)
-    return Context(hp, w, **kw)
+    return Context(hp, w, dtype=np.float64 if backend == "reference64" else np.float32, **kw)
 
 
 def sampler_factory(backend: str):

@@ -32,7 +32,14 @@ from reference.training.lora import (
     merge_lora,
     save_lora_gguf,
 )
-from tests.tiny_models import nmse, random_weights, reference_logits, tiny_hparams, write_tiny_gguf
+from tests.tiny_models import (
+    llamacpp_logits,
+    nmse,
+    random_weights,
+    reference_logits,
+    tiny_hparams,
+    write_tiny_gguf,
+)
 
 pytest.importorskip("llama_cpp")
 
@@ -49,33 +56,6 @@ ADAPTERS = {  # id -> (rank, alpha, adapter_scale, targets)
     "r3-alpha0": (3, 0.0, 1.0, ("attn_q", "attn_v", "ffn_down")),  # alpha 0: s = adapter_scale
     "r2-a3-scale0.5-all": (2, 3.0, 0.5, LORA_TARGET_KINDS),  # s = 0.75, the lm_head too
 }
-
-
-def _llamacpp_logits(model_path, tokens, lora_path=None, lora_scale=1.0) -> np.ndarray:
-    """Every token's logits from llama.cpp in one ubatch, f32 KV cache, no flash attention."""
-    import llama_cpp
-
-    n = len(tokens)
-    llm = llama_cpp.Llama(
-        model_path=str(model_path),
-        lora_path=None if lora_path is None else str(lora_path),
-        lora_scale=lora_scale,
-        n_ctx=max(n, 64),
-        n_batch=n,
-        n_ubatch=n,
-        logits_all=True,
-        type_k=0,
-        type_v=0,
-        flash_attn=False,
-        n_threads=2,
-        n_threads_batch=2,
-        verbose=False,
-    )
-    try:
-        llm.eval([int(t) for t in tokens])
-        return np.array(llm.scores[:n], dtype=np.float32)  # (n_tokens, n_vocab)
-    finally:
-        llm.close()
 
 
 def _llamacpp_loads_adapter(model_path, lora_path) -> bool:
@@ -134,7 +114,8 @@ def test_adapter_logits_match_llamacpp(tiny_model, case, tmp_path):
     rank, alpha, adapter_scale, targets = ADAPTERS[case]
     adapter = _random_adapter(weights, hp, rank, alpha, targets, seed=rank)
     save_lora_gguf(tmp_path / "lora.gguf", adapter)
-    theirs = _llamacpp_logits(path, tokens, tmp_path / "lora.gguf", adapter_scale)
+    theirs = llamacpp_logits(path, tokens, lora_path=tmp_path / "lora.gguf",
+                             lora_scale=adapter_scale)
     ours = reference_logits(lora_weights(weights, adapter, adapter_scale), hp, tokens)
     base = reference_logits(weights, hp, tokens)
     assert nmse(base, ours) > 1e-2  # the adapter matters
@@ -161,7 +142,7 @@ def test_an_adapter_on_a_quantized_base(tmp_path):
     tokens = np.random.default_rng(3).integers(0, hp.n_vocab, N_TOKENS)
     adapter = _random_adapter(weights, hp, 4, 16.0, None, seed=4)
     save_lora_gguf(tmp_path / "lora.gguf", adapter)
-    theirs = _llamacpp_logits(tmp_path / "q8.gguf", tokens, tmp_path / "lora.gguf")
+    theirs = llamacpp_logits(tmp_path / "q8.gguf", tokens, lora_path=tmp_path / "lora.gguf")
     ours = reference_logits(lora_weights(weights, adapter), hp, tokens)
     assert nmse(reference_logits(weights, hp, tokens), ours) > 1e-2
     assert nmse(theirs, ours) <= 1e-3
@@ -176,9 +157,9 @@ def test_a_merged_model_equals_llamacpp_applying_the_adapter(tiny_model, tmp_pat
     adapter = _random_adapter(weights, hp, 4, 16.0, None, seed=5)
     save_lora_gguf(tmp_path / "lora.gguf", adapter)
     merged = write_tiny_gguf(tmp_path / "merged.gguf", hp, merge_lora(weights, adapter, 0.5))
-    theirs = _llamacpp_logits(path, tokens, tmp_path / "lora.gguf", lora_scale=0.5)
-    assert nmse(theirs, _llamacpp_logits(merged, tokens)) <= 1e-6
-    assert nmse(theirs, _llamacpp_logits(path, tokens)) > 1e-2
+    theirs = llamacpp_logits(path, tokens, lora_path=tmp_path / "lora.gguf", lora_scale=0.5)
+    assert nmse(theirs, llamacpp_logits(merged, tokens)) <= 1e-6
+    assert nmse(theirs, llamacpp_logits(path, tokens)) > 1e-2
 
 
 @pytest.mark.oracle
@@ -188,7 +169,7 @@ def test_the_comparison_can_fail(tiny_model, tmp_path):
     hp, weights = load_model(path)
     adapter = _random_adapter(weights, hp, 4, 16.0, None, seed=4)
     save_lora_gguf(tmp_path / "lora.gguf", adapter)
-    theirs = _llamacpp_logits(path, tokens, tmp_path / "lora.gguf")
+    theirs = llamacpp_logits(path, tokens, lora_path=tmp_path / "lora.gguf")
     wrong = dataclasses.replace(adapter, alpha=8.0)
     assert nmse(theirs, reference_logits(lora_weights(weights, wrong), hp, tokens)) > 1e-4
 

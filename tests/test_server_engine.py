@@ -18,6 +18,7 @@ from reference.server.results import Failed, Final, Partial
 from reference.server.slot import SlotState, Task
 from reference.server.spans import user_delimiter, user_starts
 from tests.server_support import (
+    BACKENDS,
     alone,
     greedy,
     make_context,
@@ -26,8 +27,6 @@ from tests.server_support import (
     sampler_factory,
     tokenizer,
 )
-
-BACKENDS = ["reference", "mlx"]
 
 
 def prompts(n: int, words: int = 6) -> list[list[int]]:
@@ -446,13 +445,15 @@ def test_slot_actions_refuse_bad_slots_and_files(tmp_path):
 
 # ---- a law: any interleaving of arrivals gives the answers of each prompt alone ----------------
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(deadline=None, max_examples=8)
 @given(arrivals=st.lists(st.integers(0, 6), min_size=3, max_size=6),
        lengths=st.lists(st.integers(1, 12), min_size=6, max_size=6),
        n_slots=st.integers(1, 4), unified=st.booleans())
-def test_arrival_times_do_not_change_greedy_answers(arrivals, lengths, n_slots, unified):
+def test_arrival_times_do_not_change_greedy_answers(backend, arrivals, lengths, n_slots,
+                                                    unified):
     ps = prompts(len(arrivals))
-    eng = make_engine(n_slots=n_slots, kv_unified=unified, n_ctx=1024)
+    eng = make_engine(backend, n_slots=n_slots, kv_unified=unified, n_ctx=1024)
     out: dict = {}
     pending = sorted(enumerate(arrivals), key=lambda x: x[1])
     step = 0
@@ -465,7 +466,7 @@ def test_arrival_times_do_not_change_greedy_answers(arrivals, lengths, n_slots, 
         assert step < 5000
     got = finals(out)
     for i, p in enumerate(ps):
-        assert got[i].tokens == alone("reference", p, lengths[i])[: len(got[i].tokens)]
+        assert got[i].tokens == alone(backend, p, lengths[i])[: len(got[i].tokens)]
 
 
 def test_sampling_with_a_seed_is_reproducible_across_batching():

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from llamaref.server import formats, schema
-from llamaref.server.formats import ResponseMeta
+from llamaref.server.app import NATIVE, OAI_CHAT, Meta
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.model import default_model_path
 from reference.server.errors import InvalidRequest
@@ -341,8 +341,7 @@ def test_good_filenames(name):
 
 # ---- formats ------------------------------------------------------------------------------------
 
-META = ResponseMeta(model="smol", created=1700000000, id="chatcmpl-abc")
-ENV = {"model": META.model, "cmpl_id": META.id, "created": META.created}
+ENV = {"model": "smol", "cmpl_id": "chatcmpl-abc", "created": 1700000000}
 
 
 def final(stop_type="eos", content="Hello", probs=(), index=0, **kw) -> Final:
@@ -413,7 +412,7 @@ def test_native_final_and_partial():
 
 def test_oai_completion():
     out = formats.oai_completion_final(final(probs=PROBS), **ENV)
-    assert out["object"] == "text_completion" and out["id"] == META.id
+    assert out["object"] == "text_completion" and out["id"] == ENV["cmpl_id"]
     assert set(out) >= {"choices", "created", "model", "system_fingerprint", "usage"}
     assert out["choices"][0]["text"] == "Hello"
     assert out["choices"][0]["logprobs"]["content"][0]["id"] == 7
@@ -445,31 +444,34 @@ def test_oai_chat():
 
 
 def test_merging_several_results():
+    """Several choices: one OpenAI object with every choice, or an array of native ones."""
     fins = [final(index=i, content=str(i)) for i in range(3)]
-    chat = formats.final_response("oai_chat", fins, SlotParams(), META)
+    chat = formats.merge_results([formats.oai_chat_final(f, **ENV) for f in fins], oai=True)
     assert [(c["index"], c["message"]["content"]) for c in chat["choices"]] == [
         (0, "0"), (1, "1"), (2, "2")]
-    cmpl = formats.final_response("oai_cmpl", fins, SlotParams(), META)
+    cmpl = formats.merge_results([formats.oai_completion_final(f, **ENV) for f in fins],
+                                 oai=True)
     assert [c["text"] for c in cmpl["choices"]] == ["0", "1", "2"]
-    native = formats.final_response("native", fins, SlotParams(), META)
-    assert [o["content"] for o in native] == ["0", "1", "2"]
-    assert formats.final_response("native", fins[:1], SlotParams(), META)["content"] == "0"
+    native = [formats.completion_final(f, SlotParams(), model="m", prompt="") for f in fins]
+    assert [o["content"] for o in formats.merge_results(native, oai=False)] == ["0", "1", "2"]
 
 
-def test_streams():
-    params = SlotParams(stream=True, include_usage=True)
+def test_stream_envelope_of_the_app():
+    """The app's chat stream opens with a role delta per choice and, with include_usage,
+    ends with a usage chunk counting every prompt once."""
+    params = SlotParams(stream=True, include_usage=True, n_cmpl=2)
+    meta = Meta(OAI_CHAT, "m", 1, "chatcmpl-x", params, {}, None)
 
     class T:
-        index = 0
-    start = formats.stream_start("oai_chat", [T()], META)
+        def __init__(self, index):
+            self.index = index
+    start = meta.start([T(1), T(0)])
+    assert [c["choices"][0]["index"] for c in start] == [0, 1]
     assert start[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
-    chunks = formats.stream_chunks("oai_chat", partial(), params, META)
-    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "He"}]
-    end = formats.stream_chunks("oai_chat", final(content=""), params, META)
-    assert end[-1]["choices"] == [] and "usage" in end[-1]
-    assert formats.stream_start("native", [T()], META) == []
-    assert formats.stream_chunks("oai_cmpl", final(), params, META)[0]["object"] == \
-        "text_completion"
+    end = meta.end([final(index=0), final(index=1)])
+    assert end[0]["choices"] == [] and end[0]["usage"]["prompt_tokens"] == final().n_prompt
+    assert end[0]["usage"]["completion_tokens"] == 2 * final().n_decoded
+    assert Meta(NATIVE, "m", 1, "x", params, {}, None).start([T(0)]) == []
 
 
 def test_sse():

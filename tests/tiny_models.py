@@ -177,10 +177,12 @@ def save_tiny_gemma_hf(
 # Running the oracles and comparing
 
 
-def llamacpp_logits(path: str | Path, tokens, one_batch: bool = True, n_ctx: int = 512):
+def llamacpp_logits(path: str | Path, tokens, one_batch: bool = True, n_ctx: int = 512,
+                    lora_path: str | Path | None = None, lora_scale: float = 1.0):
     """Logits of every token from llama.cpp (llama-cpp-python) at positions ``0..n-1``.
 
     ``one_batch``: the whole prompt in one ``llama_decode``; otherwise one token per decode.
+    ``lora_path``: a LoRA adapter llama.cpp applies with ``lora_scale``.
     llama.cpp runs with an f32 KV cache (``type_k = type_v = 0``), flash attention disabled
     (the plain ``mul_mat``/``soft_max_ext`` path that the reference mirrors), 2 threads.
     """
@@ -190,6 +192,8 @@ def llamacpp_logits(path: str | Path, tokens, one_batch: bool = True, n_ctx: int
     n = len(tokens)
     llm = llama_cpp.Llama(
         model_path=str(path),
+        lora_path=None if lora_path is None else str(lora_path),
+        lora_scale=lora_scale,
         n_ctx=max(n_ctx, n),
         n_batch=max(n, 1),
         n_ubatch=max(n, 1),

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,7 +191,7 @@ async def detokenize(state: ServerState, request: Request) -> Response:
     _engine(state)
     body = await _body(state, request)
     tokens = schema.parse_detokenize(body, state.n_vocab)
-    return JSONResponse({"content": state.tokenizer.detokenize(tokens)})
+    return JSONResponse(schema.detokenize_response(tokens, state.tokenizer))
 
 
 async def index(state: ServerState, request: Request) -> Response:
@@ -403,7 +401,7 @@ async def _complete(state: ServerState, request: Request, kind: Kind) -> Respons
     results: asyncio.Queue = asyncio.Queue()
     tasks = submit(state, prompts, params, loop, results, chat=kind is OAI_CHAT)
     meta = Meta(kind, state.model_name, int(time.time()),
-                ("chatcmpl-" if kind is OAI_CHAT else "cmpl-") + uuid.uuid4().hex, params,
+                formats.gen_cmpl_id(chat=kind is OAI_CHAT), params,
                 {t.index: t.tokens for t in tasks}, state.tokenizer)
     if not params.stream:
         finals = await _collect(request, tasks, results)
@@ -618,8 +616,3 @@ def start_engine(state: ServerState, factory: Callable[[], Engine]) -> threading
     state.thread.start()
     return state.thread
 # --8<-- [end:start_engine]
-
-
-def dumps(obj: Any) -> str:
-    """Compact JSON (UTF-8 kept), as the responses are written."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

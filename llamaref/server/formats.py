@@ -32,8 +32,6 @@ import json
 import math
 import secrets
 import string
-from dataclasses import dataclass
-from typing import Any
 
 from reference.server.params import SlotParams
 from reference.server.results import Final, Partial, TokenOutput, TokenProb, logarithm
@@ -75,15 +73,19 @@ def sse(obj) -> bytes:
     return f"data: {dumps(obj)}\n\n".encode()
 
 
-def gen_cmpl_id() -> str:
-    """``gen_chatcmplid``: ``"chatcmpl-"`` and 32 random letters and digits.
+def gen_cmpl_id(chat: bool = True) -> str:
+    """``gen_chatcmplid``: ``"chatcmpl-"`` (``"cmpl-"`` for a text completion, as OpenAI
+    names them) and 32 random letters and digits.
 
     Examples:
         >>> i = gen_cmpl_id(); i.startswith("chatcmpl-"), len(i)
         (True, 41)
+        >>> gen_cmpl_id(chat=False).startswith("cmpl-")
+        True
     """
     alphabet = string.digits + string.ascii_uppercase + string.ascii_lowercase
-    return "chatcmpl-" + "".join(secrets.choice(alphabet) for _ in range(32))
+    return ("chatcmpl-" if chat else "cmpl-") + "".join(
+        secrets.choice(alphabet) for _ in range(32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,161 +464,3 @@ def merge_results(objs: list[dict], oai: bool) -> dict | list[dict]:
     merged = dict(objs[0])
     merged["choices"] = [o["choices"][0] for o in objs]
     return merged
-
-
-# ---------------------------------------------------------------------------------------------
-# what the HTTP layer calls: one entry per phase of a response
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ResponseMeta:
-    """The envelope of one request's OpenAI objects: model name, creation time, id."""
-
-    model: str
-    created: int
-    id: str
-
-
-#: ``/props``' ``default_generation_settings.params``
-params_json = generation_settings
-
-
-def final_response(kind: str, finals: list[Final], params: SlotParams,
-                   meta: ResponseMeta) -> dict | list[dict]:
-    """The non-streamed answer of a request in format ``kind`` (``"native"``,
-    ``"oai_cmpl"``, ``"oai_chat"``), its results merged ([`merge_results`][]).
-
-    Examples:
-        >>> from reference.server.results import Timings
-        >>> fins = [Final(0, i, 0, "x", [7], "eos", "", 1, 2, 0, 3, False, False, Timings())
-        ...         for i in range(2)]
-        >>> out = final_response("oai_chat", fins, SlotParams(), ResponseMeta("m", 1, "c"))
-        >>> [c["index"] for c in out["choices"]], out["id"]
-        ([0, 1], 'c')
-    """
-    env = {"model": meta.model, "cmpl_id": meta.id, "created": meta.created}
-    post = params.post_sampling_probs
-    if kind == "native":
-        objs = [completion_final(f, params, model=meta.model, prompt="") for f in finals]
-    elif kind == "oai_cmpl":
-        objs = [oai_completion_final(f, **env, post_sampling=post) for f in finals]
-    else:
-        objs = [oai_chat_final(f, **env, post_sampling=post) for f in finals]
-    return merge_results(objs, oai=kind != "native")
-
-
-def stream_start(kind: str, tasks: list[Any], meta: ResponseMeta) -> list[dict]:
-    """The first events of a stream: for chat, the ``{"role": "assistant", "content":
-    null}`` delta of every choice (so that it comes first even when the first token ends the
-    generation); nothing for the other formats.
-
-    Examples:
-        >>> class T: index = 0
-        >>> stream_start("oai_chat", [T()], ResponseMeta("m", 1, "c"))[0]["choices"]
-        [{'finish_reason': None, 'index': 0, 'delta': {'role': 'assistant', 'content': None}}]
-    """
-    if kind != "oai_chat":
-        return []
-    head = _envelope("chat.completion.chunk", meta.model, meta.id, meta.created)
-    return [_chunk(t.index, {"role": "assistant", "content": None}, None, head) for t in tasks]
-
-
-def stream_chunks(kind: str, res: Partial | Final, params: SlotParams,
-                  meta: ResponseMeta) -> list[dict]:
-    """The events of one result in a stream of format ``kind``; a chat final brings its
-    finish chunk and, with ``include_usage``, its usage chunk (one per choice, as llama.cpp).
-
-    Examples:
-        >>> meta = ResponseMeta("m", 1, "c")
-        >>> stream_chunks("native", Partial(0, 0, 0, "Hi", [7], [], 1, 2), SlotParams(), meta)
-        [{'index': 0, 'content': 'Hi', 'tokens': [7], 'stop': False, 'id_slot': 0, \
-'tokens_predicted': 1, 'tokens_evaluated': 2}]
-    """
-    env = {"model": meta.model, "cmpl_id": meta.id, "created": meta.created}
-    post = params.post_sampling_probs
-    if isinstance(res, Partial):
-        if kind == "native":
-            return [completion_partial(res, post)]
-        if kind == "oai_cmpl":
-            return [oai_completion_partial(res, **env, post_sampling=post)]
-        return oai_chat_partial(res, **env, post_sampling=post, send_role=False)
-    if kind == "native":
-        return [completion_final(res, params, model=meta.model, prompt="")]
-    if kind == "oai_cmpl":
-        return [oai_completion_final(res, **env, stream=True, post_sampling=post)]
-    return oai_chat_final_chunks(res, **env, include_usage=params.include_usage)
-
-
-def stream_end(kind: str, finals: list[Final], params: SlotParams,
-               meta: ResponseMeta) -> list[dict]:
-    """The events after every result (none: usage went with each final; ``[DONE]`` is the
-    HTTP layer's).
-
-    Examples:
-        >>> stream_end("oai_chat", [], SlotParams(), ResponseMeta("m", 1, "c"))
-        []
-    """
-    return []
-
-
-# ---------------------------------------------------------------------------------------------
-# /metrics
-# ---------------------------------------------------------------------------------------------
-
-def _metric_lines(kind: str, items: list[tuple[str, str, float]]) -> list[str]:
-    lines = []
-    for name, help_text, value in items:
-        lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
-                  f"llamacpp:{name} {value:g}"]
-    return lines
-
-
-def prometheus(metrics: Any, engine: Any) -> str:
-    """``server_task_result_metrics::to_metrics`` (``server-task.cpp:1523-1618``): the
-    Prometheus text of ``/metrics``, llama.cpp's ``llamacpp:`` names (no speculative ones).
-
-    Args:
-        metrics: the engine's counters (``reference.server.engine.Metrics``; times in ms).
-        engine: its ``slots`` (``is_processing``) and ``n_queued``.
-
-    Examples:
-        >>> from types import SimpleNamespace as NS
-        >>> m = NS(n_prompt_tokens_processed_total=10, n_prompt_tokens_cached_total=0,
-        ...        t_prompt_processing_total=500.0, n_tokens_predicted_total=4,
-        ...        t_tokens_generation_total=100.0, n_decode_total=5, n_busy_slots_total=5,
-        ...        n_tokens_max=14, n_prompt_tokens_processed=10, t_prompt_processing=500.0,
-        ...        n_tokens_predicted=4, t_tokens_generation=100.0)
-        >>> text = prometheus(m, NS(slots=[NS(is_processing=False)], n_queued=0))
-        >>> [line for line in text.splitlines() if line.startswith("llamacpp:predicted")]
-        ['llamacpp:predicted_tokens_seconds 40']
-    """
-    def rate(n, ms):
-        return 1e3 * n / ms if ms > 0 else 0.0
-    m = metrics
-    counters = [
-        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
-         m.n_prompt_tokens_processed_total),
-        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
-         m.n_prompt_tokens_cached_total),
-        ("prompt_seconds_total", "Total time spent processing prompts",
-         m.t_prompt_processing_total / 1e3),
-        ("tokens_predicted_total", "Number of generation tokens processed",
-         m.n_tokens_predicted_total),
-        ("tokens_predicted_seconds_total", "Total time spent generating tokens",
-         m.t_tokens_generation_total / 1e3),
-        ("n_decode_total", "Total number of llama_decode() calls", m.n_decode_total),
-        ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
-         m.n_tokens_max),
-    ]
-    gauges = [
-        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
-         rate(m.n_prompt_tokens_processed, m.t_prompt_processing)),
-        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
-         rate(m.n_tokens_predicted, m.t_tokens_generation)),
-        ("requests_processing", "Number of requests processing",
-         sum(s.is_processing for s in engine.slots)),
-        ("requests_deferred", "Number of requests deferred", getattr(engine, "n_queued", 0)),
-        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
-         m.n_busy_slots_total / max(m.n_decode_total, 1)),
-    ]
-    return "\n".join(_metric_lines("counter", counters) + _metric_lines("gauge", gauges)) + "\n"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -168,13 +167,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 timeout_graceful_shutdown=1)
     state.stop.set()
     return 0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def add_serve_command(sub) -> None:
