@@ -171,21 +171,28 @@ def soft_max_ext(
     """
     _check_soft_max_args(x, mask, max_bias)
     t = x.dtype.type
+    # w is the one array of x's size made here: every later step updates it in place (at
+    # long context x is the largest array of a forward, n_head * n_tokens * n_kv floats)
     w = x * t(scale)  # (..., n_head, n_tokens, n_kv)
     if mask is not None:
-        n_head = x.shape[-3] if x.ndim >= 3 else 1  # a 2-D x is head 0 of 1
-        slope = alibi_slopes(n_head, max_bias).astype(x.dtype)  # (n_head,)
-        slope = slope.reshape((n_head, 1, 1)[3 - min(x.ndim, 3):])  # (n_head, 1, 1)
-        m = np.tile(mask[..., : x.shape[-2], :], _tile_reps(mask.shape, x.shape))  # x.shape
-        w = w + slope * m.astype(x.dtype)  # (..., n_head, n_tokens, n_kv)
+        m = _mask_over(mask[..., : x.shape[-2], :], x.shape).astype(x.dtype, copy=False)
+        if max_bias > 0.0:
+            n_head = x.shape[-3] if x.ndim >= 3 else 1  # a 2-D x is head 0 of 1
+            slope = alibi_slopes(n_head, max_bias).astype(x.dtype)  # (n_head,)
+            slope = slope.reshape((n_head, 1, 1)[3 - min(x.ndim, 3):])  # (n_head, 1, 1)
+            w += slope * m  # (..., n_head, n_tokens, n_kv)
+        else:  # no ALiBi: every slope is 1, and 1 * m is m (ggml multiplies by 1.0f)
+            w += m  # (..., n_head, n_tokens, n_kv)
     row_max = np.max(w, axis=-1, keepdims=True)  # (..., n_tokens, 1)
     visible = np.isfinite(row_max)  # False for a fully masked row
-    e = np.exp(w - np.where(visible, row_max, t(0)))  # (..., n_tokens, n_kv)
+    w -= np.where(visible, row_max, t(0))
+    e = np.exp(w, out=w)  # (..., n_tokens, n_kv)
     total = np.sum(e, axis=-1, dtype=np.float64, keepdims=True)  # ggml_float accumulation
     # 1/sum in double, applied in float (ggml_vec_scale_f32); a fully masked row stays zero
     with np.errstate(divide="ignore"):
         inv = np.where(total > 0, 1.0 / total, 0.0).astype(x.dtype)  # (..., n_tokens, 1)
-    return e * inv  # (..., n_head, n_tokens, n_kv)
+    e *= inv
+    return e  # (..., n_head, n_tokens, n_kv)
 
 
 # --8<-- [end:soft_max_ext]
@@ -195,6 +202,27 @@ def _tile_reps(mask_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> tuple[i
     """How many times each dimension of the mask repeats to cover ``x`` (rows/cols once)."""
     lead = (1,) * (len(x_shape) - len(mask_shape)) + tuple(mask_shape[:-2])
     return tuple(dx // dm for dx, dm in zip(x_shape[:-2], lead, strict=True)) + (1, 1)
+
+
+def _mask_over(mask: np.ndarray, x_shape: tuple[int, ...]) -> np.ndarray:
+    """The mask repeated over ``x``'s leading dimensions, as ggml reads it (row ``i % dm``).
+
+    Where each leading dimension of the mask is 1 or ``x``'s own, NumPy's broadcasting is that
+    repetition already, and the mask is returned as it is (no copy per head); only a dimension
+    that repeats several rows of its own (``1 < dm < dx``) needs ``np.tile``.
+
+    Examples:
+        >>> m = np.array([[[0.0]], [[1.0]]])          # two masks of one cell
+        >>> _mask_over(m, (4, 1, 1))[:, 0, 0]          # 4 heads: masks 0, 1, 0, 1
+        array([0., 1., 0., 1.])
+        >>> _mask_over(m, (2, 1, 1)) is m
+        True
+    """
+    reps = _tile_reps(mask.shape, x_shape)
+    lead = (1,) * (len(x_shape) - mask.ndim) + tuple(mask.shape[:-2])
+    if any(r > 1 and dm > 1 for r, dm in zip(reps[:-2], lead, strict=True)):
+        return np.tile(mask, reps)
+    return mask
 
 
 # --8<-- [start:stream_blocks]

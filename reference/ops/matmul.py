@@ -38,6 +38,14 @@ but BLAS's ``gemm`` packs its *second* operand into cache-sized panels, so ``b @
 the whole weight on every call while ``a @ b.T`` copies only the few rows of ``b``. With
 OpenBLAS on one thread this makes 2 to 32 rows 1.5 to 2.8 times faster (a decode of 2 tokens
 cost almost twice one token), which is what speculative and parallel decoding live on.
+
+**A block of ``b`` as one matrix.** The ``r`` matrices of ``b`` that meet the same matrix of
+``a`` in the innermost leading dimension (in attention, the query heads of one KV head) are
+stacked into one matrix of ``r * N`` rows and multiplied once: the same dot products, in
+fewer and larger BLAS calls. For 32 sequences decoding together (32 rows against 1536
+cells, SmolLM2's 3 query heads per KV head) this makes the two products of attention 1.7
+times faster. With one row each (``N = 1``, one token's decode) the rows are left apart:
+three matrix-vector products are as fast as one product of three rows.
 """
 
 from __future__ import annotations
@@ -122,8 +130,15 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                 for n in (da, db // da if da else 1)]
     a = a.reshape(tuple(a_blocks) + a.shape[-2:])  # (..., da, 1, M, K)
     b = b.reshape(tuple(b_blocks) + b.shape[-2:])  # (..., da, r, N, K)
-    out = b @ np.swapaxes(a, -1, -2)  # (..., da, r, N, M)
-    return out.reshape(b_lead + out.shape[-2:])  # (..., N, M)
+    n, k = b.shape[-2:]
+    r = b.shape[-3] if b.ndim >= 3 else 1  # b's matrices per matrix of a (innermost)
+    if r > 1 and n > 1:
+        # the r matrices of b that share one matrix of a (the query heads of one KV head)
+        # are one matrix of r*N rows: one product where there were r, the same dot products
+        # (attention: fewer and larger products; one row each is as fast as it is)
+        b = b.reshape(b.shape[:-3] + (1, r * n, k))  # (..., da, 1, r*N, K)
+    out = b @ np.swapaxes(a, -1, -2)  # (..., da, r, N, M) or (..., da, 1, r*N, M)
+    return out.reshape(b_lead + (n, out.shape[-1]))  # (..., N, M)
 
 
 # --8<-- [end:mul_mat]
