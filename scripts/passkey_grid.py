@@ -47,6 +47,22 @@ def n_junk_for(length: int, tok) -> int:
     return max(1, round((length - 60) / per))
 
 
+def spread_order(n: int) -> list[int]:
+    """The key positions ``0 .. n-1`` in the order they run: the middle, the ends, then between.
+
+    A grid takes hours; run in this order, a grid stopped early (and resumed later) already has
+    every length and group size at positions spread over the prompt.
+
+    >>> spread_order(5)
+    [2, 0, 4, 1, 3]
+    """
+    order: list[int] = []
+    for k in [n // 2, 0, n - 1] + list(range(n)):
+        if 0 <= k < n and k not in order:
+            order.append(k)
+    return order
+
+
 def run_one(impl: str, hp, weights, tok, path, n_junk: int, i_pos: int, g: int) -> dict:
     n_tokens = len(tok.tokenize(passkey_prompt(n_junk, i_pos, 1)))
     n_ctx = None if g > 1 else max(passkey_n_ctx(hp.n_ctx_train, 1, N_KEEP), n_tokens + 64)
@@ -76,26 +92,30 @@ def run_one(impl: str, hp, weights, tok, path, n_junk: int, i_pos: int, g: int) 
 
 
 def write_table(results: list[dict]) -> None:
-    """``passkey.md``: one row per (length, G), one column per key position, ours / llama.cpp."""
-    rows = {}
+    """``passkey.md``: one row per (length, G), one column per key position (its depth in the
+    junk, in percent), each cell ours then llama.cpp (✓ found, ✗ not, · not run yet)."""
+    rows: dict = {}
+    depths = sorted({round(100 * r["i_pos"] / r["n_junk"]) for r in results})
     for r in results:
-        key = (r["n_junk"], r["g"])
-        rows.setdefault(key, {}).setdefault(r["i_pos"], {})[r["impl"]] = r
-    lines = ["| prompt tokens | G | key at (sentence / junk): ours, llama.cpp | found: ours | "
-             "found: llama.cpp |", "|---:|---:|---|---:|---:|"]
-    for (_n_junk, g), by_pos in sorted(rows.items()):
-        n_tok = max(r["n_tokens"] for p in by_pos.values() for r in p.values())
-        cells, ours, theirs = [], [0, 0], [0, 0]
-        for i_pos, by_impl in sorted(by_pos.items()):
+        depth = round(100 * r["i_pos"] / r["n_junk"])
+        rows.setdefault((r["n_junk"], r["g"]), {}).setdefault(depth, {})[r["impl"]] = r
+    head = " | ".join(f"key at {d} %" for d in depths)
+    lines = [f"| prompt tokens | G | {head} | found: ours | found: llama.cpp |",
+             "|---:|---:|" + ":---:|" * len(depths) + "---:|---:|"]
+    for (_n_junk, g), by_depth in sorted(rows.items()):
+        n_tok = max(r["n_tokens"] for p in by_depth.values() for r in p.values())
+        cells, count = [], {"ours": [0, 0], "llama.cpp": [0, 0]}
+        for depth in depths:
             marks = []
-            for impl, count in (("ours", ours), ("llama.cpp", theirs)):
-                r = by_impl.get(impl)
+            for impl in ("ours", "llama.cpp"):
+                r = by_depth.get(depth, {}).get(impl)
                 marks.append("·" if r is None else ("✓" if r["found"] else "✗"))
                 if r is not None:
-                    count[0] += r["found"]
-                    count[1] += 1
-            cells.append(f"{i_pos}: {marks[0]} {marks[1]}")
-        lines.append(f"| {n_tok} | {g} | {', '.join(cells)} | {ours[0]}/{ours[1]} | "
+                    count[impl][0] += r["found"]
+                    count[impl][1] += 1
+            cells.append(" ".join(marks))
+        ours, theirs = count["ours"], count["llama.cpp"]
+        lines.append(f"| {n_tok} | {g} | {' | '.join(cells)} | {ours[0]}/{ours[1]} | "
                      f"{theirs[0]}/{theirs[1]} |")
     (OUT / "passkey.md").write_text("\n".join(lines) + "\n")
 
@@ -139,9 +159,11 @@ def main(argv=None) -> int:
     path = default_model_path()
     hp, weights = load_model(path)
     tok = load_tokenizer(path)
-    for length in map(int, args.lengths.split(",")):
-        n_junk = n_junk_for(length, tok)
-        for k in range(args.positions):
+    lengths = [int(n) for n in args.lengths.split(",")]
+    junk = {length: n_junk_for(length, tok) for length in lengths}
+    for k in spread_order(args.positions):
+        for length in lengths:
+            n_junk = junk[length]
             i_pos = int((k + 0.5) * n_junk / args.positions)
             for g in map(int, args.groups.split(",")):
                 for impl in args.impls.split(","):
