@@ -2,7 +2,8 @@
 
 Usage::
 
-    python scripts/passkey_grid.py --lengths 4000,8000 --positions 3 --groups 1,2,4
+    python scripts/passkey_grid.py     # the whole grid: 4k, 8k, 12k, 16k x 5 positions x G 1, 2, 4
+    python scripts/passkey_grid.py --lengths 4000,8000 --positions 3 --groups 1,2
 
 For each prompt length (tokens, approximately: ``--junk`` is chosen to reach it), each key
 position (``--positions`` evenly spaced junk sentences) and each group size ``G``, the passkey
@@ -121,27 +122,36 @@ def write_table(results: list[dict]) -> None:
 
 
 def write_plot(results: list[dict]) -> None:
-    """``passkey.svg``: the fraction of key positions found against the prompt length."""
+    """``passkey.svg``: per group size, the fraction of key positions found against the prompt
+    length, ours and llama.cpp (nudged apart vertically so that equal values stay visible)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    series: dict = {}
-    for r in results:
-        series.setdefault((r["impl"], r["g"]), {}).setdefault(r["n_junk"], []).append(r)
-    for (impl, g), by_len in sorted(series.items()):
-        xs = [max(r["n_tokens"] for r in rs) for _, rs in sorted(by_len.items())]
-        ys = [sum(r["found"] for r in rs) / len(rs) for _, rs in sorted(by_len.items())]
-        ax.plot(xs, ys, marker="o" if impl == "ours" else "x",
-                linestyle="-" if impl == "ours" else "--",
-                label=f"{impl}, {'no Self-Extend' if g == 1 else f'G = {g}'}")
-    ax.axvline(8192, color="grey", linewidth=0.8)
-    ax.set_xlabel("prompt tokens (trained context: 8192)")
-    ax.set_ylabel("key positions found")
-    ax.set_ylim(-0.05, 1.05)
-    ax.legend(fontsize=8)
+    groups = sorted({r["g"] for r in results})
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.2), sharey=True,
+                             squeeze=False)
+    styles = {"ours": dict(marker="o", linestyle="-", color="tab:blue"),
+              "llama.cpp": dict(marker="x", linestyle="--", color="tab:red")}
+    for ax, g in zip(axes[0], groups, strict=True):
+        for impl, nudge in (("ours", 0.015), ("llama.cpp", -0.015)):
+            by_len: dict = {}
+            for r in results:
+                if r["impl"] == impl and r["g"] == g:
+                    by_len.setdefault(r["n_junk"], []).append(r)
+            if not by_len:
+                continue
+            runs = [rs for _, rs in sorted(by_len.items())]
+            xs = [max(r["n_tokens"] for r in rs) for rs in runs]
+            ys = [sum(r["found"] for r in rs) / len(rs) + nudge for rs in runs]
+            ax.plot(xs, ys, label=impl, **styles[impl])
+        ax.axvline(8192, color="grey", linewidth=0.8)
+        ax.set_title("no Self-Extend" if g == 1 else f"G = {g}", fontsize=10)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylim(-0.08, 1.08)
+    axes[0][0].set_ylabel("key positions found")
+    axes[0][-1].legend(fontsize=8, loc="center right")  # where no line runs (y = 1/2)
     fig.tight_layout()
     fig.savefig(OUT / "passkey.svg", metadata={"Date": None})
 
@@ -152,10 +162,16 @@ def main(argv=None) -> int:
     ap.add_argument("--positions", type=int, default=5)
     ap.add_argument("--groups", default="1,2,4")
     ap.add_argument("--impls", default="ours,llama.cpp")
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the table and the plot from passkey.json")
     args = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     store = OUT / "passkey.json"
     results = json.loads(store.read_text()) if store.exists() else []
+    if args.render:
+        write_table(results)
+        write_plot(results)
+        return 0
     path = default_model_path()
     hp, weights = load_model(path)
     tok = load_tokenizer(path)

@@ -1034,9 +1034,10 @@ def _build(path: Path | str, names: list[str], vs: str | None, n_prompt: int, n_
     elif vs == "llama.cpp":
         gguf = _gguf_of(path, hparams, weights)
         runner = LlamaCppRunner(gguf, n_ctx, max(N_BATCH_MIN, n_prompt), threads or None)
+        sizes = (f"n_ctx {n_ctx} and n_batch {max(N_BATCH_MIN, n_prompt)} as ours"
+                 if n_prompt or n_gen else "the same cache and batch sizes as ours")
         backends.append(Backend(vs, runner, info.dtype, info.size, peer=True, note=(
-            f"n_threads {runner.n_threads}, n_ctx {n_ctx} and n_batch "
-            f"{max(N_BATCH_MIN, n_prompt)} as ours, KV cache f16 (llama.cpp's default)")))
+            f"n_threads {runner.n_threads}, {sizes}, KV cache f16 (llama.cpp's default)")))
     return hparams, weights, backends, info
 
 
