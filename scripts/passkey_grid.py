@@ -190,7 +190,9 @@ def main(argv=None) -> int:
                     r = run_one(impl, hp, weights, tok, path, n_junk, i_pos, g)
                     print(json.dumps(r), flush=True)
                     results.append(r)
-                    store.write_text(json.dumps(results, indent=1) + "\n")
+                    tmp = store.with_suffix(".json.tmp")  # a kill mid-write loses nothing
+                    tmp.write_text(json.dumps(results, indent=1) + "\n")
+                    tmp.replace(store)
                     write_table(results)
                     write_plot(results)
     return 0
