@@ -67,6 +67,36 @@ def test_scale_multiplies_before_the_mask(kq_mask, scale):
                                rtol=1e-12, atol=1e-300)
 
 
+def _soft_max_written_out(x, full_mask, scale, max_bias):
+    """ggml's softmax with nothing shared or in place: a mask of x's own shape, new arrays."""
+    n_head = x.shape[-3]
+    slope = alibi_slopes(n_head, max_bias).astype(x.dtype).reshape(n_head, 1, 1)
+    w = x * x.dtype.type(scale) + slope * full_mask.astype(x.dtype)
+    row_max = np.max(w, axis=-1, keepdims=True)
+    e = np.exp(w - np.where(np.isfinite(row_max), row_max, x.dtype.type(0)))
+    total = np.sum(e, axis=-1, dtype=np.float64, keepdims=True)
+    with np.errstate(divide="ignore"):
+        return e * np.where(total > 0, 1.0 / total, 0.0).astype(x.dtype)
+
+
+@given(st.data(), st.sampled_from([np.float32, np.float64]), st.sampled_from([0.0, 8.0]))
+def test_mask_over_the_leading_dims_is_read_as_ggml_reads_it(data, dtype, max_bias):
+    """A mask with leading dims of 1, of x's own, or repeated (row i % dm, ggml's broadcast)
+    gives, bit for bit, the softmax with that mask written out to x's shape."""
+    n_stream, n_head = data.draw(st.integers(1, 3)), data.draw(st.sampled_from([1, 2, 4]))
+    n_tokens, n_kv = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 7))
+    x = data.draw(hnp.arrays(dtype, (n_stream, n_head, n_tokens, n_kv), elements=logits))
+    dm_stream = data.draw(st.sampled_from([1, n_stream]))
+    dm_head = data.draw(st.sampled_from([d for d in (1, 2, n_head) if n_head % d == 0]))
+    visible = data.draw(hnp.arrays(np.bool_, (dm_stream, dm_head, n_tokens + 1, n_kv)))
+    mask = np.where(visible, 0.0, -np.inf).astype(dtype)  # one padding row, as llama.cpp's
+    s, h = np.ix_(np.arange(n_stream) % dm_stream, np.arange(n_head) % dm_head)
+    full = mask[s, h][:, :, :n_tokens]  # (n_stream, n_head, n_tokens, n_kv)
+    got = soft_max_ext(x, mask, 0.125, max_bias)
+    np.testing.assert_array_equal(got, _soft_max_written_out(x, full, 0.125, max_bias))
+    assert got.dtype == dtype
+
+
 def test_softmax_small_example_and_no_mask():
     x = np.log(np.array([[1.0, 2.0, 5.0]]))
     np.testing.assert_allclose(soft_max_ext(x), [[0.125, 0.25, 0.625]], rtol=1e-15)
