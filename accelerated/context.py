@@ -296,6 +296,8 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
         inputs.append(GraphAttnInput(k_l, v_l, k_rows, kq_mask, n_kv, key.strm,
                                      hparams.n_head_kv))
     tokens, embd = (None, x) if key.embd else (x, None)
+    if key.n_outputs == key.n_tokens:  # the ids are ascending: every row, in order
+        out_ids = None
     build = llm_build_gemma if hparams.arch in GEMMA_ARCHS else llm_build_llama
     logits = build(weights, hparams, tokens, pos, _LayerRoute(inputs, parts), out_ids, embd)
     return (logits, *[t for inp in inputs for t in (*inp.k_l, *inp.v_l)])

@@ -349,6 +349,13 @@ class SamplerChain(_ReferenceChain):
 
         The step's uniform draw is taken now, in the same order as [`sample`][] takes it.
 
+        The token is launched on its own (``mx.async_eval``), behind the decode it is sampled
+        from. MLX gives everything one ``async_eval`` launches a single completion event, so
+        a token left for the next decode to compute (it reads the token as its input) would
+        carry that decode's event, and reading it back would wait for the whole next step:
+        the host's work for a step could never overlap the device's (measured on the tiny
+        Llama at depth 4000: 1.74 ms per token that way, 1.30 launched on its own).
+
         Examples:
             >>> chain = SamplerChain.from_params(SamplerParams(seed=42), 4)
             >>> p = chain.sample_async(mx.array([0.5, 2.0, 1.0, -1.0]))
@@ -362,8 +369,9 @@ class SamplerChain(_ReferenceChain):
         rewind = self.rng_dist.copy()
         token, ok = self._device_step(z, self.rng_dist.uniform_double())
         chosen = mx.where(ok, token, -1).astype(mx.int32).reshape(1)  # (1,)
-        # nothing is launched here: the decode that reads the token computes it
-        return PendingToken(mx.maximum(chosen, 0), chosen, z, rewind)
+        pending = PendingToken(mx.maximum(chosen, 0), chosen, z, rewind)
+        mx.async_eval(pending.token, pending.chosen)  # its own event (see above)
+        return pending
 
     def resolve(self, pending: PendingToken) -> int:
         """The token of a [`sample_async`][] step: read back, or redone on the host.

@@ -28,8 +28,9 @@ import accelerated.models.gemma as A
 import reference.models.gemma as R
 from accelerated.context import Context as MLXContext
 from accelerated.context import kv_caches
+from accelerated.device import GPU_PATHS_ENV
 from accelerated.memory import KVCacheISWA
-from accelerated.models.llama import GPU_PATHS_ENV, prepare_weights
+from accelerated.models.llama import prepare_weights
 from reference.batch import Batch
 from reference.common import MAX_NMSE_SELF_F32, MAX_NMSE_TWIN
 from reference.context import Context as RefContext

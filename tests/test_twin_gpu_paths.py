@@ -1,6 +1,6 @@
 """``LLAMAREF_MLX_GPU_PATHS=1``: the CPU device takes every code path a GPU takes.
 
-The MLX twin chooses by device in one function (:func:`accelerated.models.llama.gpu_paths`):
+The MLX twin chooses by device in one function (:func:`accelerated.device.gpu_paths`):
 quantized matmul weights and MLX's fused attention on a GPU, dense transposed weights and the
 grouped attention on the CPU. With the variable set, a Context on the CPU holds its weights
 as a GPU does and its graph calls the fused attention; its logits stay within the attention
@@ -15,7 +15,8 @@ import pytest
 
 import accelerated.models.llama as acc_llama
 from accelerated.context import Context
-from accelerated.models.llama import GPU_PATHS_ENV, TransposedWeight, default_matmul, gpu_paths
+from accelerated.device import GPU_PATHS_ENV, gpu_paths
+from accelerated.models.llama import TransposedWeight, default_matmul
 from reference.batch import Batch
 from tests.tiny_models import nmse, random_weights, tiny_hparams
 

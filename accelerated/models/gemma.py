@@ -18,7 +18,7 @@ is what differs there:
   kernel, and the checks run on the host before ([`check_gemma_inputs`][]);
 - the attention is MLX's fused kernel on a GPU and
   [`accelerated.models.llama.attn_grouped`][accelerated.models.llama.attn_grouped] on the CPU
-  ([`accelerated.models.llama.gpu_paths`][accelerated.models.llama.gpu_paths] chooses); with
+  ([`accelerated.device.gpu_paths`][accelerated.device.gpu_paths] chooses); with
   Gemma 2's soft-cap both run the reference's op order (the fused kernel has no soft-cap);
 - the result is a lazy float32 ``mx.array``.
 
@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
+from accelerated.device import gpu_paths
 from accelerated.models.llama import (
     AttnInput,
     Weight,
@@ -44,7 +45,6 @@ from accelerated.models.llama import (
     build_norm,
     build_qkv,
     get_weight,
-    gpu_paths,
     linear,
     model_dtype,
     prepare_weights,
@@ -169,7 +169,7 @@ def llm_build_gemma(
     tokens: np.ndarray | None,
     pos: np.ndarray,
     inp_attn: AttnInput,
-    out_ids: np.ndarray,
+    out_ids: np.ndarray | None,
     embd: np.ndarray | None = None,
 ) -> mx.array:
     """Twin of [`reference.models.gemma.llm_build_gemma`][reference.models.gemma.llm_build_gemma].
@@ -178,7 +178,8 @@ def llm_build_gemma(
     A pure function of MLX arrays, as
     [`accelerated.models.llama.llm_build_llama`][accelerated.models.llama.llm_build_llama]:
     ``tokens``/``embd``, ``pos``, ``out_ids`` and the cache tensors of ``inp_attn`` may be graph
-    placeholders; the inputs must have been checked ([`check_gemma_inputs`][]).
+    placeholders; the inputs must have been checked ([`check_gemma_inputs`][]). ``out_ids``
+    None means every row, in order (no ``get_rows``).
 
     Returns:
         logits ``(n_outputs, n_vocab)`` float32, lazy.
@@ -187,7 +188,7 @@ def llm_build_gemma(
     arch, eps = hparams.arch, hparams.f_norm_rms_eps
     post_norms = arch in ("gemma2", "gemma3")
     pos = _index(pos)  # (n_tokens,)
-    out_ids = _index(out_ids)  # (n_outputs,)
+    out_ids = None if out_ids is None else _index(out_ids)  # (n_outputs,)
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     # Gemma 3 does not scale embeddings given as input (e.g. an image encoder's)
     embd_scale = 1.0 if arch == "gemma3" and tokens is None else math.sqrt(hparams.n_embd)
@@ -196,7 +197,7 @@ def llm_build_gemma(
         layer = gemma_layer_weights(weights, il, dtype, arch)
         cur = build_norm(inpL, layer["attn_norm"], eps)
         cur = _attention(layer, cur, pos, hparams, inp_attn, il)  # (n_tokens, n_embd)
-        if il == hparams.n_layer - 1:
+        if il == hparams.n_layer - 1 and out_ids is not None:
             # only the output rows go on: llama.cpp's inp_out_ids (get_rows)
             cur = mx.take(cur, out_ids, axis=0)  # (n_outputs, n_embd)
             inpL = mx.take(inpL, out_ids, axis=0)  # (n_outputs, n_embd)

@@ -23,10 +23,11 @@ The same graph, function for function, on ``accelerated.ops``. What differs:
   host validation ([`rope_in_graph`][], ``mx.take``);
 - on the CPU device the attention is [`attn_grouped`][] (bit for bit what MLX's CPU
   fallback of the fused kernel computes, in fewer and larger matmuls);
-- those two choices by device (the matmul form and the attention form) are made by one
-  function, [`gpu_paths`][]: the environment variable ``LLAMAREF_MLX_GPU_PATHS=1`` makes
-  the CPU device take the GPU forms too, so that CI, which has no GPU, runs the code that
-  Metal and CUDA run;
+- those choices by device (the matmul form, the attention form, RoPE's cos/sin once per
+  graph: [`graph_rope`][]) are made by one function,
+  [`gpu_paths`][accelerated.device.gpu_paths]: the environment variable
+  ``LLAMAREF_MLX_GPU_PATHS=1`` makes the CPU device take the GPU forms too, so that CI,
+  which has no GPU, runs the code that Metal and CUDA run;
 - the result is a lazy ``mx.array`` (the caller evaluates it, e.g. ``np.array(logits)``).
 
 Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
@@ -35,17 +36,20 @@ Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
+from accelerated.device import gpu_paths
 from accelerated.memory.kv_cache import KVCache, mx_dtype
 from accelerated.ops import add, build_attn_mha, mul, mul_mat, rms_norm, swiglu
 from accelerated.ops import softcap as softcap_op
 from accelerated.ops.attention import stream_blocks, stream_mask
+from accelerated.ops.convert import as_mx
 from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rope_fused, rotate_pairs
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
 from reference.batch import Batch, BatchAllocr
@@ -81,9 +85,9 @@ __all__ = [
     "llm_build_llama",
     "model_dtype",
     "default_matmul",
-    "gpu_paths",
     "prepare_weights",
     "rope_cparams",
+    "graph_rope",
     "rope_in_graph",
 ]
 
@@ -116,40 +120,10 @@ LINEAR_TENSORS = frozenset({
 })
 
 
-GPU_PATHS_ENV = "LLAMAREF_MLX_GPU_PATHS"
-"""The environment variable that makes the CPU device take the GPU code paths (``1``)."""
-
-
-# --8<-- [start:gpu_paths]
-def gpu_paths() -> bool:
-    """Whether the twin takes its GPU code paths: on a GPU device, or when asked to.
-
-    The twin picks a form by device in two places, both through this function: the matmul
-    weights ([`default_matmul`][]: quantized on a GPU, dense and transposed on the CPU)
-    and the attention ([`build_attn`][]: MLX's fused kernel on a GPU,
-    [`attn_grouped`][] on the CPU). With ``LLAMAREF_MLX_GPU_PATHS=1`` (any non-zero
-    integer) the CPU device takes the GPU forms as well: MLX runs them there too (the fused
-    attention as its CPU fallback), so CI, which has no GPU, executes the code that Metal
-    and CUDA execute (``.ci/run`` runs the twin's tests once that way). Read at each call,
-    so a test can set it.
-
-    Examples:
-        >>> import os
-        >>> os.environ[GPU_PATHS_ENV] = "1"
-        >>> gpu_paths(), default_matmul()
-        (True, 'quantized')
-        >>> del os.environ[GPU_PATHS_ENV]
-        >>> gpu_paths() == (mx.default_device() != mx.cpu)
-        True
-    """
-    forced = os.environ.get(GPU_PATHS_ENV, "0").strip() or "0"
-    return mx.default_device() != mx.cpu or bool(int(forced))
-# --8<-- [end:gpu_paths]
-
-
 # --8<-- [start:default_matmul]
 def default_matmul() -> str:
-    """``"quantized"`` on a GPU (Metal, CUDA), ``"dense"`` on the CPU device ([`gpu_paths`][]).
+    """``"quantized"`` on a GPU (Metal, CUDA), ``"dense"`` on the CPU device
+    ([`gpu_paths`][accelerated.device.gpu_paths]).
 
     On Linux MLX's CPU backend multiplies with a reference BLAS, where float32 ``x @ W^T``
     with ``W^T`` stored contiguous beats ``mx.quantized_matmul`` by 25-35% at every size
@@ -251,7 +225,7 @@ def get_weight(
         return None
     if isinstance(w, (MLXQuantized, TransposedWeight)):
         return w
-    return mx.array(w).astype(mx_dtype(dtype))
+    return as_mx(w).astype(mx_dtype(dtype))
 # --8<-- [end:get_weight]
 
 
@@ -422,8 +396,8 @@ def build_attn(
 
     The attention is MLX's fused kernel
     ([`accelerated.ops.build_attn_mha`][accelerated.ops.attention.build_attn_mha]) on a GPU and
-    [`attn_grouped`][] on the CPU device, where the fused kernel is a fallback ([`gpu_paths`][]
-    chooses).
+    [`attn_grouped`][] on the CPU device, where the fused kernel is a fallback
+    ([`gpu_paths`][accelerated.device.gpu_paths] chooses).
 
     Returns:
         ``(n_tokens, n_embd)``.
@@ -474,7 +448,7 @@ def build_inp_embd(
         [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     """
     if embd is not None:
-        return mx.array(embd).astype(mx_dtype(dtype))  # (n_tokens, n_embd)
+        return as_mx(embd).astype(mx_dtype(dtype))  # (n_tokens, n_embd)
     tok_embd = get_weight(weights, "token_embd.weight", dtype)
     idx = _index(tokens)  # (n_tokens,)
     if isinstance(tok_embd, MLXQuantized):
@@ -541,6 +515,61 @@ def rope_in_graph(
 # --8<-- [end:rope_in_graph]
 
 
+# --8<-- [start:graph_rope]
+def graph_rope(
+    pos: mx.array,
+    n_dims: int,
+    mode: int = ROPE_TYPE_NORM,
+    n_ctx_orig: int = 0,
+    freq_base: float = 10000.0,
+    freq_scale: float = 1.0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    freq_factors: mx.array | None = None,
+) -> Callable[[mx.array], mx.array]:
+    r"""The RoPE of one graph's tokens, as the function that turns each ``q`` and ``k``.
+
+    Every ``q`` and ``k`` of every layer turns by the same angles: they depend on the
+    positions and the hyperparameters only. On a GPU without YaRN each tensor is one
+    ``mx.fast.rope`` kernel, which computes its angles inside: [`rope_in_graph`][] per call.
+    Elsewhere the cos/sin cache
+    ([`accelerated.ops.rope.rope_cache_init`][accelerated.ops.rope.rope_cache_init]) is built
+    once per graph and each tensor only rotates its pairs
+    ([`accelerated.ops.rope.rotate_pairs`][accelerated.ops.rope.rotate_pairs]): the values of
+    [`rope_in_graph`][] (the CPU device and YaRN build that same cache), in one cache where
+    each call built its own. A graph node costs the host a microsecond or two whatever its
+    size, and on a small model those nodes are much of what a token costs
+    (``docs/performance.md``, "Fewer nodes per token").
+
+    Args:
+        pos: ``(n_tokens,)`` positions (a placeholder of a traced graph).
+        n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
+            beta_fast, beta_slow, freq_factors: as [`rope_in_graph`][].
+
+    Examples:
+        >>> x = mx.random.normal((3, 4, 8), key=mx.random.key(0))  # (n_tokens, n_head, d)
+        >>> pos = mx.array([0, 5, 9])
+        >>> mx.array_equal(graph_rope(pos, 8)(x), rope_in_graph(x, pos, 8)).item()
+        True
+    """
+    if n_dims == 0 or (ext_factor == 0.0 and gpu_paths()):
+        return partial(rope_in_graph, pos=pos, n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig,
+                       freq_base=freq_base, freq_scale=freq_scale, ext_factor=ext_factor,
+                       attn_factor=attn_factor, beta_fast=beta_fast, beta_slow=beta_slow,
+                       freq_factors=freq_factors)
+    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
+                                    np.float32)
+    cos_theta, sin_theta = rope_cache_init(
+        _index(pos), n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor,
+        attn_factor, np.float32,
+    )  # (n_tokens, n_dims/2) each
+    return partial(rotate_pairs, cos_theta=cos_theta, sin_theta=sin_theta, n_dims=n_dims,
+                   mode=mode)
+# --8<-- [end:graph_rope]
+
+
 # --8<-- [start:llm_build_llama]
 def llm_build_llama(
     weights: dict,
@@ -548,7 +577,7 @@ def llm_build_llama(
     tokens: np.ndarray | None,
     pos: np.ndarray,
     inp_attn: AttnInput,
-    out_ids: np.ndarray,
+    out_ids: np.ndarray | None,
     embd: np.ndarray | None = None,
 ) -> mx.array:
     """Twin of [`reference.models.llama.llm_build_llama`][reference.models.llama.llm_build_llama].
@@ -561,6 +590,9 @@ def llm_build_llama(
     nothing is read on the host, so [`accelerated.context.Context`][accelerated.context.Context] can
     trace it with ``mx.compile``. The inputs must have been checked
     ([`reference.models.llama.check_forward_inputs`][reference.models.llama.check_forward_inputs]).
+    ``out_ids`` None means every row, in order: the output rows' ``get_rows`` is the identity
+    then and is left out of the graph (the Context passes None when every token of a ubatch
+    has logits, as in generation).
 
     Returns:
         logits ``(n_outputs, n_vocab)`` float32, lazy.
@@ -574,17 +606,18 @@ def llm_build_llama(
         rope_factors = _dense(rope_factors)
     eps = hparams.f_norm_rms_eps
     pos = _index(pos)  # (n_tokens,)
-    out_ids = _index(out_ids)  # (n_outputs,)
+    out_ids = None if out_ids is None else _index(out_ids)  # (n_outputs,)
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
+    turn = graph_rope(pos, freq_factors=rope_factors, **rope)  # RoPE for every q and k
     for il in range(hparams.n_layer):
         layer = layer_weights(weights, il, dtype)
         inpSA = inpL
         cur = build_norm(inpL, layer["attn_norm"], eps)
         q, k, v = build_qkv(layer, cur, n_embd_head, hparams.n_head, hparams.n_head_kv)
-        q = rope_in_graph(q, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head, d)
-        k = rope_in_graph(k, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head_kv, d)
+        q = turn(q)  # (n_tokens, n_head, d)
+        k = turn(k)  # (n_tokens, n_head_kv, d)
         cur = build_attn(inp_attn, layer["wo"], layer["bo"], q, k, v, kq_scale, il)
-        if il == hparams.n_layer - 1:
+        if il == hparams.n_layer - 1 and out_ids is not None:
             # only the output rows go on: llama.cpp's inp_out_ids (get_rows)
             cur = mx.take(cur, out_ids, axis=0)  # (n_outputs, n_embd)
             inpSA = mx.take(inpSA, out_ids, axis=0)  # (n_outputs, n_embd)

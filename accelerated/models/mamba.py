@@ -25,6 +25,7 @@ import numpy as np
 
 from accelerated.models.llama import _dense, build_norm, get_weight, linear, prepare_weights
 from accelerated.ops import add, get_rows, mul, rms_norm, silu, ssm_conv, ssm_scan, swiglu
+from accelerated.ops.convert import as_mx
 from accelerated.quants import MLXQuantized
 from reference.hparams import MAMBA_ARCHS, MambaHParams
 from reference.models.mamba import MambaForwardError, RecurrentInput, mamba_layer_tensors
@@ -98,7 +99,7 @@ def build_conv(
         >>> new_state.reshape(-1).tolist()
         [2.0, 3.0]
     """
-    conv_state, x = mx.array(conv_state), mx.array(x)
+    conv_state, x = as_mx(conv_state), as_mx(x)
     n_seq_tokens = x.shape[1]
     # (n_seqs, conv_dim, d_conv - 1 + n_seq_tokens)
     conv_x = mx.concatenate([conv_state, x.transpose(0, 2, 1)], axis=2)
@@ -118,7 +119,7 @@ def build_rs_conv(
     ``inp.get_r`` may return NumPy or MLX rows; ``inp.cpy_r`` receives a lazy ``mx.array``.
     """
     n_seqs = x.shape[0]
-    r = mx.array(inp.get_r(il)).astype(x.dtype)  # (n_seqs, n_embd_r)
+    r = as_mx(inp.get_r(il)).astype(x.dtype)  # (n_seqs, n_embd_r)
     d_conv, conv_dim = hparams.ssm_d_conv, hparams.conv_dim()
     conv_state = r.reshape(n_seqs, conv_dim, d_conv - 1)  # (n_seqs, conv_dim, d_conv - 1)
     cur, new_state = build_conv(conv_state, x, layer["ssm_conv1d"], layer["ssm_conv1d_b"])
@@ -144,7 +145,7 @@ def build_rs_scan(
     """
     n_seqs, _, n_head, head_dim = x.shape
     d_state = B.shape[-1]
-    s = mx.array(inp.get_s(il)).astype(x.dtype)  # (n_seqs, n_embd_s)
+    s = as_mx(inp.get_s(il)).astype(x.dtype)  # (n_seqs, n_embd_s)
     s = s.reshape(n_seqs, n_head, head_dim, d_state)  # (n_seqs, n_head, head_dim, d_state)
     y, states = ssm_scan(s, x, dt, A, B, C, np.arange(n_seqs))
     inp.cpy_s(il, states.reshape(n_seqs, -1))  # (n_seqs, n_embd_s)
@@ -382,9 +383,9 @@ class SimpleRecurrentState:
 
     def cpy_r(self, il: int, r: mx.array) -> None:
         """Store the final conv states ``(n_seqs, n_embd_r)`` of layer ``il``."""
-        self.r_l[il] = mx.array(r).astype(self.dtype).reshape(self.n_seqs, -1)
+        self.r_l[il] = as_mx(r).astype(self.dtype).reshape(self.n_seqs, -1)
 
     def cpy_s(self, il: int, s: mx.array) -> None:
         """Store the final ssm states ``(n_seqs, n_embd_s)`` of layer ``il``."""
-        self.s_l[il] = mx.array(s).astype(self.dtype).reshape(self.n_seqs, -1)
+        self.s_l[il] = as_mx(s).astype(self.dtype).reshape(self.n_seqs, -1)
 # --8<-- [end:SimpleRecurrentState]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from accelerated.ops.convert import as_mx
 from accelerated.ops.softcap import softcap as softcap_op
 from reference.ops.attention import _check_attn_args, _check_soft_max_args, _tile_reps
 from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
@@ -57,8 +58,8 @@ def soft_max_ext(
         >>> soft_max_ext(np.zeros((1, 2, 3)), causal).tolist()
         [[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]]]
     """
-    x = mx.array(x)
-    mask = None if mask is None else mx.array(mask)
+    x = as_mx(x)
+    mask = None if mask is None else as_mx(mask)
     _check_soft_max_args(x, mask, max_bias)
     w = x * scale  # (..., n_head, n_tokens, n_kv)
     if mask is not None:
@@ -137,7 +138,7 @@ def build_attn_mha(
         >>> out.shape, bool(np.allclose(np.array(out[0]).reshape(4, 3), v[0, [0, 0, 1, 1]]))
         ((2, 12), True)
     """
-    q, k, v, kq_mask = mx.array(q), mx.array(k), mx.array(v), mx.array(kq_mask)
+    q, k, v, kq_mask = as_mx(q), as_mx(k), as_mx(v), as_mx(kq_mask)
     _check_attn_args(q, k, v, kq_mask, n_stream)
     if softcap > 0.0:
         return _attn_softcapped(q, k, v, kq_mask, kq_scale, max_bias, softcap, n_stream)

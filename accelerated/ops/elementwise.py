@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from accelerated.ops.convert import as_mx
 from reference.ops.elementwise import _repeat_reps
 
 
@@ -30,7 +31,7 @@ def add(a: mx.array, b: mx.array) -> mx.array:
         >>> add(np.zeros((2, 4)), np.array([1.0, 2.0])).tolist()
         [[1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 1.0, 2.0]]
     """
-    a, b = mx.array(a), mx.array(b)
+    a, b = as_mx(a), as_mx(b)
     return a + _repeat_like(b, a, "add")
 
 
@@ -48,7 +49,7 @@ def mul(a: mx.array, b: mx.array) -> mx.array:
         >>> mul(np.ones((1, 4)), np.array([[1.0, 2.0]])).tolist()
         [[1.0, 2.0, 1.0, 2.0]]
     """
-    a, b = mx.array(a), mx.array(b)
+    a, b = as_mx(a), as_mx(b)
     return a * _repeat_like(b, a, "mul")
 
 
@@ -66,7 +67,7 @@ def scale(a: mx.array, s: float) -> mx.array:
         >>> scale(np.array([1.0, -2.0], dtype=np.float32), 0.5).tolist()
         [0.5, -1.0]
     """
-    a = mx.array(a)
+    a = as_mx(a)
     return (a * s).astype(a.dtype)
 
 

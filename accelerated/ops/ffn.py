@@ -12,6 +12,7 @@ import math
 
 import mlx.core as mx
 
+from accelerated.ops.convert import as_mx
 from reference.ops.ffn import _check_same_shape
 
 
@@ -26,7 +27,7 @@ def silu(x: mx.array) -> mx.array:
         >>> [round(v, 6) for v in silu(np.array([0.0, 1.0, -1000.0])).tolist()]
         [0.0, 0.731059, -0.0]
     """
-    x = mx.array(x)
+    x = as_mx(x)
     return x / (1 + mx.exp(-x))
 
 
@@ -42,7 +43,7 @@ def gelu(x: mx.array) -> mx.array:
         >>> [round(v, 6) for v in gelu(np.array([-1.0, 0.0, 1.0])).tolist()]
         [-0.158808, 0.0, 0.841192]
     """
-    x = mx.array(x)
+    x = as_mx(x)
     sqrt_2_over_pi = math.sqrt(2.0 / math.pi)
     return 0.5 * x * (1 + mx.tanh(sqrt_2_over_pi * x * (1 + 0.044715 * x * x)))
 
@@ -59,7 +60,7 @@ def swiglu(a: mx.array, b: mx.array) -> mx.array:
         >>> [round(v, 6) for v in swiglu(np.array([0.0, 1.0]), np.array([5.0, 2.0])).tolist()]
         [0.0, 1.462117]
     """
-    a, b = mx.array(a), mx.array(b)
+    a, b = as_mx(a), as_mx(b)
     _check_same_shape(a, b, "swiglu")
     return silu(a) * b
 
@@ -76,7 +77,7 @@ def geglu(a: mx.array, b: mx.array) -> mx.array:
         >>> [round(v, 5) for v in geglu(np.array([1.0]), np.array([2.0])).tolist()]
         [1.68238]
     """
-    a, b = mx.array(a), mx.array(b)
+    a, b = as_mx(a), as_mx(b)
     _check_same_shape(a, b, "geglu")
     return gelu(a) * b
 

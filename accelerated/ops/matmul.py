@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from accelerated.ops.convert import as_mx
 from reference.ops.matmul import FEW_ROWS as FEW_ROWS  # the reference's rule, not used here
 from reference.ops.matmul import _mul_mat_leading
 
@@ -30,7 +31,7 @@ def mul_mat(a: mx.array, b: mx.array) -> mx.array:
         >>> mul_mat(np.array([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]), np.array([[1.0, 2.0]]))
         array([[1, 4, 3]], dtype=float32)
     """
-    a, b = mx.array(a), mx.array(b)
+    a, b = as_mx(a), as_mx(b)
     a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
     a = a.reshape(a_lead + a.shape[-2:])  # (..., M, K) with as many dims as b
     for axis, (da, db) in enumerate(zip(a_lead, b_lead, strict=True)):

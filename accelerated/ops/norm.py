@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from accelerated.ops.convert import as_mx
+
 
 # --8<-- [start:norm]
 def norm(x: mx.array, eps: float) -> mx.array:
@@ -26,7 +28,7 @@ def norm(x: mx.array, eps: float) -> mx.array:
         >>> np.allclose(norm(np.array([[1.0, 2.0, 3.0]]), eps=0.0), [[-1.2247449, 0, 1.2247449]])
         True
     """
-    return mx.fast.layer_norm(mx.array(x), None, None, eps)  # (..., n)
+    return mx.fast.layer_norm(as_mx(x), None, None, eps)  # (..., n)
 
 
 # --8<-- [end:norm]
@@ -44,7 +46,7 @@ def rms_norm(x: mx.array, eps: float) -> mx.array:
         >>> np.allclose(rms_norm(np.array([[3.0, 4.0]]), eps=0.0), [[3 / 12.5**0.5, 4 / 12.5**0.5]])
         True
     """
-    return mx.fast.rms_norm(mx.array(x), None, eps)  # (..., n)
+    return mx.fast.rms_norm(as_mx(x), None, eps)  # (..., n)
 
 
 # --8<-- [end:rms_norm]

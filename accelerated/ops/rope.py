@@ -1,8 +1,9 @@
 r"""Twin of [`reference.ops.rope`][reference.ops.rope]: ``ggml_rope_ext`` on MLX.
 
-**Fused kernel where the semantics are the same.** Without YaRN (``ext_factor == 0``),
-[`rope_ext`][] calls ``mx.fast.rope`` with one "batch" entry per token and
-``offset = pos`` (a vector of per-token positions, negative ones included):
+**The fused kernel on a GPU.** Without YaRN (``ext_factor == 0``) on a GPU
+([`accelerated.device.gpu_paths`][accelerated.device.gpu_paths]), [`rope_ext`][] calls
+``mx.fast.rope`` with one "batch" entry per token and ``offset = pos`` (a vector of per-token
+positions, negative ones included):
 
 - ``traditional=True`` is ggml's ``ROPE_TYPE_NORM`` (interleaved pairs $(x_{2j}, x_{2j+1})$),
   ``traditional=False`` is ``ROPE_TYPE_NEOX`` (halves);
@@ -14,6 +15,13 @@ r"""Twin of [`reference.ops.rope`][reference.ops.rope]: ``ggml_rope_ext`` on MLX
 The kernel evaluates the closed form $p\,b^{-2j/n_{dims}}$ where ggml repeats a float32
 recurrence (see [`reference.ops.rope.rope_theta`][reference.ops.rope.rope_theta]); the angles differ
 by a few ulps, which the twin registry bounds (NMSE below $10^{-8}$ up to positions of 30000).
+
+**The cos/sin cache on the CPU.** MLX's CPU backend has no rope kernel: there
+``mx.fast.rope`` is a fallback of about 19 plain ops per call. The CPU device takes the path of
+YaRN with ``ext_factor = 0`` instead: ggml's own recurrence for the angles (bit for bit the
+reference's, ``tests/test_twin_rope_graph.py``), then [`rotate_pairs`][]. A graph builds the
+cache once for all its ``q`` and ``k``
+([`accelerated.models.llama.graph_rope`][accelerated.models.llama.graph_rope]).
 
 **YaRN is not in ``mx.fast.rope``.** With ``ext_factor != 0`` the twin builds the cos/sin
 cache with plain MLX ops, mirroring the reference function by function (the float32 angle
@@ -27,11 +35,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from accelerated.device import gpu_paths
+from accelerated.ops.convert import as_mx
 from reference.ops.rope import (
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
     RopeError,
     _check_rope_args,
+    _libm,
     rope_yarn_corr_dims,
 )
 
@@ -65,7 +76,7 @@ def rope_yarn_ramp(low: float, high: float, i0: mx.array, dtype: type = np.float
         [1.0, 1.0, 0.5, 0.0, 0.0]
     """
     dt = _mx_dtype(dtype)
-    j = (mx.array(i0) // 2).astype(dt)
+    j = (as_mx(i0) // 2).astype(dt)
     y = (j - mx.array(low, dt)) / mx.maximum(mx.array(0.001, dt), mx.array(high - low, dt))
     return 1 - mx.minimum(1, mx.maximum(0, y))
 
@@ -93,7 +104,7 @@ def rope_yarn(
         >>> [round(v, 6) for v in c.tolist()], [round(v, 6) for v in s.tolist()]
         ([1.0, -0.0], [0.0, 1.0])
     """
-    theta_extrap = mx.array(theta_extrap)
+    theta_extrap = as_mx(theta_extrap)
     dt = theta_extrap.dtype
     theta = mx.array(freq_scale, dt) * theta_extrap
     m = mx.array(mscale, dt)
@@ -113,26 +124,28 @@ def rope_theta(
 ) -> mx.array:
     r"""Twin of [`reference.ops.rope.rope_theta`][reference.ops.rope.rope_theta].
 
-    The same recurrence $\theta_{j+1} = \mathrm{fl}(\theta_j s)$ as lazy MLX multiplies
-    (``n_dims // 2`` of them, stacked); ``theta_scale`` is computed once on the host, rounded
-    from double as C's ``powf``.
+    The same recurrence $\theta_{j+1} = \mathrm{fl}(\theta_j s)$, written as the cumulative
+    product of the row $(p, s, s, \dots, s)$: MLX's CPU scan multiplies left to right, one
+    rounding per step, so each column is ggml's float32 value bit for bit
+    (``tests/test_twin_ops.py``), in two graph nodes where a loop of ``n_dims // 2``
+    multiplies and a stack took about ``n_dims``. A GPU's scan may group the products
+    differently (a few ulps; the GPU takes this path only for YaRN). ``theta_scale`` is the
+    reference's host scalar, ``powf(b, -2.0f / n_dims)`` with the exponent in float32 as ggml
+    writes it.
 
     Examples:
         >>> rope_theta(mx.array([0, 1, 2]), 4, 100.0).tolist()
         [[0.0, 0.0], [1.0, 0.10000000149011612], [2.0, 0.20000000298023224]]
     """
     dt = _mx_dtype(dtype)
-    pos = mx.array(pos)
+    pos = as_mx(pos)
     if n_dims < 2:
         return mx.zeros((pos.shape[0], 0), dtype=dt)  # (n_tokens, 0)
-    theta_scale = mx.array(float(np.float32(freq_base ** (-2.0 / n_dims)))
-                           if dt == mx.float32 else freq_base ** (-2.0 / n_dims), dt)
-    theta_j = pos.astype(dt)  # (n_tokens,)
-    columns = []
-    for _ in range(n_dims // 2):
-        columns.append(theta_j)
-        theta_j = theta_j * theta_scale
-    return mx.stack(columns, axis=-1)  # (n_tokens, n_dims/2)
+    nt = np.float64 if dt == mx.float64 else np.float32
+    theta_scale = mx.array(float(_libm(np.power, nt(freq_base), nt(-2.0) / nt(n_dims))), dt)
+    steps = mx.broadcast_to(theta_scale, (pos.shape[0], n_dims // 2 - 1))  # (n_tokens, n/2 - 1)
+    row = mx.concatenate([pos.astype(dt)[:, None], steps], axis=1)  # (n_tokens, n_dims/2)
+    return mx.cumprod(row, axis=1)  # theta_j = fl(theta_{j-1} * s)
 
 
 # --8<-- [end:rope_theta]
@@ -160,7 +173,7 @@ def rope_cache_init(
     dt = _mx_dtype(dtype)
     theta_extrap = rope_theta(pos, n_dims, freq_base, dt)  # (n_tokens, n_dims/2)
     if freq_factors is not None:
-        ff = mx.array(freq_factors)[: n_dims // 2].astype(dt)  # (n_dims/2,)
+        ff = as_mx(freq_factors)[: n_dims // 2].astype(dt)  # (n_dims/2,)
         theta_extrap = theta_extrap / ff
     i0 = 2 * mx.arange(n_dims // 2)  # (n_dims/2,) the even dimension index of each pair
     return rope_yarn(theta_extrap, freq_scale, corr_dims, i0, ext_factor, attn_factor)
@@ -175,8 +188,13 @@ def rotate_pairs(
 ) -> mx.array:
     r"""Twin of [`reference.ops.rope.rotate_pairs`][reference.ops.rope.rotate_pairs].
 
-    MLX has no slice assignment by stride that is cheap to express, so the rotated halves are
-    re-assembled with ``mx.stack`` (NORM: interleave) or ``mx.concatenate`` (NEOX).
+    NORM (interleaved pairs): ``x`` is seen as pairs ``(..., n_dims/2, 2)`` and turned in one
+    expression, $y = x \cdot c + \bar{x} \cdot (\mp s)$, where $\bar{x}$ is each pair
+    swapped (a reversed view): $y_{2j} = x_{2j} c_j + x_{2j+1} (-s_j)$ and
+    $y_{2j+1} = x_{2j+1} c_j + x_{2j} s_j$, which are the reference's $x_0 c - x_1 s$ and
+    $x_0 s + x_1 c$ bit for bit (a negated product added is the difference, and the sum
+    commutes). Four graph nodes where slicing the pairs apart and stacking them back took
+    seven. NEOX (halves): the two halves turned and concatenated, as the reference writes it.
 
     Examples:
         >>> x = mx.arange(6, dtype=mx.float32).reshape(1, 1, 6)
@@ -186,20 +204,24 @@ def rotate_pairs(
         >>> rotate_pairs(x, c, s, 4, ROPE_TYPE_NEOX).tolist()
         [[[-2.0, -3.0, 0.0, 1.0, 4.0, 5.0]]]
     """
-    x = mx.array(x)
+    x = as_mx(x)
     half = n_dims // 2
-    c = mx.array(cos_theta)[:, None, :]  # (n_tokens, 1, n_dims/2): same angles for every head
-    s = mx.array(sin_theta)[:, None, :]  # (n_tokens, 1, n_dims/2)
+    c = as_mx(cos_theta)[:, None, :]  # (n_tokens, 1, n_dims/2): same angles for every head
+    s = as_mx(sin_theta)[:, None, :]  # (n_tokens, 1, n_dims/2)
+    turned = x if n_dims == x.shape[-1] else x[..., :n_dims]  # (..., n_dims)
+    lead = turned.shape[:-1]
     if mode == ROPE_TYPE_NORM:
-        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]  # x[2j], x[2j+1]
+        pairs = turned.reshape(*lead, half, 2)  # (..., n_dims/2, 2): (x[2j], x[2j+1])
+        sign = mx.array([-1.0, 1.0], dtype=s.dtype)  # -s_j for x[2j], +s_j for x[2j+1]
+        rot = pairs * c[..., None] + pairs[..., ::-1] * (s[..., None] * sign)  # (..., n/2, 2)
+        rot = rot.reshape(*lead, n_dims)  # (..., n_dims)
     else:
-        x0, x1 = x[..., 0:half], x[..., half:n_dims]  # x[j], x[j + n_dims/2]
-    y0 = x0 * c - x1 * s  # (..., n_tokens, n_head, n_dims/2)
-    y1 = x0 * s + x1 * c  # (..., n_tokens, n_head, n_dims/2)
-    if mode == ROPE_TYPE_NORM:
-        rot = mx.stack([y0, y1], axis=-1).reshape(*y0.shape[:-1], n_dims)  # (..., n_dims)
-    else:
+        x0, x1 = turned[..., :half], turned[..., half:]  # x[j], x[j + n_dims/2]
+        y0 = x0 * c - x1 * s  # (..., n_tokens, n_head, n_dims/2)
+        y1 = x0 * s + x1 * c  # (..., n_tokens, n_head, n_dims/2)
         rot = mx.concatenate([y0, y1], axis=-1)  # (..., n_dims)
+    if n_dims == x.shape[-1]:
+        return rot  # every dimension turns (no untouched tail to append)
     return mx.concatenate([rot, x[..., n_dims:]], axis=-1)  # (..., head_dim)
 
 
@@ -217,7 +239,14 @@ def rope_fused(
     attn_factor: float,
     freq_factors: mx.array | None,
 ) -> mx.array:
-    """The ``ext_factor == 0`` path: one ``mx.fast.rope`` with one offset per token.
+    """The ``ext_factor == 0`` path: ``mx.fast.rope`` on a GPU, the cos/sin cache on the CPU.
+
+    On a GPU ([`accelerated.device.gpu_paths`][accelerated.device.gpu_paths]) one
+    ``mx.fast.rope`` kernel with one offset per token. MLX's CPU backend has no rope kernel:
+    there ``mx.fast.rope`` is a fallback of plain ops (19 graph nodes per call, which compute
+    the angles in closed form), so the CPU device takes the path of YaRN with
+    ``ext_factor = 0``: [`rope_cache_init`][] (ggml's float32 recurrence for the angles, the
+    reference's values) and [`rotate_pairs`][].
 
     No checks and no host reads (``offset`` may be a traced placeholder), so a compiled
     graph can call it; [`rope_ext`][] checks its arguments first.
@@ -237,10 +266,18 @@ def rope_fused(
         >>> mx.array_equal(y.reshape(3, 2, 8), rope_ext(x, pos, 8)).item()
         True
     """
+    if not gpu_paths():
+        n_tokens, b, _, head_dim = xt.shape
+        dt = np.float64 if xt.dtype == mx.float64 else np.float32
+        cos_theta, sin_theta = rope_cache_init(
+            offset, n_dims, freq_base, freq_scale, freq_factors, (0.0, 0.0), 0.0, attn_factor, dt
+        )  # (n_tokens, n_dims/2) each
+        y = rotate_pairs(xt.reshape(n_tokens, b, head_dim), cos_theta, sin_theta, n_dims, mode)
+        return y.reshape(xt.shape)  # (n_tokens, B, 1, head_dim)
     freqs = None
     if freq_factors is not None:
         j = mx.arange(n_dims // 2, dtype=mx.float32)
-        ff = mx.array(freq_factors)[: n_dims // 2].astype(mx.float32)
+        ff = as_mx(freq_factors)[: n_dims // 2].astype(mx.float32)
         freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
     y = mx.fast.rope(
         xt, n_dims, traditional=(mode == ROPE_TYPE_NORM),
@@ -270,10 +307,11 @@ def rope_ext(
 ) -> mx.array:
     r"""Twin of [`reference.ops.rope.rope_ext`][reference.ops.rope.rope_ext].
 
-    ``ext_factor == 0``: one fused ``mx.fast.rope`` call (``traditional`` = NORM mode,
-    ``scale`` = ``freq_scale``, ``offset`` = ``pos`` per token, ``freqs`` from
-    ``freq_factors``), then ``attn_factor`` on the rotated dims. ``ext_factor != 0`` (YaRN):
-    the plain-MLX cos/sin cache and [`rotate_pairs`][]. ``pos`` is read on the host to be
+    ``ext_factor == 0``: [`rope_fused`][], on a GPU one fused ``mx.fast.rope`` call
+    (``traditional`` = NORM mode, ``scale`` = ``freq_scale``, ``offset`` = ``pos`` per token,
+    ``freqs`` from ``freq_factors``) then ``attn_factor`` on the rotated dims, on the CPU the
+    cos/sin cache. ``ext_factor != 0`` (YaRN): the plain-MLX cos/sin cache and
+    [`rotate_pairs`][]. ``pos`` is read on the host to be
     validated. Computes in float32 for float16/bfloat16 input, like ggml.
 
     Examples:
@@ -284,7 +322,7 @@ def rope_ext(
         >>> np.allclose(y[1, 0, :2], [np.cos(1) - np.sin(1), np.sin(1) + np.cos(1)])
         True
     """
-    x = mx.array(x)
+    x = as_mx(x)
     pos_np = np.asarray(pos)
     _check_rope_args(x, pos_np, n_dims, mode, freq_factors)
     in_dtype = x.dtype
@@ -305,7 +343,7 @@ def rope_ext(
     corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
                                     np.float64 if dt == mx.float64 else np.float32)
     cos_theta, sin_theta = rope_cache_init(
-        mx.array(pos_np), n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor,
+        as_mx(pos_np), n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor,
         attn_factor, dt,
     )  # (n_tokens, n_dims/2) each
     return rotate_pairs(xc, cos_theta, sin_theta, n_dims, mode).astype(in_dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from accelerated.ops.convert import as_mx
 from reference.ops.rows import _check_get_rows, _set_rows_targets
 
 
@@ -26,7 +27,7 @@ def get_rows(a: mx.array, rows: mx.array) -> mx.array:
         >>> get_rows(np.arange(8.0).reshape(4, 2), np.array([3, 0, 3])).tolist()
         [[6.0, 7.0], [0.0, 1.0], [6.0, 7.0]]
     """
-    a = mx.array(a)
+    a = as_mx(a)
     rows = np.asarray(rows)
     _check_get_rows(a.shape, rows)
     if a.dtype in (mx.float16, mx.bfloat16):
@@ -56,7 +57,7 @@ def set_rows(dst: mx.array, src: mx.array, rows: mx.array) -> mx.array:
     """
     if not isinstance(dst, mx.array):
         dst = mx.array(dst)
-    src = mx.array(src)
+    src = as_mx(src)
     rows = _set_rows_targets(dst, src, np.asarray(rows))  # (..., n)
     lead = src.shape[:-2]
     # one scatter: the leading indices broadcast against the row indices

@@ -14,6 +14,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from accelerated.ops.convert import as_mx
 from accelerated.ops.elementwise import scale
 from reference.ops.errors import OpValueError
 
@@ -28,7 +29,7 @@ def tanh(a: mx.array) -> mx.array:
         >>> [round(v, 6) for v in tanh(np.array([0.0, 1.0, -np.inf])).tolist()]
         [0.0, 0.761594, -1.0]
     """
-    return mx.tanh(mx.array(a))
+    return mx.tanh(as_mx(a))
 
 
 # --8<-- [end:tanh]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from accelerated.ops.convert import as_mx
 from reference.ops.ssm import SOFTPLUS_THRESHOLD, _check_scan_args, _ssm_conv_sizes
 
 __all__ = ["SOFTPLUS_THRESHOLD", "compute_softplus", "ssm_conv", "ssm_scan"]
@@ -40,7 +41,7 @@ def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
         >>> ssm_conv(sx, c).tolist()
         [[[1.0, 10.0], [2.0, 30.0], [3.0, 60.0]]]
     """
-    sx, c = mx.array(sx), mx.array(c)
+    sx, c = as_mx(sx), as_mx(c)
     n_seqs, conv_dim, n_seq_tokens, d_conv = _ssm_conv_sizes(sx.shape, c.shape)
     y = mx.zeros((n_seqs, conv_dim, n_seq_tokens), dtype=_result_dtype(sx, c))
     for k in range(d_conv):
@@ -62,7 +63,7 @@ def compute_softplus(dt: mx.array) -> mx.array:
         >>> compute_softplus(mx.array([0.0, 25.0, -20.0])).tolist()
         [0.6931471824645996, 25.0, 0.0]
     """
-    dt = mx.array(dt)
+    dt = as_mx(dt)
     below = mx.minimum(dt, SOFTPLUS_THRESHOLD)  # no overflow in exp
     return mx.where(dt > SOFTPLUS_THRESHOLD, dt, mx.log(1 + mx.exp(below)))
 
@@ -97,7 +98,7 @@ def ssm_scan(
         ([1.0, 1.5, 1.75], (1, 1, 1, 1))
     """
     ids_np = np.asarray(ids)
-    s, x, dt, A, B, C = (mx.array(a) for a in (s, x, dt, A, B, C))
+    s, x, dt, A, B, C = (as_mx(a) for a in (s, x, dt, A, B, C))
     _check_scan_args(s, x, dt, A, B, C, ids_np)
     n_seqs, n_seq_tokens, n_head, head_dim = x.shape
     dtype = _result_dtype(s, x, dt, A, B, C)

@@ -25,12 +25,12 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from accelerated.device import gpu_paths
 from accelerated.models.llama import (
     attn_grouped,
     build_inp_embd,
     build_norm,
     get_weight,
-    gpu_paths,
     layer_weights,
     rope_in_graph,
 )
@@ -87,7 +87,7 @@ def layer_forward(
     The attention is
     [`accelerated.models.llama.attn_grouped`][accelerated.models.llama.attn_grouped] on the
     CPU device and MLX's fused kernel on a GPU, as the inference forward chooses
-    ([`accelerated.models.llama.gpu_paths`][accelerated.models.llama.gpu_paths]).
+    ([`accelerated.device.gpu_paths`][accelerated.device.gpu_paths]).
 
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights

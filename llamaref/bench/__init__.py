@@ -262,7 +262,8 @@ class GreedyDevice(GreedyHost):
         import mlx.core as mx
 
         token = mx.argmax(logits).astype(mx.int32).reshape(1)  # (1,)
-        return PendingToken(token, token)  # computed with the decode that reads it
+        mx.async_eval(token)  # its own event: SamplerChain.sample_async says why
+        return PendingToken(token, token)
 
     def resolve(self, pending: PendingToken) -> int:
         return int(pending.chosen.item())

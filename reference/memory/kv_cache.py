@@ -887,10 +887,10 @@ class KVCache:
                 seq_id = cells.seq_get(idx)
                 seq_pos_max_rm[seq_id] = max(seq_pos_max_rm.get(seq_id, -1), cells.pos_get(idx))
             cells.rm_cells(reused)
-            cells.pos_set_cells(idxs, ubatch.pos[s * n: (s + 1) * n])
-            for seq_id in sorted({sid for i in tokens for sid in ubatch.seq_id[i]}):
-                has = np.array([seq_id in ubatch.seq_id[i] for i in tokens])  # (n,)
-                cells.seq_add_cells(idxs[has], seq_id)
+            seq = np.zeros((n, LLAMA_MAX_SEQ), dtype=bool)  # each token's sequences
+            for j, i in enumerate(tokens):
+                seq[j, list(ubatch.seq_id[i])] = True
+            cells.fill_cells(idxs, ubatch.pos[s * n: (s + 1) * n], seq)  # pos_set, seq_add
         for seq_id, p_max in sorted(seq_pos_max_rm.items()):
             cells = self.v_cells[self.seq_to_stream[seq_id]]
             if cells.seq_pos_min(seq_id) <= p_max:

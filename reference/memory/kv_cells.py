@@ -378,6 +378,12 @@ class KVCells:
         seq[:, seq_id] = True
         self._assign(idxs, self.pos[idxs], seq, self.shift[idxs])
 
+    def fill_cells(self, idxs: ArrayLike, pos: ArrayLike, seq: np.ndarray) -> None:
+        """Give the empty cells ``idxs`` the positions ``pos`` ``(k,)`` and the sequences
+        ``seq`` ``(k, LLAMA_MAX_SEQ)`` (no shift): a ubatch's ``pos_set`` then ``seq_add`` of
+        each token, as one write."""
+        self._assign(idxs, pos, seq, np.zeros(len(_idx(idxs))))
+
     def pos_set_cells(self, idxs: ArrayLike, pos: ArrayLike) -> None:
         """Give the empty cells ``idxs`` the positions ``pos`` (no sequence, no shift)."""
         k = len(_idx(idxs))
