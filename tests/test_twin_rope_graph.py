@@ -3,6 +3,8 @@ r"""RoPE in the twin's graph, and the token a pipelined sampler launches.
 - **ggml's angles, bit for bit**: the twin's ``rope_theta`` (a cumulative product on MLX's
   CPU device) equals the reference's float32 recurrence $\theta_{j+1} = \mathrm{fl}(\theta_j
   s)$ at every position and dimension tried, to the last bit.
+- **Pairs turned in one expression**: the twin's ``rotate_pairs`` equals the reference's bit
+  for bit (NORM and NEOX, with an untouched tail).
 - **One cache per graph changes nothing**: ``graph_rope(pos, ...)(x)``, whose cos/sin cache is
   built once for every ``q`` and ``k`` of a graph, equals ``rope_in_graph(x, pos, ...)`` and the
   op-level ``rope_ext`` bit for bit, on the CPU paths and on the GPU paths
@@ -97,3 +99,20 @@ def test_sample_async_launches_its_token(make, monkeypatch):
     assert any(t is pending.token for t in launched)
     assert any(t is pending.chosen for t in launched)
     assert sampler.resolve(pending) in range(6)
+
+
+@given(data=st.data())
+def test_rotate_pairs_is_the_references_bit_for_bit(data):
+    """The twin turns NORM pairs in one expression (x c + swapped x (-s, s)): the reference's
+    x0 c - x1 s and x0 s + x1 c to the last bit, for NORM and NEOX, with an untouched tail."""
+    half = data.draw(st.integers(1, 16), "half")
+    tail = data.draw(st.sampled_from([0, 2, 8]), "tail")
+    mode = data.draw(st.sampled_from([R_rope.ROPE_TYPE_NORM, R_rope.ROPE_TYPE_NEOX]), "mode")
+    n_tokens, n_head = data.draw(st.integers(1, 5), "n_tokens"), data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    x = rng.standard_normal((n_tokens, n_head, 2 * half + tail)).astype(np.float32)
+    theta = rng.uniform(-1e4, 1e4, (n_tokens, half)).astype(np.float32)
+    c, s = np.cos(theta), np.sin(theta)
+    ref = R_rope.rotate_pairs(x, c, s, 2 * half, mode)
+    twin = A_rope.rotate_pairs(mx.array(x), mx.array(c), mx.array(s), 2 * half, mode)
+    np.testing.assert_array_equal(np.array(twin), ref)
