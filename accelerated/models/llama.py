@@ -541,12 +541,11 @@ def graph_rope(
     [`rope_in_graph`][] (the CPU device and YaRN build that same cache), in one cache where
     each call built its own. A graph node costs the host a microsecond or two whatever its
     size, and on a small model those nodes are much of what a token costs
-    (``docs/performance.md``, "Fewer nodes per token").
+    (``docs/performance.md``, "Fewer nodes per token"). The arguments after ``pos`` are
+    [`rope_in_graph`][]'s.
 
     Args:
         pos: ``(n_tokens,)`` positions (a placeholder of a traced graph).
-        n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-            beta_fast, beta_slow, freq_factors: as [`rope_in_graph`][].
 
     Examples:
         >>> x = mx.random.normal((3, 4, 8), key=mx.random.key(0))  # (n_tokens, n_head, d)
