@@ -48,8 +48,10 @@ draw and launches the step, but does not read the token: it returns a
 [`SamplerChain.resolve`][] reads it back later (and redoes a step whose margin failed on the host,
 as [`SamplerChain.sample`][] does). The generation loop
 ([`reference.generate.Generator`][reference.generate.Generator]) uses this to launch step $t + 1$
-before it reads token $t$. It can only do so when the next step does not depend on the token: a
-chain whose penalties are active reads the history, which needs token $t$ on the host, so
+before it reads token $t$. Penalties read the history, which lacks token $t$ then: the chain
+counts the tokens it launched and that were not accepted yet from the device (``token``), so
+step $t + 1$ sees the same last ``penalty_last_n`` tokens as in the sequential loop. A chain
+with a stage that runs only on the host (DRY, mirostat, XTC, ...) cannot run ahead:
 [`SamplerChain.pipelined`][] is False there.
 """
 
@@ -270,6 +272,11 @@ class PendingToken:
 # --8<-- [end:PendingToken]
 
 
+def _index_of(pendings: list[PendingToken], pending: PendingToken) -> int:
+    """Where ``pending`` is in ``pendings`` (by identity), or -1."""
+    return next((i for i, p in enumerate(pendings) if p is pending), -1)
+
+
 class SamplerChain(_ReferenceChain):
     """Twin of [`reference.sampling.SamplerChain`][reference.sampling.SamplerChain]: the same chain,
     sampled on the device.
@@ -291,6 +298,7 @@ class SamplerChain(_ReferenceChain):
         super().__init__(params, n_vocab, stages, breakers)
         self.device_stages = _active_stages(params, stages)
         self.fallbacks = 0
+        self._launched: list[PendingToken] = []  # launched, not yet accepted: oldest first
         bias = np.zeros(n_vocab, np.float32)
         for token, b in params.logit_bias.items():
             bias[token] = F32(b)
@@ -339,10 +347,11 @@ class SamplerChain(_ReferenceChain):
     def pipelined(self) -> bool:
         """Whether a step can be launched before the previous token is read back.
 
-        True when the chain runs on the device and no stage reads the history (the
-        penalties do: they need the previous token on the host).
+        True when every stage runs on the device. The penalties read the history: a step
+        launched before the previous token is accepted counts that token from the device
+        ([`_counts`][]).
         """
-        return self.device_stages is not None and "penalties" not in self.device_stages
+        return self.device_stages is not None
 
     def sample_async(self, logits: mx.array) -> PendingToken:
         """Launch [`sample`][] on the device; read nothing back (see [`pipelined`][]).
@@ -371,6 +380,7 @@ class SamplerChain(_ReferenceChain):
         chosen = mx.where(ok, token, -1).astype(mx.int32).reshape(1)  # (1,)
         pending = PendingToken(mx.maximum(chosen, 0), chosen, z, rewind)
         mx.async_eval(pending.token, pending.chosen)  # its own event (see above)
+        self._launched.append(pending)
         return pending
 
     def resolve(self, pending: PendingToken) -> int:
@@ -386,12 +396,31 @@ class SamplerChain(_ReferenceChain):
             return chosen
         self.fallbacks += 1
         pending.fell_back = True
+        # the steps launched after this one read its device token: the loop takes them back
+        self._launched = self._launched[:_index_of(self._launched, pending) + 1]
         self.rng_dist = pending.rewind
         return _ReferenceChain.sample(self, np.asarray(pending.logits, dtype=np.float32))
 
     def cancel(self, pending: PendingToken) -> None:
         """Forget a launched step that the loop will not use: its draw is taken back."""
         self.rng_dist = pending.rewind
+        i = _index_of(self._launched, pending)
+        if i >= 0:
+            del self._launched[i]
+
+    def accept(self, token: int) -> None:
+        """Twin of
+        [`reference.sampling.SamplerChain.accept`][reference.sampling.SamplerChain.accept]: the
+        oldest launched step, whose token this is, leaves the launched list."""
+        super().accept(token)
+        if self._launched:
+            self._launched.pop(0)
+
+    def reset(self) -> None:
+        """Twin of [`reference.sampling.SamplerChain.reset`][reference.sampling.SamplerChain.reset];
+        launched steps are forgotten."""
+        super().reset()
+        self._launched = []
     # --8<-- [end:sample_async]
 
     def _device_step(self, z: mx.array, u: float) -> tuple[mx.array, mx.array]:
@@ -416,10 +445,19 @@ class SamplerChain(_ReferenceChain):
         return token, ok & ok_dist & mx.any(c.keep)
 
     def _counts(self) -> mx.array:
-        """The last ``penalty_last_n`` tokens as a dense count row (a small scatter)."""
-        recent = list(self.history)[-self.params.penalty_last_n:]
+        """The last ``penalty_last_n`` tokens as a dense count row (a small scatter).
+
+        The newest are the launched steps' tokens not accepted yet (on the device: a step
+        launched ahead of the previous token's read), then the history's, up to
+        ``penalty_last_n`` in all: what the history holds at this step in the sequential loop.
+        """
+        n = self.params.penalty_last_n
+        pending = [p.token for p in self._launched][-n:]  # (1,) each, on the device
+        recent = list(self.history)[-(n - len(pending)):] if n > len(pending) else []
         tokens, counts = np.unique(np.asarray(recent, dtype=np.int32), return_counts=True)
         dense = mx.zeros((self.n_vocab,), dtype=mx.int32)
         if tokens.size:
             dense = dense.at[mx.array(tokens)].add(mx.array(counts.astype(np.int32)))
+        if pending:
+            dense = dense.at[mx.concatenate(pending)].add(1)  # repeated ids add up
         return dense

@@ -326,10 +326,12 @@ class Generator:
 
         ``cur`` is the step being read back, ``ahead`` the step launched behind it (or None).
         Every way out undoes ``ahead`` (`_undo`), so what stays is what the sequential
-        loop leaves.
+        loop leaves; a ``cur`` left launched and not accepted (an exception on the way) is
+        cancelled too, so the sampler counts no token that was never accepted.
         """
         n = 0
         cur, ahead = self._sample_async(), None
+        cur_open = True  # cur is launched and not accepted yet
         t_cur = None  # when the decode that cur is sampled from started (None: counted)
         try:
             while True:
@@ -349,6 +351,7 @@ class Generator:
                     self.tokens[-1] = token
                     self.perf.add(1, time.perf_counter() - t0)
                 self.sampler.accept(token)
+                cur_open = False
                 yield token
                 if is_eog(token) or not more:
                     return
@@ -361,9 +364,12 @@ class Generator:
                     cur = self._sample_async()
                 else:
                     cur, ahead = ahead, None
+                cur_open = True
         finally:
             if ahead is not None:
                 self._undo(ahead)
+            if cur_open:
+                self.sampler.cancel(cur)
 
     def _sample_async(self):
         return self.sampler.sample_async(self.ctx.get_logits_ith_device(-1))

@@ -114,8 +114,65 @@ def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch):
     assert_same_run(a, b)
 
 
-def test_chains_that_read_the_history_do_not_run_ahead():
-    chain = A.SamplerChain.from_params(SamplerParams(penalty_last_n=8, penalty_repeat=1.3), 64)
+PENALTIES = [
+    SamplerParams(seed=11, temp=0.8, top_k=20, penalty_last_n=n, penalty_repeat=1.5,
+                  penalty_freq=0.4, penalty_present=0.3)
+    for n in (1, 2, 8)
+] + [SamplerParams(seed=3, temp=0.0, penalty_last_n=3, penalty_present=20.0)]
+
+
+@pytest.mark.parametrize("params", PENALTIES, ids=["last1", "last2", "last8", "greedy_last3"])
+def test_chains_with_penalties_run_ahead_and_equal_the_sequential_loop(params):
+    """The penalties read the history, which lacks the token read back last: the chain counts
+    the launched, not yet accepted, token from the device, so each step sees the last
+    ``penalty_last_n`` tokens as in the sequential loop (the window edges: 1, 2 and 8)."""
+    assert A.SamplerChain.from_params(params, HP.n_vocab).pipelined
+    a, b = run(True, params, 16), run(False, params, 16)
+    assert_same_run(a, b)
+    toks = b[0]
+    eog = (toks[6],)
+    assert_same_run(run(True, params, 16, eog=eog), run(False, params, 16, eog=eog))
+    assert_same_run(run(True, params, 16, stop_after=5), run(False, params, 16, stop_after=5))
+    assert a[3]._launched == [] and b[3]._launched == []
+
+
+def test_penalties_with_steps_redone_on_the_host(monkeypatch):
+    """A failed margin redoes the step on the host (whose history then has the previous
+    token) and takes back the step launched behind it, with its count of the device token."""
+    calls = [0]
+    real = A.SamplerChain._device_step
+
+    def flaky(self, z, u):
+        token, ok = real(self, z, u)
+        calls[0] += 1
+        return token, ok & mx.array(calls[0] % 3 != 0)
+
+    monkeypatch.setattr(A.SamplerChain, "_device_step", flaky)
+    a = run(True, PENALTIES[2], 16)
+    calls[0] = 0
+    b = run(False, PENALTIES[2], 16)
+    assert a[3].fallbacks >= 3
+    assert_same_run(a, b)
+    assert a[3]._launched == []
+
+
+def test_an_exception_in_the_loop_cancels_the_launched_step(monkeypatch):
+    """A step launched and never accepted (the loop raised on the way) leaves no token for
+    the next generation's penalties to count, and its draw is taken back."""
+    ctx = MLXContext(HP, W, n_ctx=256)
+    chain = A.SamplerChain.from_params(PENALTIES[2], HP.n_vocab)
+    gen = Generator(ctx, chain, on_device=True)
+    gen.eval_prompt(PROMPT)
+    draws = chain.rng_dist.copy()
+    monkeypatch.setattr(A.SamplerChain, "resolve", lambda self, p: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        next(gen.generate(8, is_eog=lambda t: False))
+    assert chain._launched == []
+    assert chain.rng_dist.uniform_double() == draws.uniform_double()
+
+
+def test_chains_with_a_host_only_stage_do_not_run_ahead():
+    chain = A.SamplerChain.from_params(SamplerParams(mirostat=2), 64)
     assert not chain.pipelined
     with pytest.raises(A.SamplingError, match="cannot sample ahead"):
         chain.sample_async(mx.zeros((64,)))
