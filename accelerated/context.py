@@ -333,6 +333,8 @@ def _mamba_graph(weights: dict, hparams: MambaHParams, key: GraphKey, tokens: mx
     conv rows, then the ``n_layer`` SSM rows)."""
     n_layer = hparams.n_layer
     inp = _RowsInput(rows[:n_layer], rows[n_layer:])
+    if key.n_outputs == key.n_tokens:  # the ids are ascending: every row, in order
+        out_ids = None
     logits = llm_build_mamba(weights, hparams, tokens, key.n_kv, inp, out_ids)
     return (logits, *inp.r, *inp.s)
 

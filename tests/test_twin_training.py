@@ -5,8 +5,9 @@
   hand, ggml's backward ops) on tiny random Llama / Qwen2 models (GQA, biases, tied lm_head,
   a sliding window, RoPE frequency factors). Bound: per tensor NMSE <= 1e-9 in float32
   (measured ~1e-12: the rounding of a few hundred float32 operations; a wrong gradient rule
-  gives 1e-3 or more) and the loss to 1e-6 relative. Both attention forms of the twin (the CPU
-  one and the fused kernel the GPU runs) are differentiated.
+  gives 1e-3 or more) and the loss to what its logits allow (``_assert_loss_matches``).
+  Both attention forms of the twin (the CPU one and the fused kernel the GPU runs) are
+  differentiated.
 - The ``*_back`` twins (``mx.vjp`` of each forward piece) against the reference's rules.
 - AdamW and SGD steps: ggml's formulas as MLX ops equal the reference's NumPy float32 steps to
   at most 1 ulp (measured: bit for bit, the same IEEE operations in the same order);
@@ -40,10 +41,21 @@ from reference.training.result import OptResult
 from reference.training.schedule import lr_opt_init, opt_lr_pars
 
 GRAD_NMSE = 1e-9  # per tensor, float32
-LOSS_RTOL = 1e-6
-# float32 rounds a logit of size ~10 by ~1e-6: the loss -log p of a near-certain prediction
-# (p -> 1) is a difference of such numbers, so it is compared to that absolute precision too
-LOSS_ATOL = 1e-6
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _assert_loss_matches(t_loss: float, loss: float, t_logits, logits) -> None:
+    r"""The loss, the mean over the tokens of $\mathrm{logsumexp}(z) - z_{label}$, moves by
+    at most $2 \max |\Delta z|$ when the logits move by $\Delta z$ (each term is
+    1-Lipschitz in the largest change), plus its own float32 rounding (a few ulps of the
+    log-sum-exp, about the size of the largest logit). So the twin's loss is held to what
+    its logits allow; the logits are held to the reference's by their NMSE. A fixed relative
+    bound of 1e-6 failed at the edge of float32 (loss 2.5951, off by 1.09e-6 relative from
+    the float64 value where the twin's logits are off by 2.2e-6, found by the default
+    profile): not a wrong loss, the rounding of its inputs."""
+    dz = float(np.max(np.abs(np.asarray(t_logits, np.float64) - np.asarray(logits, np.float64))))
+    scale = float(np.max(np.abs(logits)))
+    assert abs(t_loss - loss) <= 2 * dz + 8 * F32_EPS * max(scale, abs(loss)), (t_loss, loss, dz)
 
 
 def _model(arch="llama", n_head_kv=2, tied=False, n_swa=0, biases=False, freq_factors=False,
@@ -93,8 +105,8 @@ def test_value_and_grad_equals_the_reference_chain_rule(cfg, n_tokens, data):
     period = data.draw(st.sampled_from([1, 3]))
     loss, grads, logits = ref_grad.loss_and_grads(w, hp, tokens, labels, period)
     t_loss, t_grads, t_logits = mlx_grad.loss_and_grads(w, hp, tokens, labels, period)
-    assert t_loss == pytest.approx(loss, rel=LOSS_RTOL, abs=LOSS_ATOL)
     assert nmse(logits, np.array(t_logits)) <= 1e-10
+    _assert_loss_matches(t_loss, loss, np.array(t_logits), logits)
     _assert_grads_match(grads, t_grads)
 
 

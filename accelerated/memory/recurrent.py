@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
+from accelerated.ops.convert import as_mx
 from reference.batch import Ubatch
 from reference.memory import recurrent as ref
 from reference.memory.recurrent import (
@@ -91,12 +92,12 @@ class RecurrentMemoryInput(ref.RecurrentMemoryInput):
 
     def cpy_r(self, il: int, r: mx.array) -> None:
         """Store the final conv states ``(n_seqs, n_embd_r)`` of layer ``il``."""
-        rows = mx.array(r).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_r)
+        rows = as_mx(r).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_r)
         self.memory.r_l[il] = _put_rows(self.memory.r_l[il], self.head, rows)
 
     def cpy_s(self, il: int, s: mx.array) -> None:
         """Store the final SSM states ``(n_seqs, n_embd_s)`` of layer ``il``."""
-        rows = mx.array(s).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_s)
+        rows = as_mx(s).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_s)
         self.memory.s_l[il] = _put_rows(self.memory.s_l[il], self.head, rows)
 # --8<-- [end:RecurrentMemoryInput]
 

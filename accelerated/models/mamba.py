@@ -234,7 +234,7 @@ def llm_build_mamba(
     tokens: np.ndarray,
     n_seqs: int,
     inp_rs: RecurrentInput,
-    out_ids: np.ndarray,
+    out_ids: np.ndarray | None,
 ) -> mx.array:
     """Twin of [`reference.models.mamba.llm_build_mamba`][reference.models.mamba.llm_build_mamba].
 
@@ -243,6 +243,7 @@ def llm_build_mamba(
     graph, already checked on the host ([`mamba_forward`][]'s checks, or the Context's),
     gathered with a plain ``mx.take``: [`accelerated.context.Context`][accelerated.context.Context]
     traces this function once with ``mx.compile`` and reuses it, as it does the Llama graph.
+    ``out_ids`` None means every row, in order (no ``get_rows``).
     """
     n_tokens = tokens.shape[0] if isinstance(tokens, mx.array) else len(tokens)
     n_seq_tokens = n_tokens // n_seqs
@@ -257,7 +258,7 @@ def llm_build_mamba(
         cur = cur.reshape(n_seqs, n_seq_tokens, hparams.n_embd)  # (n_seqs, n_seq_tokens, n_embd)
         cur = build_layer(inp_rs, cur, layer, hparams, il)
         cur = cur.reshape(n_tokens, hparams.n_embd)  # (n_tokens, n_embd)
-        if il == hparams.n_layer - 1:
+        if il == hparams.n_layer - 1 and out_ids is not None:
             # only the output rows go on: llama.cpp's inp_out_ids
             cur = rows(cur, out_ids)  # (n_outputs, n_embd)
             inpL = rows(inpL, out_ids)  # (n_outputs, n_embd)

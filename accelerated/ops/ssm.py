@@ -107,7 +107,10 @@ def ssm_scan(
     B_h = mx.repeat(B.astype(dtype), heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
     C_h = mx.repeat(C.astype(dtype), heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
     A_h = A.astype(dtype)[:, None, :]  # (n_head, 1, d_state or 1)
-    h = s[mx.array(ids_np.astype(np.int32))].astype(dtype)  # (n_seqs, n_head, head_dim, d_state)
+    if np.array_equal(ids_np, np.arange(s.shape[0])):  # every row in order: no gather
+        h = s.astype(dtype)  # (n_seqs, n_head, head_dim, d_state)
+    else:
+        h = s[mx.array(ids_np.astype(np.int32))].astype(dtype)  # (n_seqs, n_head, hd, d_state)
     ys = []
     for t in range(n_seq_tokens):
         d_t = delta[:, t, :, None, None]  # (n_seqs, n_head, 1, 1)
@@ -115,7 +118,9 @@ def ssm_scan(
         x_dt = x[:, t, :, :, None].astype(dtype) * d_t  # (n_seqs, n_head, head_dim, 1)
         h = h * dA + B_h[:, t, :, None, :] * x_dt  # (n_seqs, n_head, head_dim, d_state)
         ys.append(mx.sum(h * C_h[:, t, :, None, :], axis=-1))  # (n_seqs, n_head, head_dim)
-    if ys:
+    if len(ys) == 1:
+        y = ys[0][:, None]  # (n_seqs, 1, n_head, head_dim)
+    elif ys:
         y = mx.stack(ys, axis=1)  # (n_seqs, n_seq_tokens, n_head, head_dim)
     else:
         y = mx.zeros((n_seqs, 0, n_head, head_dim), dtype=dtype)
