@@ -366,9 +366,15 @@ def attn_grouped(
     visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (ns, 1, 1, n_t, 1)
     if softcap <= 0.0:
         q = q * mx.array(kq_scale, q.dtype)  # the fallback scales q first
-    q = q.reshape(ns, n_t, n_head_kv, rep, d_k).transpose(0, 2, 3, 1, 4)  # (ns,hkv,rep,n_t,d)
+    # (ns, hkv, rep * n_t, d): with one token per stream the transpose moves a size-1 axis,
+    # so the rows are already in that order and a reshape is the whole move (no copy)
+    if n_t == 1:
+        q = q.reshape(ns, n_head_kv, rep, d_k)
+    else:
+        q = q.reshape(ns, n_t, n_head_kv, rep, d_k).transpose(0, 2, 3, 1, 4)  # (ns,hkv,rep,n_t,d)
+        q = q.reshape(ns, n_head_kv, rep * n_t, d_k)
     k = stream_blocks(k, ns).transpose(0, 2, 3, 1)  # (ns, hkv, d_k, n_k)
-    kq = q.reshape(ns, n_head_kv, rep * n_t, d_k) @ k  # (ns, hkv, rep * n_t, n_k)
+    kq = q @ k  # (ns, hkv, rep * n_t, n_k)
     if softcap > 0.0:  # the capped raw scores, then the scale (soft_max_ext's order)
         kq = softcap_op(kq, softcap) * mx.array(kq_scale, q.dtype)  # (ns, hkv, r*n_t, n_k)
     kq = kq.reshape(ns, n_head_kv, rep, n_t, n_k) + mask  # (ns, hkv, rep, n_t, n_k)
@@ -376,6 +382,8 @@ def attn_grouped(
     kqv = kq @ stream_blocks(v, ns).transpose(0, 2, 1, 3)  # (ns, hkv, rep * n_t, d_v)
     kqv = kqv.reshape(ns, n_head_kv, rep, n_t, d_v)
     kqv = mx.where(visible, kqv, mx.array(0, kqv.dtype))  # fully masked rows: zeros
+    if n_t == 1:  # the transpose would move a size-1 axis again
+        return kqv.reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head * d_v)
     return kqv.transpose(0, 3, 1, 2, 4).reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head*d_v)
 # --8<-- [end:attn_grouped]
 
