@@ -1,4 +1,5 @@
-"""Which code path the twin takes on the device it runs on: one function, [`gpu_paths`][].
+"""Which code path the twin takes on the device it runs on: one function,
+[`gpu_paths`][accelerated.device.gpu_paths].
 
 The twin computes some things one way on a GPU (Metal, CUDA) and another on MLX's CPU
 device, where a fused kernel is only a fallback made of plain ops:

@@ -349,7 +349,7 @@ class SamplerChain(_ReferenceChain):
 
         True when every stage runs on the device. The penalties read the history: a step
         launched before the previous token is accepted counts that token from the device
-        ([`_counts`][]).
+        (``_counts``).
         """
         return self.device_stages is not None
 
