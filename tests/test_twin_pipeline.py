@@ -95,9 +95,9 @@ def test_a_full_context_shifts_or_stops_as_the_sequential_loop(shift):
     assert (len(a[0]) == 30) == shift
 
 
-def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch):
-    """Every third device step claims a failed margin: the loop undoes the decode that read
-    the device's guess and goes on from the host's token."""
+def every_third_device_step_fails(monkeypatch) -> list[int]:
+    """Make every third device step claim a failed margin; returns the step counter (reset it
+    to 0 between runs)."""
     calls = [0]
     real = A.SamplerChain._device_step
 
@@ -107,6 +107,13 @@ def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch):
         return token, ok & mx.array(calls[0] % 3 != 0)
 
     monkeypatch.setattr(A.SamplerChain, "_device_step", flaky)
+    return calls
+
+
+def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch):
+    """Every third device step claims a failed margin: the loop undoes the decode that read
+    the device's guess and goes on from the host's token."""
+    calls = every_third_device_step_fails(monkeypatch)
     a = run(True, SEEDED, 12)
     calls[0] = 0
     b = run(False, SEEDED, 12)
@@ -139,15 +146,7 @@ def test_chains_with_penalties_run_ahead_and_equal_the_sequential_loop(params):
 def test_penalties_with_steps_redone_on_the_host(monkeypatch):
     """A failed margin redoes the step on the host (whose history then has the previous
     token) and takes back the step launched behind it, with its count of the device token."""
-    calls = [0]
-    real = A.SamplerChain._device_step
-
-    def flaky(self, z, u):
-        token, ok = real(self, z, u)
-        calls[0] += 1
-        return token, ok & mx.array(calls[0] % 3 != 0)
-
-    monkeypatch.setattr(A.SamplerChain, "_device_step", flaky)
+    calls = every_third_device_step_fails(monkeypatch)
     a = run(True, PENALTIES[2], 16)
     calls[0] = 0
     b = run(False, PENALTIES[2], 16)
