@@ -154,6 +154,7 @@ def write_plot(results: list[dict]) -> None:
     axes[0][-1].legend(fontsize=8, loc="center right")  # where no line runs (y = 1/2)
     fig.tight_layout()
     fig.savefig(OUT / "passkey.svg", metadata={"Date": None})
+    plt.close(fig)  # the grid redraws after every case: keep one figure, not one per case
 
 
 def main(argv=None) -> int:
