@@ -537,7 +537,8 @@ def graph_rope(
     beta_slow: float = 1.0,
     freq_factors: mx.array | None = None,
 ) -> Callable[[mx.array], mx.array]:
-    r"""The RoPE of one graph's tokens, as the function that turns each ``q`` and ``k``.
+    r"""Twin of [`reference.models.llama.graph_rope`][reference.models.llama.graph_rope].
+    The RoPE of one graph's tokens, as the function that turns each ``q`` and ``k``.
 
     Every ``q`` and ``k`` of every layer turns by the same angles: they depend on the
     positions and the hyperparameters only. On a GPU without YaRN each tensor is one

@@ -17,11 +17,15 @@ array).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from accelerated.ops.convert import as_mx
 from accelerated.ops.softcap import softcap as softcap_op
+from reference.ops.attention import FEW_CELLS as FEW_CELLS  # the reference's rule
 from reference.ops.attention import _check_attn_args, _check_soft_max_args, _tile_reps
 from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
+from reference.ops.attention import sees_few_cells as sees_few_cells  # host-side, as it is
+from reference.ops.attention import visible_cells as visible_cells  # host-side, as it is
 
 
 # --8<-- [start:alibi_slopes]
@@ -161,6 +165,53 @@ def build_attn_mha(
 
 
 # --8<-- [end:build_attn_mha]
+
+
+# --8<-- [start:attend_visible]
+def attend_visible(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    kq_mask: mx.array,
+    kq_scale: float,
+    max_bias: float = 0.0,
+    softcap: float = 0.0,
+) -> mx.array:
+    r"""Twin of [`reference.ops.attention.attend_visible`][reference.ops.attention.attend_visible].
+
+    Each token's cells are found on the host
+    ([`visible_cells`][reference.ops.attention.visible_cells] reads the mask back), then
+    gathered and attended on the device. The twin's
+    [`build_attn_mha`][] does not take this form: a compiled graph cannot have shapes that
+    depend on the mask's values, and the fused kernel already runs every cell at device speed.
+    It is the reference's form on MLX, held to the reference by the tests.
+
+    Examples:
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal(s).astype(np.float32)
+        ...            for s in ((3, 4, 8), (6, 2, 8), (6, 2, 8)))
+        >>> m = np.full((3, 6), -np.inf, np.float32); m[0, 0] = m[1, [1, 3]] = m[2, 2:] = 0.0
+        >>> full = build_attn_mha(q, k, v, m, 8 ** -0.5)
+        >>> mx.allclose(attend_visible(q, k, v, m, 8 ** -0.5), full, atol=1e-6).item()
+        True
+    """
+    q, k, v = as_mx(q), as_mx(k), as_mx(v)
+    n_tokens, n_head, d_k = q.shape
+    n_head_kv = k.shape[1]
+    r = n_head // n_head_kv  # query heads per KV head
+    idx, mask = visible_cells(np.asarray(kq_mask[:n_tokens]))  # host: (n_tokens, n_vis)
+    n_vis = idx.shape[1]
+    idx = mx.array(idx)
+    k_t = k[idx].transpose(0, 2, 3, 1)  # (n_tokens, n_head_kv, d_k, n_vis): token t's cells
+    v_t = v[idx].transpose(0, 2, 1, 3)  # (n_tokens, n_head_kv, n_vis, d_v)
+    q_t = q.reshape(n_tokens, n_head_kv, r, d_k)  # the r query heads of one KV head as rows
+    kq = (q_t @ k_t).reshape(n_tokens, n_head, 1, n_vis)  # (n_tokens, n_head, 1, n_vis)
+    if softcap > 0.0:
+        kq = softcap_op(kq, softcap)
+    kq = soft_max_ext(kq, mx.array(mask)[:, None, None, :], kq_scale, max_bias)  # as kq
+    kqv = kq.reshape(n_tokens, n_head_kv, r, n_vis) @ v_t  # (n_tokens, n_head_kv, r, d_v)
+    return kqv.reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
+# --8<-- [end:attend_visible]
 
 
 def _attn_softcapped(q: mx.array, k: mx.array, v: mx.array, kq_mask: mx.array, kq_scale: float,

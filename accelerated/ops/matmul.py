@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from accelerated.ops.convert import as_mx
 from reference.ops.matmul import FEW_ROWS as FEW_ROWS  # the reference's rule, not used here
+from reference.ops.matmul import TALL_BLOCK as TALL_BLOCK  # the reference's rule, not used here
 from reference.ops.matmul import _mul_mat_leading
 
 

@@ -116,9 +116,11 @@ def record_forward() -> tuple[object, dict, list[tuple[str, tuple[int, ...]]]]:
         return mock.patch.object(module, name, op)
 
     with ExitStack() as stack:
-        for name in ("get_rows", "rms_norm", "mul", "mul_mat", "rope_ext", "add", "swiglu",
-                     "build_attn_mha"):
+        for name in ("get_rows", "rms_norm", "mul", "mul_mat", "add", "swiglu", "build_attn_mha"):
             stack.enter_context(recorded(llama, name, name))
+        # the forward's graph_rope builds one cos/sin cache and turns each q and k with
+        # rotate_pairs: one rope_ext node of ggml's graph per call
+        stack.enter_context(recorded(llama, "rotate_pairs", "rope_ext"))
         for name in ("mul_mat", "soft_max_ext"):
             stack.enter_context(recorded(attention, name, f"attention.{name}"))
         out_ids = np.array([N_TOKENS - 1])

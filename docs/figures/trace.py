@@ -56,6 +56,7 @@ from reference.models.llama import (  # noqa: E402
 )
 from reference.ops import (  # noqa: E402
     add,
+    build_attn_mha,
     get_rows,
     mul_mat,
     rope_ext,
@@ -299,6 +300,11 @@ def trace() -> tuple[dict[str, str], str]:
             cur = np.ascontiguousarray(kqv.transpose(1, 0, 2))
             cur = cur.reshape(ub.n_tokens, -1)  # the heads side by side
             log("kqv_out", "cont", cur)
+            # build_attn_mha reads only the cells a token sees when they are few (5 of 256
+            # here): the same values up to rounding, and the ones the decode goes on with
+            mha = build_attn_mha(q, k_all, v_all, inp.get_kq_mask(il), kq_scale)
+            assert np.allclose(mha, cur, rtol=0, atol=1e-5)  # float32: a few ulps of ~4
+            cur = mha
             cur = mul_mat(layer["wo"], cur)
             log("attn_out", "mul_mat", cur)
             if il == last:  # only the output rows go on (inp_out_ids)

@@ -42,6 +42,7 @@ NumPy order ``(n_out, n_in)``. A weight may be a quantized tensor (anything with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -50,7 +51,15 @@ from numpy.typing import DTypeLike
 from reference.common import LlamarefError
 from reference.hparams import LlamaHParams, rope_cparams
 from reference.models.simple_cache import SimpleKVCache
-from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, rope_ext, swiglu
+from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, swiglu
+from reference.ops.rope import (
+    ROPE_TYPE_NORM,
+    _check_rope_args,
+    _compute_dtype,
+    rope_cache_init,
+    rope_yarn_corr_dims,
+    rotate_pairs,
+)
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -361,6 +370,59 @@ def build_inp_embd(
 # --8<-- [end:build_inp_embd]
 
 
+# --8<-- [start:graph_rope]
+def graph_rope(
+    pos: np.ndarray,
+    n_dims: int,
+    mode: int = ROPE_TYPE_NORM,
+    n_ctx_orig: int = 0,
+    freq_base: float = 10000.0,
+    freq_scale: float = 1.0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    freq_factors: np.ndarray | None = None,
+) -> Callable[[np.ndarray], np.ndarray]:
+    r"""The RoPE of one forward's tokens, as the function that turns each ``q`` and ``k``.
+
+    ggml's graph has a ``rope_ext`` node for the ``q`` and the ``k`` of every layer, and each
+    builds its own cos/sin cache (``ggml_rope_cache_init``) before it rotates. The angles
+    depend on the positions and the hyperparameters only, so every one of those caches is the
+    same: here the cache is built once (per compute dtype) and each call only rotates its pairs
+    ([`rotate_pairs`][reference.ops.rope.rotate_pairs]). The values are
+    [`rope_ext`][reference.ops.rope.rope_ext]'s, bit for bit. The arguments are
+    ``rope_ext``'s, less ``x``. (SmolLM2 decoding 32 sequences spent about 8 % of a step's
+    time building its 60 caches, on this project's CPU.)
+
+    Args:
+        pos: ``(n_tokens,)`` integer positions.
+
+    Examples:
+        >>> from reference.ops import rope_ext
+        >>> x = np.random.default_rng(0).standard_normal((3, 4, 8)).astype(np.float32)
+        >>> pos = np.array([0, 5, 9])
+        >>> bool(np.array_equal(graph_rope(pos, 8)(x), rope_ext(x, pos, 8)))
+        True
+    """
+    pos = np.asarray(pos)
+    caches: dict = {}  # compute dtype -> (cos_theta, sin_theta), each (n_tokens, n_dims/2)
+
+    def rope(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        _check_rope_args(x, pos, n_dims, mode, freq_factors)
+        dt = _compute_dtype(x.dtype)
+        if dt not in caches:
+            corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, dt)
+            caches[dt] = rope_cache_init(pos, n_dims, freq_base, freq_scale, freq_factors,
+                                         corr_dims, ext_factor, attn_factor, dt)
+        out = rotate_pairs(x.astype(dt), *caches[dt], n_dims, mode)
+        return out.astype(x.dtype, copy=False)
+
+    return rope
+# --8<-- [end:graph_rope]
+
+
 # --8<-- [start:llm_build_llama]
 def llm_build_llama(
     weights: dict,
@@ -388,8 +450,8 @@ def llm_build_llama(
     dtype = model_dtype(weights)
     n_embd_head = hparams.n_embd_head_k
     kq_scale = hparams.f_attention_scale or 1.0 / math.sqrt(n_embd_head)
-    rope = rope_cparams(hparams)
     rope_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
+    rope = graph_rope(pos, freq_factors=rope_factors, **rope_cparams(hparams))  # one cos/sin cache
 
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
@@ -397,8 +459,8 @@ def llm_build_llama(
         inpSA = inpL
         cur = build_norm(inpL, layer["attn_norm"], hparams.f_norm_rms_eps)
         q, k, v = build_qkv(layer, cur, n_embd_head, hparams.n_head, hparams.n_head_kv)
-        q = rope_ext(q, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head, d)
-        k = rope_ext(k, pos, freq_factors=rope_factors, **rope)  # (n_tokens, n_head_kv, d)
+        q = rope(q)  # rope_ext(q, pos, ...): (n_tokens, n_head, d)
+        k = rope(k)  # rope_ext(k, pos, ...): (n_tokens, n_head_kv, d)
         cur = build_attn(inp_attn, layer["wo"], layer["bo"], q, k, v, kq_scale, il)
         if il == hparams.n_layer - 1:
             # only the output rows go on: llama.cpp's inp_out_ids

@@ -37,7 +37,9 @@ float16 or quantized weights ggml first converts ``b`` to the weight's ``vec_dot
 but BLAS's ``gemm`` packs its *second* operand into cache-sized panels, so ``b @ a.T`` copies
 the whole weight on every call while ``a @ b.T`` copies only the few rows of ``b``. With
 OpenBLAS on one thread this makes 2 to 32 rows 1.5 to 2.8 times faster (a decode of 2 tokens
-cost almost twice one token), which is what speculative and parallel decoding live on.
+cost almost twice one token), which is what speculative and parallel decoding live on. A tall
+weight (the output layer's 49152 rows) is multiplied ``TALL_BLOCK`` rows at a time, so that
+the transpose of each block's product is copied while it is still in cache.
 
 **A block of ``b`` as one matrix.** The ``r`` matrices of ``b`` that meet the same matrix of
 ``a`` in the innermost leading dimension (in attention, the query heads of one KV head) are
@@ -86,6 +88,26 @@ def _mul_mat_leading(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
 
 
 FEW_ROWS = 64  # below it, mul_mat of a 2-D weight packs the rows of b, not the weight
+TALL_BLOCK = 4096  # rows of a weight per product on the few-rows path (see _few_rows)
+
+
+def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    r"""``b @ a^T`` ``(N, M)`` for a 2-D weight ``a`` and few rows ``b``, as $(a\, b^T)^T$ (the
+    module docstring's *Few rows*), ``TALL_BLOCK`` rows of ``a`` at a time.
+
+    The product $a\, b^T$ is ``(M, N)``; its transpose is copied into the result while it is
+    still in cache. Whole, a tall weight's product (the output layer: 49152 rows against 32
+    tokens, 6 MiB) is copied back from memory in a strided walk: 21 ms against 18 in blocks.
+
+    Examples:
+        >>> a = np.arange(6.0).reshape(3, 2); b = np.ones((1, 2))
+        >>> _few_rows(a, b)
+        array([[1., 5., 9.]])
+    """
+    out = np.empty((b.shape[0], a.shape[0]), dtype=np.result_type(a, b))  # (N, M)
+    for i in range(0, a.shape[0], TALL_BLOCK):
+        out[:, i:i + TALL_BLOCK] = (a[i:i + TALL_BLOCK] @ b.T).T  # (N, block)
+    return out
 
 
 # --8<-- [start:mul_mat]
@@ -120,7 +142,7 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
     if a.ndim == 2 and b.ndim == 2 and b.shape[0] < FEW_ROWS:
         # a weight and a few rows: (a b^T)^T, so that gemm packs b, not a (module docstring)
-        return np.ascontiguousarray((a @ b.T).T)  # (N, M)
+        return _few_rows(a, b)  # (N, M)
     # block broadcast: matrix i of a serves matrices i*r .. i*r + r-1 of b. Each leading dim
     # db of b is split into (da, r) and a gets a size-1 axis in the place of r, so matmul's
     # own broadcasting pairs them: the same products as np.repeat(a, r, axis), without
