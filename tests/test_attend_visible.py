@@ -7,7 +7,8 @@ tall weight's product in blocks: three ways the reference computes the same valu
   than the full product is. The twin's ``attend_visible`` equals the reference's.
 - **The switch is only a speed choice**: ``build_attn_mha`` takes the gathered form exactly
   when every token sees at most ``1 / FEW_CELLS`` of the cells (``sees_few_cells``), and its
-  output is the full product's either way.
+  output is the full product's either way. Many tokens go in blocks whose gathered K and V are
+  no larger than the cells in view.
 - **One cache per forward**: ``graph_rope(pos, ...)(x)`` equals ``rope_ext(x, pos, ...)`` bit for
   bit (NORM and NEOX, YaRN, frequency factors, float32 and float64).
 - **A tall weight in blocks**: ``mul_mat`` of a weight taller than ``TALL_BLOCK`` and a few rows
@@ -125,6 +126,29 @@ def test_build_attn_mha_gathers_only_when_tokens_see_few_cells(monkeypatch, n_se
     monkeypatch.setattr(R_attention, "attend_visible", counting)
     out = R_attention.build_attn_mha(q, k, v, mask, 8 ** -0.5)
     assert bool(calls) is gathered
+    np.testing.assert_allclose(out, full_product(q, k, v, mask, 8 ** -0.5, 0.0, 0.0),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_many_tokens_go_in_blocks_whose_copies_fit_the_view(monkeypatch):
+    """40 tokens that see 4 of 64 cells each: blocks of 64 // 4 = 16 tokens, so a block's
+    gathered K and V (16 tokens x 4 cells) are no larger than the 64 cells in view."""
+    rng = np.random.default_rng(3)
+    n_tokens, n_kv = 40, 64
+    mask = np.full((n_tokens, n_kv), -np.inf)
+    for t in range(n_tokens):
+        mask[t, rng.choice(n_kv, 4, replace=False)] = 0.0
+    q = rng.standard_normal((n_tokens, 4, 8))
+    k, v = rng.standard_normal((2, n_kv, 2, 8))
+    calls, original = [], R_attention.attend_visible
+
+    def counting(q, *rest):
+        calls.append(len(q))
+        return original(q, *rest)
+
+    monkeypatch.setattr(R_attention, "attend_visible", counting)
+    out = counting(q, k, v, mask, 8 ** -0.5)
+    assert calls == [40, 16, 16, 8]
     np.testing.assert_allclose(out, full_product(q, k, v, mask, 8 ** -0.5, 0.0, 0.0),
                                rtol=1e-12, atol=1e-13)
 

@@ -420,6 +420,10 @@ def attend_visible(
     the cells each token sees: the same steps, with token $t$'s own cells $V_t$ in place of
     every cell (the module docstring's *Reading only the visible cells*).
 
+    Each token gets a copy of its cells' K and V. So that the copies never take more memory
+    than the K and V in view, the tokens go in blocks of ``n_kv // n_vis`` (``n_vis``: the most
+    cells a token sees): 32 sequences that each see 1/32 of the cells are one block.
+
     Args:
         q: queries ``(n_tokens, n_head, d_k)``.
         k: keys ``(n_kv, n_head_kv, d_k)``.
@@ -452,6 +456,12 @@ def attend_visible(
     r = n_head // n_head_kv  # query heads per KV head
     idx, mask = visible_cells(kq_mask[:n_tokens])  # (n_tokens, n_vis)
     n_vis = idx.shape[1]
+    per_block = max(1, k.shape[0] // n_vis)  # tokens whose gathered cells fill the view once
+    if n_tokens > per_block:  # in blocks: what is gathered never outgrows the cells in view
+        return np.concatenate([
+            attend_visible(q[i:i + per_block], k, v, kq_mask[i:i + per_block], kq_scale,
+                           max_bias, softcap)
+            for i in range(0, n_tokens, per_block)])  # (n_tokens, n_head * d_v)
     k_t = np.take(k, idx, axis=0).transpose(0, 2, 1, 3)  # (n_tokens, n_head_kv, n_vis, d_k)
     v_t = np.take(v, idx, axis=0).transpose(0, 2, 3, 1)  # (n_tokens, n_head_kv, d_v, n_vis)
     # the r query heads of one KV head as r rows (h = g * r + i reads KV head g)
