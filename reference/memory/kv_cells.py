@@ -449,8 +449,10 @@ class KVCells:
         idxs = _idx(idxs)
         if idxs.size == 0:
             return
-        pos = np.broadcast_to(np.asarray(pos, np.int64), idxs.shape)  # (k,)
-        shift = np.where(pos == -1, 0, np.broadcast_to(shift, idxs.shape))  # (k,)
+        pos = np.asarray(pos, np.int64)
+        if pos.shape != idxs.shape:  # one position for every cell
+            pos = np.broadcast_to(pos, idxs.shape)  # (k,)
+        shift = np.where(pos == -1, 0, shift).astype(np.int64, copy=False)  # (k,), broadcast
         old_pos, old_seq, old_shift = self.pos[idxs], self.seq[idxs], self.shift[idxs]  # copies
         if self._journal is not None:
             for j, i in enumerate(idxs.tolist()):
