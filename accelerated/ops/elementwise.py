@@ -14,8 +14,15 @@ from reference.ops.elementwise import _repeat_reps
 
 
 def _repeat_like(b: mx.array, a: mx.array, op: str) -> mx.array:
-    """``ggml_repeat(b, a)``: ``b`` tiled to ``a``'s shape, in ``a``'s dtype."""
+    """``ggml_repeat(b, a)``: ``b`` tiled to ``a``'s shape, in ``a``'s dtype.
+
+    When only dimensions of size 1 repeat (a norm's weight or a bias over the rows), MLX's
+    own broadcasting in the elementwise op is that repeat: ``b`` is returned as it is, and the
+    graph gets no reshape or tile node for it.
+    """
     b_shape, reps = _repeat_reps(a.shape, b.shape, op)
+    if all(r == 1 or nb == 1 for r, nb in zip(reps, b_shape, strict=True)):
+        return b if b.dtype == a.dtype else b.astype(a.dtype)  # broadcast by the op
     return mx.tile(b.reshape(b_shape), list(reps)).astype(a.dtype)  # a.shape
 
 
