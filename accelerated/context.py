@@ -263,6 +263,14 @@ class _LayerRoute:
         inp, i = self.route[il]
         return inp.get_v(i)
 
+    def get_k_heads(self, il: int) -> mx.array:
+        inp, i = self.route[il]
+        return inp.get_k_heads(i)
+
+    def get_v_heads(self, il: int) -> mx.array:
+        inp, i = self.route[il]
+        return inp.get_v_heads(i)
+
     def get_kq_mask(self, il: int) -> mx.array:
         inp, i = self.route[il]
         return inp.get_kq_mask(i)

@@ -39,8 +39,8 @@ def test_the_variable_is_read_in_one_place(monkeypatch, value, forced):
 
 def test_the_cpu_takes_the_gpu_forms_and_computes_the_same(monkeypatch):
     calls = []
-    real = acc_llama.build_attn_mha
-    monkeypatch.setattr(acc_llama, "build_attn_mha",
+    real = acc_llama.build_attn_mha_heads
+    monkeypatch.setattr(acc_llama, "build_attn_mha_heads",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.delenv(GPU_PATHS_ENV, raising=False)
     if gpu_paths():

@@ -69,6 +69,7 @@ __all__ = [
     "build_rope_shift",
     "cache_layers",
     "ggml_pad",
+    "head_major_blocks",
     "head_major_view",
     "head_rows",
     "kq_mask_device",
@@ -174,6 +175,28 @@ def head_major_view(t: mx.array, strm: tuple[int, ...], n_kv: int) -> mx.array:
     else:
         block = mx.concatenate([t[s, :, :n_kv] for s in strm], axis=1)  # (n_head_kv, ns*n_kv, d)
     return block.transpose(1, 0, 2)  # (ns * n_kv, n_head_kv, d)
+
+
+def head_major_blocks(t: mx.array, strm: tuple[int, ...], n_kv: int) -> mx.array:
+    """The first ``n_kv`` cells of streams ``strm`` as the cache holds them, heads first:
+    ``(len(strm), n_head_kv, n_kv, d)``.
+
+    One stream, or several in a row, is a slice of the cache: one graph node, where
+    [`head_major_view`][] and the attention's transpose back take five (a slice, a squeeze, a
+    transpose, and the attention's reshape and transpose). Other streams are concatenated.
+
+    Examples:
+        >>> t = mx.arange(16.0).reshape(1, 2, 4, 2)  # 1 stream, 2 heads, 4 cells, d = 2
+        >>> head_major_blocks(t, (0,), 2).tolist()  # cells 0 and 1 of each head
+        [[[[0.0, 1.0], [2.0, 3.0]], [[8.0, 9.0], [10.0, 11.0]]]]
+        >>> mx.array_equal(head_major_blocks(t, (0,), 2)[0].transpose(1, 0, 2),
+        ...                head_major_view(t, (0,), 2)).item()
+        True
+    """
+    first = strm[0]
+    if strm == tuple(range(first, first + len(strm))):
+        return t[first:first + len(strm), :, :n_kv]  # (ns, n_head_kv, n_kv, d): a view
+    return mx.concatenate([t[s:s + 1, :, :n_kv] for s in strm], axis=0)  # (ns, hkv, n_kv, d)
 # --8<-- [end:head_major]
 
 
@@ -342,6 +365,16 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
         return head_major_view(self.cache.v_l[self.cache.layer_id(il)], self.sinfo.strm, self.n_kv)
 
+    def get_k_heads(self, il: int) -> mx.array:
+        """``get_k``'s cells as the cache holds them: ``(ns, n_head_kv, n_kv, d_k)``."""
+        return head_major_blocks(self.cache.k_l[self.cache.layer_id(il)], self.sinfo.strm,
+                                 self.n_kv)
+
+    def get_v_heads(self, il: int) -> mx.array:
+        """``get_v``'s cells as the cache holds them: ``(ns, n_head_kv, n_kv, d_v)``."""
+        return head_major_blocks(self.cache.v_l[self.cache.layer_id(il)], self.sinfo.strm,
+                                 self.n_kv)
+
     def get_kq_mask(self, il: int) -> mx.array:
         """The KQ mask ``(n_tokens, ns * n_kv)`` as an ``mx.array`` (the same for every layer)."""
         return self.kq_mask
@@ -411,6 +444,14 @@ class GraphAttnInput:
     def get_v(self, il: int) -> mx.array:
         """Values of layer ``il`` in view: ``(ns * n_kv, n_head_kv, d_v)``."""
         return head_major_view(self.v_l[il], self.strm, self.n_kv)
+
+    def get_k_heads(self, il: int) -> mx.array:
+        """``get_k``'s cells as the cache holds them: ``(ns, n_head_kv, n_kv, d_k)``."""
+        return head_major_blocks(self.k_l[il], self.strm, self.n_kv)
+
+    def get_v_heads(self, il: int) -> mx.array:
+        """``get_v``'s cells as the cache holds them: ``(ns, n_head_kv, n_kv, d_v)``."""
+        return head_major_blocks(self.v_l[il], self.strm, self.n_kv)
 
     def get_kq_mask(self, il: int) -> mx.array:
         """The KQ mask ``(n_tokens, ns * n_kv)`` (the same for every layer)."""

@@ -46,9 +46,9 @@ from numpy.typing import DTypeLike
 
 from accelerated.device import gpu_paths
 from accelerated.memory.kv_cache import KVCache, mx_dtype
-from accelerated.ops import add, build_attn_mha, mul, mul_mat, rms_norm, swiglu
+from accelerated.ops import add, mul, mul_mat, rms_norm, swiglu
 from accelerated.ops import softcap as softcap_op
-from accelerated.ops.attention import stream_blocks, stream_mask
+from accelerated.ops.attention import build_attn_mha_heads, stream_blocks, stream_mask
 from accelerated.ops.convert import as_mx
 from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rope_fused, rotate_pairs
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
@@ -89,6 +89,7 @@ __all__ = [
     "rope_cparams",
     "graph_rope",
     "rope_in_graph",
+    "attn_grouped_heads",
 ]
 
 
@@ -358,10 +359,41 @@ def attn_grouped(
         >>> mx.array_equal(attn_grouped(*r, mask, 0.3), build_attn_mha(*r, mask, 0.3)).item()
         True
     """
+    ns = n_stream
+    # the cells cut per stream, heads first: (ns, n_head_kv, n_kv/ns, d)
+    k_heads = stream_blocks(k, ns).transpose(0, 2, 1, 3)  # (ns, hkv, n_k, d_k)
+    v_heads = stream_blocks(v, ns).transpose(0, 2, 1, 3)  # (ns, hkv, n_k, d_v)
+    return attn_grouped_heads(q, k_heads, v_heads, kq_mask, kq_scale, softcap, ns)
+# --8<-- [end:attn_grouped]
+
+
+# --8<-- [start:attn_grouped_heads]
+def attn_grouped_heads(
+    q: mx.array, k_heads: mx.array, v_heads: mx.array, kq_mask: mx.array, kq_scale: float,
+    softcap: float = 0.0,
+    n_stream: int = 1,
+) -> mx.array:
+    r"""[`attn_grouped`][] with K and V heads first, as the cache holds them.
+
+    ``k_heads`` and ``v_heads`` are ``(n_stream, n_head_kv, n_kv / n_stream, d)``: the cells in
+    view are then a slice of the cache
+    ([`accelerated.memory.kv_cache.head_major_blocks`][accelerated.memory.kv_cache.head_major_blocks])
+    and no view turns them to the reference's layout and back. The same products, so the
+    same values as ``attn_grouped``.
+
+    Examples:
+        >>> r = [mx.random.normal(s, key=mx.random.key(i))
+        ...      for i, s in enumerate([(3, 4, 8), (5, 2, 8), (5, 2, 8)])]
+        >>> mask = mx.zeros((3, 5))
+        >>> heads = [t.transpose(1, 0, 2)[None] for t in r[1:]]   # (1, 2, 5, 8) each
+        >>> mx.array_equal(attn_grouped_heads(r[0], *heads, mask, 0.3),
+        ...                attn_grouped(*r, mask, 0.3)).item()
+        True
+    """
     n_tokens, n_head, d_k = q.shape
-    n_kv, n_head_kv, d_v = v.shape
-    ns, rep = n_stream, n_head // n_head_kv
-    n_t, n_k = n_tokens // ns, n_kv // ns  # tokens and cells of one stream
+    ns, n_head_kv, n_k, d_v = v_heads.shape
+    rep = n_head // n_head_kv
+    n_t = n_tokens // ns  # tokens of one stream
     mask = stream_mask(kq_mask[:n_tokens].astype(q.dtype), ns)[:, None]  # (ns,1,1,n_t,n_k)
     visible = mx.max(mask, axis=-1, keepdims=True) > -mx.inf  # (ns, 1, 1, n_t, 1)
     if softcap <= 0.0:
@@ -373,19 +405,18 @@ def attn_grouped(
     else:
         q = q.reshape(ns, n_t, n_head_kv, rep, d_k).transpose(0, 2, 3, 1, 4)  # (ns,hkv,rep,n_t,d)
         q = q.reshape(ns, n_head_kv, rep * n_t, d_k)
-    k = stream_blocks(k, ns).transpose(0, 2, 3, 1)  # (ns, hkv, d_k, n_k)
-    kq = q @ k  # (ns, hkv, rep * n_t, n_k)
+    kq = q @ k_heads.swapaxes(-1, -2)  # (ns, hkv, rep * n_t, n_k)
     if softcap > 0.0:  # the capped raw scores, then the scale (soft_max_ext's order)
         kq = softcap_op(kq, softcap) * mx.array(kq_scale, q.dtype)  # (ns, hkv, r*n_t, n_k)
     kq = kq.reshape(ns, n_head_kv, rep, n_t, n_k) + mask  # (ns, hkv, rep, n_t, n_k)
     kq = mx.softmax(kq, axis=-1, precise=True).reshape(ns, n_head_kv, rep * n_t, n_k)
-    kqv = kq @ stream_blocks(v, ns).transpose(0, 2, 1, 3)  # (ns, hkv, rep * n_t, d_v)
+    kqv = kq @ v_heads  # (ns, hkv, rep * n_t, d_v)
     kqv = kqv.reshape(ns, n_head_kv, rep, n_t, d_v)
     kqv = mx.where(visible, kqv, mx.array(0, kqv.dtype))  # fully masked rows: zeros
     if n_t == 1:  # the transpose would move a size-1 axis again
         return kqv.reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head * d_v)
     return kqv.transpose(0, 3, 1, 2, 4).reshape(n_tokens, n_head * d_v)  # (n_tokens, n_head*d_v)
-# --8<-- [end:attn_grouped]
+# --8<-- [end:attn_grouped_heads]
 
 
 # --8<-- [start:build_attn]
@@ -412,11 +443,14 @@ def build_attn(
     """
     inp.cpy_k(il, k_cur)
     inp.cpy_v(il, v_cur)
-    k = inp.get_k(il)  # (n_kv, n_head_kv, d_k)
-    v = inp.get_v(il)  # (n_kv, n_head_kv, d_v)
-    kq_mask = inp.get_kq_mask(il)  # (n_tokens, n_kv)
-    mha = build_attn_mha if gpu_paths() else attn_grouped
-    cur = mha(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)  # (n_tokens, n_head*d_v)
+    # the reference's get_k / get_v, as the cache holds them: (ns, n_head_kv, n_kv, d)
+    k = inp.get_k_heads(il)  # (ns, n_head_kv, n_kv, d_k)
+    v = inp.get_v_heads(il)  # (ns, n_head_kv, n_kv, d_v)
+    kq_mask = inp.get_kq_mask(il)  # (n_tokens, ns * n_kv)
+    if gpu_paths():
+        cur = build_attn_mha_heads(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)
+    else:
+        cur = attn_grouped_heads(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)
     return _bias(linear(wo, cur), wo_b)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn]
 

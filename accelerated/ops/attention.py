@@ -146,6 +146,47 @@ def build_attn_mha(
     _check_attn_args(q, k, v, kq_mask, n_stream)
     if softcap > 0.0:
         return _attn_softcapped(q, k, v, kq_mask, kq_scale, max_bias, softcap, n_stream)
+    ns = n_stream
+    if k.ndim == 3:  # one flat block of cells: cut it per stream (a view)
+        k, v = stream_blocks(k, ns), stream_blocks(v, ns)  # (ns, n_kv/ns, n_head_kv, d)
+    return build_attn_mha_heads(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), kq_mask,
+                                kq_scale, max_bias, ns)
+
+
+# --8<-- [end:build_attn_mha]
+
+
+# --8<-- [start:build_attn_mha_heads]
+def build_attn_mha_heads(
+    q: mx.array,
+    k_heads: mx.array,
+    v_heads: mx.array,
+    kq_mask: mx.array,
+    kq_scale: float,
+    max_bias: float = 0.0,
+    n_stream: int = 1,
+) -> mx.array:
+    r"""[`build_attn_mha`][] (no soft-cap) with K and V heads first, as the cache holds them.
+
+    The fused kernel takes K and V as ``(n_stream, n_head_kv, n_kv, d)``, and the twin's
+    cache stores them that way; the cells in view are then a slice of the cache
+    ([`accelerated.memory.kv_cache.head_major_blocks`][accelerated.memory.kv_cache.head_major_blocks]),
+    where the reference's layout ``(n_kv, n_head_kv, d)`` costs views (graph nodes) one way
+    and back. The same call, so the same values as ``build_attn_mha``. The shapes are the
+    cache's own and are not checked here.
+
+    Args:
+        q: ``(n_tokens, n_head, d_k)``.
+        k_heads: ``(n_stream, n_head_kv, n_kv / n_stream, d_k)``.
+        v_heads: ``(n_stream, n_head_kv, n_kv / n_stream, d_v)``.
+        kq_mask: ``(n_tokens_pad >= n_tokens, n_kv)``.
+        kq_scale: the scale of $QK^T$.
+        max_bias: ALiBi maximum bias; 0 for none.
+        n_stream: the KV streams.
+
+    Returns:
+        ``(n_tokens, n_head * d_v)``.
+    """
     n_tokens, n_head, _ = q.shape
     ns = n_stream
     mask = stream_mask(kq_mask[:n_tokens].astype(q.dtype), ns)  # (ns, 1, n_tokens/ns, n_kv/ns)
@@ -155,8 +196,8 @@ def build_attn_mha(
         mask = slope[:, None, None] * mask  # (ns, n_head, n_tokens/ns, n_kv/ns)
     out = mx.fast.scaled_dot_product_attention(
         stream_blocks(q, ns).transpose(0, 2, 1, 3),  # (ns, n_head, n_tokens/ns, d_k)
-        stream_blocks(k, ns).transpose(0, 2, 1, 3),  # (ns, n_head_kv, n_kv/ns, d_k)
-        stream_blocks(v, ns).transpose(0, 2, 1, 3),  # (ns, n_head_kv, n_kv/ns, d_v)
+        k_heads,  # (ns, n_head_kv, n_kv/ns, d_k)
+        v_heads,  # (ns, n_head_kv, n_kv/ns, d_v)
         scale=kq_scale,
         mask=mask,
     )  # (ns, n_head, n_tokens/ns, d_v)
@@ -164,7 +205,7 @@ def build_attn_mha(
     return out.transpose(0, 2, 1, 3).reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
 
 
-# --8<-- [end:build_attn_mha]
+# --8<-- [end:build_attn_mha_heads]
 
 
 # --8<-- [start:attend_visible]
