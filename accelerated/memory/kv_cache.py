@@ -182,8 +182,8 @@ def head_major_blocks(t: mx.array, strm: tuple[int, ...], n_kv: int) -> mx.array
     ``(len(strm), n_head_kv, n_kv, d)``.
 
     One stream, or several in a row, is a slice of the cache: one graph node, where
-    [`head_major_view`][] and the attention's transpose back take five (a slice, a squeeze, a
-    transpose, and the attention's reshape and transpose). Other streams are concatenated.
+    [`head_major_view`][] and the attention's turn back take up to five (a slice, a squeeze,
+    a transpose, and the attention's reshape and transpose). Other streams are concatenated.
 
     Examples:
         >>> t = mx.arange(16.0).reshape(1, 2, 4, 2)  # 1 stream, 2 heads, 4 cells, d = 2
