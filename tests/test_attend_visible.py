@@ -27,6 +27,7 @@ from accelerated.ops import attention as A_attention
 from reference.models.llama import graph_rope
 from reference.ops import attention as R_attention
 from reference.ops import matmul as R_matmul
+from reference.ops.errors import OpShapeError
 from reference.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM, rope_ext
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -92,6 +93,24 @@ def test_the_twin_attends_the_visible_cells_as_the_reference(inputs):
     # two float32 evaluations of the same sums (MLX's softmax sums in float32)
     bound = 16 * EPS32 * np.max(np.abs(v)) * (1 + np.max(np.abs(q)) * np.max(np.abs(k)))
     assert np.max(np.abs(twin - ref), initial=0) <= bound
+
+
+def test_both_twins_attend_in_the_same_blocks_and_refuse_the_same_shapes():
+    rng = np.random.default_rng(4)
+    n_tokens, n_kv = 40, 64  # each token sees 4 cells: blocks of 16 tokens in both twins
+    mask = np.full((n_tokens, n_kv), -np.inf, np.float32)
+    for t in range(n_tokens):
+        mask[t, rng.choice(n_kv, 4, replace=False)] = 0.0
+    q = rng.standard_normal((n_tokens, 4, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, n_kv, 2, 8)).astype(np.float32)
+    ref = R_attention.attend_visible(q, k, v, mask, 8 ** -0.5)
+    twin = np.array(A_attention.attend_visible(q, k, v, mx.array(mask), 8 ** -0.5))
+    np.testing.assert_allclose(twin, ref, rtol=0, atol=1e-5)
+    for attend in (R_attention.attend_visible, A_attention.attend_visible):
+        with pytest.raises(OpShapeError, match="one block"):
+            attend(q, k.reshape(2, 32, 2, 8), v.reshape(2, 32, 2, 8), mask, 1.0)  # 4-D: streams
+        with pytest.raises(OpShapeError):
+            attend(q, k[:, :1], v, mask, 1.0)  # k and v disagree
 
 
 def parallel_mask(n_seq: int, n_prompt: int, n_gen: int) -> np.ndarray:

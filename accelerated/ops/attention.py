@@ -26,6 +26,7 @@ from reference.ops.attention import _check_attn_args, _check_soft_max_args, _til
 from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
 from reference.ops.attention import sees_few_cells as sees_few_cells  # host-side, as it is
 from reference.ops.attention import visible_cells as visible_cells  # host-side, as it is
+from reference.ops.errors import OpShapeError
 
 
 # --8<-- [start:alibi_slopes]
@@ -225,7 +226,8 @@ def attend_visible(
     gathered and attended on the device. The twin's
     [`build_attn_mha`][] does not take this form: a compiled graph cannot have shapes that
     depend on the mask's values, and the fused kernel already runs every cell at device speed.
-    It is the reference's form on MLX, held to the reference by the tests.
+    It is the reference's form on MLX, held to the reference by the tests, with its checks
+    and its blocks of tokens.
 
     Examples:
         >>> rng = np.random.default_rng(0)
@@ -236,12 +238,22 @@ def attend_visible(
         >>> mx.allclose(attend_visible(q, k, v, m, 8 ** -0.5), full, atol=1e-6).item()
         True
     """
-    q, k, v = as_mx(q), as_mx(k), as_mx(v)
+    q, k, v, kq_mask = as_mx(q), as_mx(k), as_mx(v), as_mx(kq_mask)
+    _check_attn_args(q, k, v, kq_mask)
+    if k.ndim != 3 or k.shape[0] == 0:
+        raise OpShapeError(f"attend_visible: k must be one block of cells (n_kv >= 1, "
+                           f"n_head_kv, d_k); got {k.shape}")
     n_tokens, n_head, d_k = q.shape
     n_head_kv = k.shape[1]
     r = n_head // n_head_kv  # query heads per KV head
     idx, mask = visible_cells(np.asarray(kq_mask[:n_tokens]))  # host: (n_tokens, n_vis)
     n_vis = idx.shape[1]
+    per_block = max(1, k.shape[0] // n_vis)  # the reference's blocks, for the same memory bound
+    if n_tokens > per_block:
+        return mx.concatenate([
+            attend_visible(q[i:i + per_block], k, v, kq_mask[i:i + per_block], kq_scale,
+                           max_bias, softcap)
+            for i in range(0, n_tokens, per_block)])  # (n_tokens, n_head * d_v)
     idx = mx.array(idx)
     k_t = k[idx].transpose(0, 2, 3, 1)  # (n_tokens, n_head_kv, d_k, n_vis): token t's cells
     v_t = v[idx].transpose(0, 2, 1, 3)  # (n_tokens, n_head_kv, n_vis, d_v)

@@ -379,8 +379,11 @@ def sees_few_cells(kq_mask: np.ndarray) -> bool:
     n_tokens, n_kv = kq_mask.shape
     if n_tokens == 0 or n_kv == 0:
         return False
-    rows = np.flatnonzero(kq_mask > -np.inf) // n_kv  # the row of every visible cell
-    return int(np.bincount(rows, minlength=n_tokens).max()) * FEW_CELLS <= n_kv
+    visible = kq_mask > -np.inf  # (n_tokens, n_kv)
+    # the widest row's cells (one row, as in generation: the plain count, 3 µs at 16k cells
+    # where the count per row takes 10)
+    most = np.count_nonzero(visible) if n_tokens == 1 else np.count_nonzero(visible, axis=1).max()
+    return int(most) * FEW_CELLS <= n_kv
 
 
 def visible_cells(kq_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
