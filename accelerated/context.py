@@ -37,7 +37,9 @@ differs:
     llama.cpp's ``llm_graph_result::can_reuse``, and counts in ``perf().n_reused``.
     ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
     llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
-    bit the same (``tests/test_twin_reuse.py``);
+    bit the same on the CPU (``tests/test_twin_reuse.py``; Metal is untested); on CUDA a compiled
+    kernel contracts ``a * b + c`` into one FMA, so there the two agree to float32 rounding
+    (``scripts/mlx_cuda_checks.py``);
 - a Mamba ubatch runs
   [`accelerated.models.mamba.llm_build_mamba`][accelerated.models.mamba.llm_build_mamba] as a graph
   too, ``(tokens, out_ids, r_0 \dots r_{L-1}, s_0 \dots s_{L-1}) \mapsto (\text{logits}, r', s')``
@@ -45,7 +47,7 @@ differs:
   the graph), compiled per ubatch shape (the key's ``n_kv`` is then the number of sequence sets);
   ``graph_reuse=False`` runs
   [`accelerated.models.mamba.mamba_forward`][accelerated.models.mamba.mamba_forward] op by op, with
-  the same bits;
+  the same bits (on CUDA: to float32 rounding, as above);
 - nothing waits for the device: a decode *launches* its ubatches (``mx.async_eval``) and
   returns, and its logits rows stay on the device ([`Context.output_set`][]). They are
   copied to the host the first time they are read, so [`Context.get_logits`][] returns
@@ -359,7 +361,8 @@ class Context(ref.Context):
     Args:
         graph_reuse: trace each ubatch's graph once with ``mx.compile`` and reuse it
             (True), or build and run it op by op every time (False: llama.cpp's
-            ``graph_reuse_disable``). Results are bit for bit the same. The environment
+            ``graph_reuse_disable``). Results are bit for bit the same (on CUDA, to
+            float32 rounding: its compiled kernels fuse multiply-adds). The environment
             variable ``LLAMA_GRAPH_REUSE_DISABLE`` set to a non-zero integer turns it off.
         matmul: ``"dense"`` or ``"quantized"`` matmul weights
             ([`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights]);

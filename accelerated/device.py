@@ -47,3 +47,19 @@ def gpu_paths() -> bool:
     forced = os.environ.get(GPU_PATHS_ENV, "0").strip() or "0"
     return mx.default_device() != mx.cpu or bool(int(forced))
 # --8<-- [end:gpu_paths]
+
+
+# --8<-- [start:on_cuda]
+def on_cuda() -> bool:
+    """Whether MLX's default device is an NVIDIA GPU (MLX's CUDA backend).
+
+    Some of MLX's CUDA kernels have limits its Metal kernels do not
+    ([`accelerated.ops.rope.fast_rope_fits`][accelerated.ops.rope.fast_rope_fits]).
+
+    Examples:
+        >>> on_cuda() == (mx.default_device() == mx.gpu and mx.cuda.is_available())
+        True
+    """
+    cuda = getattr(mx, "cuda", None)  # MLX's CUDA module (also in Metal and CPU builds)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+# --8<-- [end:on_cuda]

@@ -50,7 +50,13 @@ from accelerated.ops import add, mul, mul_mat, rms_norm, swiglu
 from accelerated.ops import softcap as softcap_op
 from accelerated.ops.attention import build_attn_mha_heads, stream_blocks, stream_mask
 from accelerated.ops.convert import as_mx
-from accelerated.ops.rope import ROPE_TYPE_NORM, rope_cache_init, rope_fused, rotate_pairs
+from accelerated.ops.rope import (
+    ROPE_TYPE_NORM,
+    fast_rope_fits,
+    rope_cache_init,
+    rope_fused,
+    rotate_pairs,
+)
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
 from reference.batch import Batch, BatchAllocr
 from reference.hparams import LlamaHParams
@@ -576,7 +582,9 @@ def graph_rope(
 
     Every ``q`` and ``k`` of every layer turns by the same angles: they depend on the
     positions and the hyperparameters only. On a GPU without YaRN each tensor is one
-    ``mx.fast.rope`` kernel, which computes its angles inside: [`rope_in_graph`][] per call.
+    ``mx.fast.rope`` kernel, which computes its angles inside: [`rope_in_graph`][] per call
+    (where the kernel launches for any token count:
+    [`accelerated.ops.rope.fast_rope_fits`][accelerated.ops.rope.fast_rope_fits]).
     Elsewhere the cos/sin cache
     ([`accelerated.ops.rope.rope_cache_init`][accelerated.ops.rope.rope_cache_init]) is built
     once per graph and each tensor only rotates its pairs
@@ -596,7 +604,7 @@ def graph_rope(
         >>> mx.array_equal(graph_rope(pos, 8)(x), rope_in_graph(x, pos, 8)).item()
         True
     """
-    if n_dims == 0 or (ext_factor == 0.0 and gpu_paths()):
+    if n_dims == 0 or (ext_factor == 0.0 and gpu_paths() and fast_rope_fits(n_dims)):
         return partial(rope_in_graph, pos=pos, n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig,
                        freq_base=freq_base, freq_scale=freq_scale, ext_factor=ext_factor,
                        attn_factor=attn_factor, beta_fast=beta_fast, beta_slow=beta_slow,

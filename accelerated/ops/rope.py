@@ -3,7 +3,8 @@ r"""Twin of [`reference.ops.rope`][reference.ops.rope]: ``ggml_rope_ext`` on MLX
 **The fused kernel on a GPU.** Without YaRN (``ext_factor == 0``) on a GPU
 ([`accelerated.device.gpu_paths`][accelerated.device.gpu_paths]), [`rope_ext`][] calls
 ``mx.fast.rope`` with one "batch" entry per token and ``offset = pos`` (a vector of per-token
-positions, negative ones included):
+positions), where the kernel computes it right ([`fast_rope_fits`][]: no negative offsets,
+and on CUDA at least 32 rotated dims):
 
 - ``traditional=True`` is ggml's ``ROPE_TYPE_NORM`` (interleaved pairs $(x_{2j}, x_{2j+1})$),
   ``traditional=False`` is ``ROPE_TYPE_NEOX`` (halves);
@@ -35,7 +36,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from accelerated.device import gpu_paths
+from accelerated.device import gpu_paths, on_cuda
 from accelerated.ops.convert import as_mx
 from reference.ops.rope import (
     ROPE_TYPE_NEOX,
@@ -49,7 +50,9 @@ from reference.ops.rope import (
 __all__ = [
     "ROPE_TYPE_NEOX",
     "ROPE_TYPE_NORM",
+    "CUDA_ROPE_MIN_DIMS",
     "RopeError",
+    "fast_rope_fits",
     "rope_cache_init",
     "rope_ext",
     "rope_theta",
@@ -228,6 +231,45 @@ def rotate_pairs(
 # --8<-- [end:rotate_pairs]
 
 
+# --8<-- [start:fast_rope_fits]
+CUDA_ROPE_MIN_DIMS = 32
+"""The fewest rotated dims with which MLX's CUDA rope kernel launches for any token count."""
+
+
+def fast_rope_fits(n_dims: int, cuda: bool | None = None) -> bool:
+    r"""Whether ``mx.fast.rope`` can turn ``n_dims`` dims of any number of tokens here.
+
+    Two limits of MLX's GPU rope kernel (0.32; ``scripts/mlx_cuda_checks.py`` shows both on
+    an NVIDIA GPU, and ``mlx/backend/cuda/rope.cu`` and ``mlx/backend/common/utils.cpp``
+    say why):
+
+    - **Negative offsets.** With a vector of offsets the kernel adds each one to the
+      thread's unsigned position (``pos.y + batch_offset``), so an offset of -3 becomes
+      about $2^{32}$. The Metal kernel has the same expression. Positions in a batch are
+      never negative (the batch checks refuse them), but the K-shift's deltas are (a
+      context shift moves cells back): [`rope_ext`][] gives those to the cos/sin cache.
+    - **Few dims on CUDA.** The block of threads gets up to
+      $2^{10 - \lfloor\log_2(n_{dims}/2)\rfloor}$ threads on its third axis, where CUDA
+      allows 64, so below 32 rotated dims a ubatch of 128 tokens or more fails to launch
+      (``cudaGraphAddKernelNode ... invalid argument``). The tiny test models have 16.
+
+    Args:
+        n_dims: the rotated dims.
+        cuda: whether the device is MLX's CUDA backend (None: the default device's,
+            [`accelerated.device.on_cuda`][accelerated.device.on_cuda]).
+
+    Examples:
+        >>> fast_rope_fits(64, cuda=True), fast_rope_fits(16, cuda=True)
+        (True, False)
+        >>> fast_rope_fits(16, cuda=False)  # Metal, or the CPU's fallback
+        True
+    """
+    if cuda is None:
+        cuda = on_cuda()
+    return not cuda or n_dims >= CUDA_ROPE_MIN_DIMS
+# --8<-- [end:fast_rope_fits]
+
+
 # --8<-- [start:rope_fused]
 def rope_fused(
     xt: mx.array,
@@ -242,7 +284,9 @@ def rope_fused(
     """The ``ext_factor == 0`` path: ``mx.fast.rope`` on a GPU, the cos/sin cache on the CPU.
 
     On a GPU ([`accelerated.device.gpu_paths`][accelerated.device.gpu_paths]) one
-    ``mx.fast.rope`` kernel with one offset per token. MLX's CPU backend has no rope kernel:
+    ``mx.fast.rope`` kernel with one offset per token, where it launches for any token count
+    ([`fast_rope_fits`][]; the offsets must not be negative, which the callers see to).
+    MLX's CPU backend has no rope kernel:
     there ``mx.fast.rope`` is a fallback of plain ops (19 graph nodes per call, which compute
     the angles in closed form), so the CPU device takes the path of YaRN with
     ``ext_factor = 0``: [`rope_cache_init`][] (ggml's float32 recurrence for the angles, the
@@ -266,7 +310,7 @@ def rope_fused(
         >>> mx.array_equal(y.reshape(3, 2, 8), rope_ext(x, pos, 8)).item()
         True
     """
-    if not gpu_paths():
+    if not gpu_paths() or not fast_rope_fits(n_dims):
         n_tokens, b, _, head_dim = xt.shape
         dt = np.float64 if xt.dtype == mx.float64 else np.float32
         cos_theta, sin_theta = rope_cache_init(
@@ -307,11 +351,13 @@ def rope_ext(
 ) -> mx.array:
     r"""Twin of [`reference.ops.rope.rope_ext`][reference.ops.rope.rope_ext].
 
-    ``ext_factor == 0``: [`rope_fused`][], on a GPU one fused ``mx.fast.rope`` call
-    (``traditional`` = NORM mode, ``scale`` = ``freq_scale``, ``offset`` = ``pos`` per token,
-    ``freqs`` from ``freq_factors``) then ``attn_factor`` on the rotated dims, on the CPU the
-    cos/sin cache. ``ext_factor != 0`` (YaRN): the plain-MLX cos/sin cache and
-    [`rotate_pairs`][]. ``pos`` is read on the host to be
+    ``ext_factor == 0`` and no negative position: [`rope_fused`][], on a GPU one fused
+    ``mx.fast.rope`` call (``traditional`` = NORM mode, ``scale`` = ``freq_scale``,
+    ``offset`` = ``pos`` per token, ``freqs`` from ``freq_factors``) then ``attn_factor`` on
+    the rotated dims, on the CPU the cos/sin cache. ``ext_factor != 0`` (YaRN), or a
+    negative position (a K-shift's delta, which MLX's GPU kernel turns wrong:
+    [`fast_rope_fits`][]): the plain-MLX cos/sin cache and [`rotate_pairs`][] (with
+    ``ext_factor = 0`` the same angles). ``pos`` is read on the host to be
     validated. Computes in float32 for float16/bfloat16 input, like ggml.
 
     Examples:
@@ -330,7 +376,7 @@ def rope_ext(
     xc = x.astype(dt)
     if n_dims == 0:
         return x
-    if ext_factor == 0.0:
+    if ext_factor == 0.0 and not (pos_np < 0).any():
         lead = x.shape[:-3]
         n_tokens, n_head, head_dim = x.shape[-3:]
         # (n_tokens, n_head, head_dim) per leading index -> batch = token, T = 1
