@@ -19,6 +19,14 @@ Each check prints what it measured; none needs a model. Found on an NVIDIA H200 
 3. A compiled graph fuses elementwise ops into one kernel that NVRTC compiles with FMA
    contraction, so ``a * b + c`` compiled rounds once where the two kernels round twice: a
    compiled graph and the same ops run one by one agree to float32 rounding, not bit for bit.
+
+And one question, not yet answered on a GPU (added after the H200 run):
+
+4. Does making an array from host data wait for the GPU? MLX puts it in CUDA managed memory,
+   and when its allocator hands back a freed device buffer for it, moves that buffer with a
+   synchronous ``cudaMemcpy`` first (``mlx/backend/cuda/allocator.cpp``). If that waits for
+   the work in flight, every token whose host inputs are larger than 8 bytes (the scalar
+   pool's size) waits for the previous token's forward: the pipeline is gone.
 """
 
 from __future__ import annotations
@@ -63,8 +71,36 @@ def check_fused_rounding() -> None:
           f"compiled equals fma in {like_fma}")
 
 
+def check_host_array_wait() -> None:
+    """Time ``mx.array`` from host data while about 50 ms of GPU work is in flight."""
+    import time
+
+    gpu = mx.default_device() == mx.gpu
+    size, steps = (4096, 60) if gpu else (256, 20)  # tens of milliseconds on an H200
+    a = mx.random.normal((size, size), key=mx.random.key(5))
+    mx.eval(a)
+    for n in (1, 256, 4096):
+        host = np.zeros(n, dtype=np.int32)
+        freed = mx.arange(n, dtype=mx.int32) + 1  # a device buffer of the same size ...
+        mx.eval(freed)
+        del freed  # ... back in the allocator's cache, for mx.array to reuse
+        y = a
+        for _ in range(steps):  # a chain the device takes a while over
+            y = (y @ a) * 1e-3
+        mx.async_eval(y)
+        t0 = time.perf_counter()
+        x = mx.array(host)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        t2 = time.perf_counter()
+        del x
+        print(f"4. {4 * n:6d} bytes from the host: mx.array took {1e3 * (t1 - t0):.3f} ms "
+              f"with {1e3 * (t2 - t0):.1f} ms of work in flight (a wait: about the latter)")
+
+
 if __name__ == "__main__":
     print("device:", mx.default_device(), mx.device_info().get("device_name"))
     check_negative_offsets()
     check_fused_rounding()
+    check_host_array_wait()
     check_block_limit()  # last: a failed launch may leave the device unusable

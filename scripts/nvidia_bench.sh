@@ -52,6 +52,13 @@ dt = (time.perf_counter() - t) / 10
 print(f"4096^3 float32 product: {dt * 1e3:.2f} ms, {2 * 4096**3 / dt / 1e12:.1f} TFLOP/s")
 EOF
 
+step "where a token's time goes, ours and mlx-lm's (scripts/token_phases.py)"
+for m in tiny tiny-mamba; do timeout 60 python3 scripts/token_phases.py --model $m; done
+MLX_USE_CUDA_GRAPHS=0 timeout 60 python3 scripts/token_phases.py  # without MLX's CUDA graphs
+
+step "MLX's GPU kernels: three facts and a question (scripts/mlx_cuda_checks.py)"
+timeout 60 python3 scripts/mlx_cuda_checks.py
+
 MODEL=
 if [ -n "$WHEELS" ]; then
   step "SmolLM2's shapes and types, random weights"
@@ -80,9 +87,6 @@ step "SmolLM2, dense weights, tg128 at depth 0 and 4000"
 timeout 120 $LLAMAREF bench ${MODEL:+-m $MODEL} -p 0 -n 128 -d 0,4000 -r 3 --vs mlx-lm \
   --matmul dense > "$OUTDIR/smollm2-dense.md"
 cat "$OUTDIR/smollm2-dense.md"
-
-step "three facts about MLX's GPU kernels (scripts/mlx_cuda_checks.py)"
-timeout 60 python3 scripts/mlx_cuda_checks.py
 
 step "the twin's tests on the GPU (float32 products in float32: MLX_ENABLE_TF32=0)"
 # -v names each test as it ends, so a run cut short by its limit still says which failed.

@@ -360,6 +360,9 @@ for name, args in [
     ("mamba1", (4, 2, 9, 24, 1, 16, 1, False, [3, 1])),
     ("mamba2", (2, 3, 7, 8, 16, 32, 2, True, [0, 0, 1])),
     ("mamba2,n_t=0", (1, 1, 0, 4, 8, 16, 1, True, [0])),
+    # one token per sequence: the scan's per-token operands are reshapes, not slices
+    ("mamba1,n_t=1", (3, 2, 1, 24, 1, 16, 1, False, [2, 0])),
+    ("mamba2,n_t=1", (2, 2, 1, 8, 16, 32, 2, True, [1, 0])),
 ]:
     n_rs, n_seqs, n_t, n_head, head_dim, d_state, n_group, _m2, ids = args
     CASES.append(Case(

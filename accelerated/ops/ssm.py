@@ -1,11 +1,16 @@
 r"""Twin of [`reference.ops.ssm`][reference.ops.ssm]: ``ggml_ssm_conv`` and ``ggml_ssm_scan`` on
 MLX.
 
-No fused kernel: both are written with lazy MLX ops in the reference's order. The
-convolution is ``d_conv`` shifted slices of ``sx`` (the self-overlapping view, one slice per
-tap) summed tap by tap; the scan is a Python loop over the ubatch's tokens that builds one
-lazy graph (one decay, one update and one readout per token), evaluated once. The shape checks
-are the reference's; ``ids`` is bookkeeping and is read on the host to be validated.
+No fused kernel: both are written with lazy MLX ops. The convolution is MLX's depthwise
+``conv1d`` (one group per channel), the same windows as the reference's self-overlapping view;
+the scan is a Python loop over the ubatch's tokens that builds one lazy graph (one decay, one
+update and one readout per token), evaluated once. The shape checks are the reference's;
+``ids`` is bookkeeping and is read on the host to be validated.
+
+Each op of a graph costs the host a microsecond or two on a small model (``docs/performance.md``,
+"Fewer nodes per token"), so both keep their node count low: one convolution node instead of a
+slice, a product and a sum per tap, and for a one-token ubatch (generation) the scan's
+per-token operands are reshapes of the whole, not slices.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ def _result_dtype(*arrays: mx.array) -> mx.Dtype:
 def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
     r"""Twin of [`reference.ops.ssm.ssm_conv`][reference.ops.ssm.ssm_conv].
 
-    The windows are ``d_conv`` shifted slices ``sx[..., k : k + T]`` (MLX has no
-    ``as_strided`` view worth the name), each scaled by tap ``k`` and summed in tap order.
+    ``mx.conv1d`` with ``groups = conv_dim``: channel $c$'s output at token $t$ is
+    $\sum_k sx_{c, t + k}\, c_{c, k}$, a cross-correlation as ggml's (no flipped kernel). One
+    graph node; the sum's order is the kernel's, so it agrees with the reference's tap order to
+    float32 rounding.
 
     Examples:
         >>> import numpy as np
@@ -43,10 +50,12 @@ def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
     """
     sx, c = as_mx(sx), as_mx(c)
     n_seqs, conv_dim, n_seq_tokens, d_conv = _ssm_conv_sizes(sx.shape, c.shape)
-    y = mx.zeros((n_seqs, conv_dim, n_seq_tokens), dtype=_result_dtype(sx, c))
-    for k in range(d_conv):
-        y = y + sx[..., k : k + n_seq_tokens] * c[:, k : k + 1]  # (n_seqs, conv_dim, n_t)
-    return y.transpose(0, 2, 1)  # (n_seqs, n_seq_tokens, conv_dim)
+    dtype = _result_dtype(sx, c)
+    if n_seq_tokens == 0:
+        return mx.zeros((n_seqs, 0, conv_dim), dtype=dtype)
+    x = sx.astype(dtype).transpose(0, 2, 1)  # (n_seqs, d_conv - 1 + n_t, conv_dim): channels last
+    w = c.astype(dtype)[:, :, None]  # (conv_dim, d_conv, 1): one input channel per group
+    return mx.conv1d(x, w, groups=conv_dim)  # (n_seqs, n_seq_tokens, conv_dim)
 
 
 # --8<-- [end:ssm_conv]
@@ -104,20 +113,32 @@ def ssm_scan(
     dtype = _result_dtype(s, x, dt, A, B, C)
     delta = compute_softplus(dt.astype(dtype))  # (n_seqs, n_seq_tokens, n_head)
     heads_per_group = n_head // B.shape[2]
-    B_h = mx.repeat(B.astype(dtype), heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
-    C_h = mx.repeat(C.astype(dtype), heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
+    B_h, C_h = B.astype(dtype), C.astype(dtype)  # (n_seqs, n_t, n_group, d_state) each
+    if heads_per_group > 1:
+        B_h = mx.repeat(B_h, heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
+        C_h = mx.repeat(C_h, heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
     A_h = A.astype(dtype)[:, None, :]  # (n_head, 1, d_state or 1)
     if np.array_equal(ids_np, np.arange(s.shape[0])):  # every row in order: no gather
         h = s.astype(dtype)  # (n_seqs, n_head, head_dim, d_state)
     else:
         h = s[mx.array(ids_np.astype(np.int32))].astype(dtype)  # (n_seqs, n_head, hd, d_state)
+    x = x.astype(dtype)
+    d_state, n_bc = B_h.shape[-1], B_h.shape[2]  # n_bc: n_head, or 1 group for every head
+
+    def token(a: mx.array, t: int, shape: tuple) -> mx.array:
+        """Token ``t``'s slice of ``a`` ``(n_seqs, n_t, ...)``, as ``shape``: one reshape
+        when the ubatch has one token per sequence."""
+        return a.reshape(shape) if n_seq_tokens == 1 else a[:, t].reshape(shape)
+
     ys = []
     for t in range(n_seq_tokens):
-        d_t = delta[:, t, :, None, None]  # (n_seqs, n_head, 1, 1)
+        d_t = token(delta, t, (n_seqs, n_head, 1, 1))
         dA = mx.exp(d_t * A_h)  # (n_seqs, n_head, 1, d_state or 1)
-        x_dt = x[:, t, :, :, None].astype(dtype) * d_t  # (n_seqs, n_head, head_dim, 1)
-        h = h * dA + B_h[:, t, :, None, :] * x_dt  # (n_seqs, n_head, head_dim, d_state)
-        ys.append(mx.sum(h * C_h[:, t, :, None, :], axis=-1))  # (n_seqs, n_head, head_dim)
+        x_dt = token(x, t, (n_seqs, n_head, head_dim, 1)) * d_t  # (n_seqs, n_head, head_dim, 1)
+        B_t = token(B_h, t, (n_seqs, n_bc, 1, d_state))
+        h = h * dA + B_t * x_dt  # (n_seqs, n_head, head_dim, d_state)
+        C_t = token(C_h, t, (n_seqs, n_bc, 1, d_state))
+        ys.append(mx.sum(h * C_t, axis=-1))  # (n_seqs, n_head, head_dim)
     if len(ys) == 1:
         y = ys[0][:, None]  # (n_seqs, 1, n_head, head_dim)
     elif ys:
