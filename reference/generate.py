@@ -47,10 +47,11 @@ reading it back ([`decode_token`][reference.context.Context.decode_token]), laun
 token $t + 1$ behind it, and only then waits for token $t$. The device computes step
 $t + 1$ while the host reads token $t$, yields it, and does the next step's bookkeeping. The
 tokens, the cache and the sampler's state are the sequential loop's: a step decoded ahead is
-undone (``seq_rm`` of its position, its draw taken back) when generation stops at token $t$
-(an end-of-generation token, ``n_predict``, the caller closing the generator) or when the
-device's token was redone on the host; no step is taken ahead when the next decode would
-need a context shift or the memory is recurrent (a recurrent state cannot drop a position).
+undone (its draw taken back, and its position: ``seq_rm`` from a KV cache; a recurrent state
+cannot drop a position, so its memory's ``backup``, taken before the step, is put back) when
+generation stops at token $t$ (an end-of-generation token, ``n_predict``, the caller closing
+the generator) or when the device's token was redone on the host; no step is taken ahead
+when the next decode would need a context shift.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class Generator:
         self.perf = perf if perf is not None else Perf()
         self.tokens: list[int] = []
         self.stopped: str | None = None  # why generate() stopped early, if it did
+        self._ahead_backup = None  # a recurrent memory's backup before a step decoded ahead
 
     @property
     def n_past(self) -> int:
@@ -376,25 +378,37 @@ class Generator:
 
     def _can_run_ahead(self) -> bool:
         """A step can be undone, and needs no context shift first."""
-        return (not self.ctx.recurrent and self.ga_n == 1  # a grouping cannot be undone
+        return (self.ga_n == 1  # a grouping cannot be undone
                 and self.n_past + 1 < self.ctx.n_ctx)
 
     def _decode_ahead(self, cur):
         """Decode ``cur``'s token while it is on the device; launch the next sample behind it.
 
-        A failed decode changes nothing: the sequential step after the yield meets the same
-        failure and raises it there.
+        A recurrent memory's ``backup`` is taken first, for `_undo` (on MLX it keeps the state
+        rows, immutable arrays, and copies only the cells' bookkeeping). A failed decode
+        changes nothing: the sequential step after the yield meets the same failure and
+        raises it there.
         """
+        backup = self.ctx.memory.backup() if self.ctx.recurrent else None
         if self.ctx.decode_token(cur.token) != 0:
             return None
         self.tokens.append(-1)  # known once cur resolves
+        self._ahead_backup = backup
         return self._sample_async()
 
     def _undo(self, ahead, draw_taken_back: bool = False) -> None:
-        """Take back a step decoded ahead: its position leaves the cache, its draw the RNG."""
+        """Take back a step decoded ahead: its position leaves the memory, its draw the RNG.
+
+        A KV cache drops the position (``seq_rm``); a recurrent state, which cannot, gets
+        back the backup taken before the step.
+        """
         if not draw_taken_back:
             self.sampler.cancel(ahead)
-        self.ctx.memory.seq_rm(0, self.n_past - 1, -1)
+        if self.ctx.recurrent:
+            self.ctx.memory.restore(self._ahead_backup)
+        else:
+            self.ctx.memory.seq_rm(0, self.n_past - 1, -1)
+        self._ahead_backup = None
         self.tokens.pop()
     # --8<-- [end:generate_pipelined]
 

@@ -6,8 +6,10 @@ and token $t + 1$ sampled behind it. The law: the same tokens, the same cells in
 the same sampler state (history and draws) as the sequential loop on the same Context kind,
 for every way generation stops (``n_predict``, an end-of-generation token, the caller
 closing the generator, a full context with or without a shift) and when a device step is
-redone on the host. Also: the twin's lazy outputs read as the reference's, and a device
-token decodes as its host id.
+redone on the host. A recurrent model (Mamba, Mamba-2) runs ahead too: its step decoded
+ahead is undone by putting back the memory's backup, so the cells and the state rows, bit
+for bit, are the sequential loop's. Also: the twin's lazy outputs read as the reference's,
+and a device token decodes as its host id.
 """
 
 from __future__ import annotations
@@ -21,18 +23,26 @@ from accelerated.context import Context as MLXContext
 from reference.batch import Batch
 from reference.generate import Generator
 from reference.sampling import SamplerParams
+from reference.testing import random_mamba_weights
 from tests.helpers import cells_of as cells
-from tests.tiny_models import random_weights, tiny_hparams
+from tests.tiny_models import random_weights, tiny_hparams, tiny_mamba_hparams
 
 HP = tiny_hparams(n_layer=2, n_vocab=64)
 W = random_weights(HP, seed=5)
 PROMPT = [1, 7, 3, 9]
+RECURRENT = {arch: (hp, random_mamba_weights(hp, seed=6)) for arch, hp in (
+    ("mamba", tiny_mamba_hparams("mamba", n_vocab=64)),
+    ("mamba2", tiny_mamba_hparams("mamba2", n_vocab=64, n_group=2)),
+)}
+MODELS = ["llama", *RECURRENT]
 
 
 def run(pipelined: bool, params: SamplerParams, n_predict: int, n_ctx: int = 256,
-        eog=(), stop_after: int | None = None, shift: bool = True, prompt=PROMPT):
-    ctx = MLXContext(HP, W, n_ctx=n_ctx)
-    chain = A.SamplerChain.from_params(params, HP.n_vocab)
+        eog=(), stop_after: int | None = None, shift: bool = True, prompt=PROMPT,
+        model: str = "llama"):
+    hp, w = RECURRENT.get(model, (HP, W))
+    ctx = MLXContext(hp, w, n_ctx=n_ctx)
+    chain = A.SamplerChain.from_params(params, hp.n_vocab)
     gen = Generator(ctx, chain, shift=shift, on_device=True)
     assert gen.pipelined == chain.pipelined
     gen.pipelined = pipelined and gen.pipelined
@@ -55,34 +65,58 @@ def assert_same_run(a, b) -> None:
     assert cells(ctx_a) == cells(ctx_b)
     assert list(ch_a.history) == list(ch_b.history)
     assert ch_a.rng_dist.uniform_double() == ch_b.rng_dist.uniform_double()  # same draws next
+    if ctx_a.recurrent:  # a backup put back: the state rows are the sequential loop's, bit for bit
+        for x, y in zip(ctx_a.memory.r_l + ctx_a.memory.s_l,
+                        ctx_b.memory.r_l + ctx_b.memory.s_l, strict=True):
+            assert np.array(x).tobytes() == np.array(y).tobytes()
 
 
 SEEDED = SamplerParams(seed=11, temp=0.8, top_k=20)
 GREEDY = SamplerParams(seed=3, temp=0.0)
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("params", [SEEDED, GREEDY], ids=["seeded", "greedy"])
-def test_pipelined_equals_sequential_to_n_predict(params):
-    a, b = run(True, params, 12), run(False, params, 12)
+def test_pipelined_equals_sequential_to_n_predict(params, model, monkeypatch):
+    ahead = count_steps_ahead(monkeypatch)
+    a = run(True, params, 12, model=model)
+    assert ahead[0] == 11  # every step after the first ran ahead, recurrent ones too
+    b = run(False, params, 12, model=model)
     assert_same_run(a, b)
     assert len(a[0]) == 12 and len(a[1].tokens) == len(PROMPT) + 11
     assert ctx_perf_counts(a) == ctx_perf_counts(b)
+
+
+def count_steps_ahead(monkeypatch) -> list[int]:
+    """Count the steps the loop decodes ahead (``Generator._decode_ahead``)."""
+    calls = [0]
+    real = Generator._decode_ahead
+
+    def counted(self, cur):
+        calls[0] += 1
+        return real(self, cur)
+
+    monkeypatch.setattr(Generator, "_decode_ahead", counted)
+    return calls
 
 
 def ctx_perf_counts(run_):
     return run_[1].perf.n_eval, run_[1].perf.n_p_eval
 
 
-def test_an_end_of_generation_token_undoes_the_step_decoded_ahead():
-    toks, *_ = run(False, SEEDED, 10)
+@pytest.mark.parametrize("model", MODELS)
+def test_an_end_of_generation_token_undoes_the_step_decoded_ahead(model):
+    toks, *_ = run(False, SEEDED, 10, model=model)
     eog = (toks[4],)
-    a, b = run(True, SEEDED, 10, eog=eog), run(False, SEEDED, 10, eog=eog)
+    a, b = run(True, SEEDED, 10, eog=eog, model=model), run(False, SEEDED, 10, eog=eog, model=model)
     assert_same_run(a, b)
     assert a[0][-1] == toks[4] and len(a[1].tokens) == len(PROMPT) + len(a[0]) - 1
 
 
-def test_closing_the_generator_undoes_the_step_decoded_ahead():
-    a, b = run(True, SEEDED, 20, stop_after=5), run(False, SEEDED, 20, stop_after=5)
+@pytest.mark.parametrize("model", MODELS)
+def test_closing_the_generator_undoes_the_step_decoded_ahead(model):
+    a = run(True, SEEDED, 20, stop_after=5, model=model)
+    b = run(False, SEEDED, 20, stop_after=5, model=model)
     assert_same_run(a, b)
 
 
@@ -110,13 +144,14 @@ def every_third_device_step_fails(monkeypatch) -> list[int]:
     return calls
 
 
-def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_step_redone_on_the_host_is_undone_and_decoded_again(monkeypatch, model):
     """Every third device step claims a failed margin: the loop undoes the decode that read
     the device's guess and goes on from the host's token."""
     calls = every_third_device_step_fails(monkeypatch)
-    a = run(True, SEEDED, 12)
+    a = run(True, SEEDED, 12, model=model)
     calls[0] = 0
-    b = run(False, SEEDED, 12)
+    b = run(False, SEEDED, 12, model=model)
     assert a[3].fallbacks >= 3
     assert_same_run(a, b)
 
