@@ -250,8 +250,10 @@ def fast_rope_fits(n_dims: int, cuda: bool | None = None) -> bool:
       context shift moves cells back): [`rope_ext`][] gives those to the cos/sin cache.
     - **Few dims on CUDA.** The block of threads gets up to
       $2^{10 - \lfloor\log_2(n_{dims}/2)\rfloor}$ threads on its third axis, where CUDA
-      allows 64, so below 32 rotated dims a ubatch of 128 tokens or more fails to launch
-      (``cudaGraphAddKernelNode ... invalid argument``). The tiny test models have 16.
+      allows 64, so below 32 rotated dims a call fails to launch
+      (``cudaGraphAddKernelNode ... invalid argument``) once its tokens times its groups of
+      four heads reach 128: a prompt of 128 tokens on a model of 4 heads. The tiny test
+      models have 16.
 
     Args:
         n_dims: the rotated dims.
