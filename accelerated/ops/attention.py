@@ -22,11 +22,16 @@ import numpy as np
 from accelerated.ops.convert import as_mx
 from accelerated.ops.softcap import softcap as softcap_op
 from reference.ops.attention import FEW_CELLS as FEW_CELLS  # the reference's rule
-from reference.ops.attention import _check_attn_args, _check_soft_max_args, _tile_reps
+from reference.ops.attention import (
+    _check_attn_args,
+    _check_soft_max_args,
+    _check_visible_args,
+    _tile_reps,
+    _visible_block,
+)
 from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
 from reference.ops.attention import sees_few_cells as sees_few_cells  # host-side, as it is
 from reference.ops.attention import visible_cells as visible_cells  # host-side, as it is
-from reference.ops.errors import OpShapeError
 
 
 # --8<-- [start:alibi_slopes]
@@ -239,16 +244,13 @@ def attend_visible(
         True
     """
     q, k, v, kq_mask = as_mx(q), as_mx(k), as_mx(v), as_mx(kq_mask)
-    _check_attn_args(q, k, v, kq_mask)
-    if k.ndim != 3 or k.shape[0] == 0:
-        raise OpShapeError(f"attend_visible: k must be one block of cells (n_kv >= 1, "
-                           f"n_head_kv, d_k); got {k.shape}")
+    _check_visible_args(q, k, v, kq_mask)
     n_tokens, n_head, d_k = q.shape
     n_head_kv = k.shape[1]
     r = n_head // n_head_kv  # query heads per KV head
     idx, mask = visible_cells(np.asarray(kq_mask[:n_tokens]))  # host: (n_tokens, n_vis)
     n_vis = idx.shape[1]
-    per_block = max(1, k.shape[0] // n_vis)  # the reference's blocks, for the same memory bound
+    per_block = _visible_block(k.shape[0], n_vis)  # the reference's blocks and memory bound
     if n_tokens > per_block:
         return mx.concatenate([
             attend_visible(q[i:i + per_block], k, v, kq_mask[i:i + per_block], kq_scale,

@@ -450,16 +450,13 @@ def attend_visible(
         >>> bool(np.allclose(attend_visible(q, k, v, m, 8 ** -0.5), full))
         True
     """
-    _check_attn_args(q, k, v, kq_mask)
-    if k.ndim != 3 or k.shape[0] == 0:
-        raise OpShapeError(f"attend_visible: k must be one block of cells (n_kv >= 1, "
-                           f"n_head_kv, d_k); got {k.shape}")
+    _check_visible_args(q, k, v, kq_mask)
     n_tokens, n_head, d_k = q.shape
     n_head_kv = k.shape[1]
     r = n_head // n_head_kv  # query heads per KV head
     idx, mask = visible_cells(kq_mask[:n_tokens])  # (n_tokens, n_vis)
     n_vis = idx.shape[1]
-    per_block = max(1, k.shape[0] // n_vis)  # tokens whose gathered cells fill the view once
+    per_block = _visible_block(k.shape[0], n_vis)
     if n_tokens > per_block:  # in blocks: what is gathered never outgrows the cells in view
         return np.concatenate([
             attend_visible(q[i:i + per_block], k, v, kq_mask[i:i + per_block], kq_scale,
@@ -476,6 +473,21 @@ def attend_visible(
     kqv = mul_mat(v_t, kq.reshape(n_tokens, n_head_kv, r, n_vis))  # (n_tokens, n_head_kv, r, d_v)
     return kqv.reshape(n_tokens, -1)  # (n_tokens, n_head * d_v)
 # --8<-- [end:attend_visible]
+
+
+def _check_visible_args(q, k, v, kq_mask) -> None:
+    """Shape checks of [`attend_visible`][] (either twin): ``build_attn_mha``'s, and ``k`` one
+    block of at least one cell."""
+    _check_attn_args(q, k, v, kq_mask)
+    if k.ndim != 3 or k.shape[0] == 0:
+        raise OpShapeError(f"attend_visible: k must be one block of cells (n_kv >= 1, "
+                           f"n_head_kv, d_k); got {k.shape}")
+
+
+def _visible_block(n_kv: int, n_vis: int) -> int:
+    """Tokens per block of [`attend_visible`][]: as many as have their gathered cells fill the
+    view once (``n_kv // n_vis``, at least one), so the copies never outgrow K and V."""
+    return max(1, n_kv // n_vis)
 
 
 def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray,
