@@ -458,12 +458,13 @@ class Context(ref.Context):
         A scalar ``mx.array`` token is not read back: the batch is validated with the id 0
         in its place (positions and sequences are what validation reads; a token picked by
         a sampler over this model's ``n_vocab`` logits is in range by construction), and the
-        graph reads the device token. A recurrent model's forward takes host ids: there the
+        graph reads the device token. Without graph reuse a recurrent model's forward
+        ([`mamba_forward`][accelerated.models.mamba.mamba_forward]) takes host ids: there the
         token is read back first.
         """
         if not isinstance(token, mx.array):
             return super().decode_token(token, seq_id)
-        if self.recurrent:
+        if self.recurrent and not self.graph_reuse:
             return super().decode_token(token.item(), seq_id)
         self._token_on_device = token.reshape(1).astype(mx.int32)  # (1,)
         try:
@@ -550,8 +551,11 @@ class Context(ref.Context):
             key = GraphKey(False, len(ubatch.token), len(out_ids), ubatch.n_seqs, ())
             rows = [inp.get_r(il) for il in range(n_layer)] + [
                 inp.get_s(il) for il in range(n_layer)]
-            outs = self.graph(key)(mx.array(np.asarray(ubatch.token, np.int32)),
-                                   mx.array(out_ids.astype(np.int32)), *rows)
+            if self._token_on_device is not None:  # decode_token's, not read back
+                tokens = self._token_on_device  # (1,)
+            else:
+                tokens = mx.array(np.asarray(ubatch.token, np.int32))  # (n_tokens,)
+            outs = self.graph(key)(tokens, mx.array(out_ids.astype(np.int32)), *rows)
             del rows
             for il in range(n_layer):
                 inp.cpy_r(il, outs[1 + il])

@@ -213,14 +213,33 @@ def test_chains_with_a_host_only_stage_do_not_run_ahead():
     assert A.SamplerChain.from_params(SEEDED, 64).pipelined
 
 
-def test_a_device_token_decodes_as_its_host_id():
-    host, dev = MLXContext(HP, W, n_ctx=64), MLXContext(HP, W, n_ctx=64)
+@pytest.mark.parametrize("model", MODELS)
+def test_a_device_token_decodes_as_its_host_id(model, monkeypatch):
+    """The graph reads the device token itself (it is not read back first), recurrent
+    models included: the same logits, cells and (Mamba) state rows as the host id's."""
+    hp, w = RECURRENT.get(model, (HP, W))
+    host, dev = MLXContext(hp, w, n_ctx=64), MLXContext(hp, w, n_ctx=64)
     for ctx in (host, dev):
         assert ctx.decode(Batch(token=PROMPT)) == 0
+    from_device = []  # per graph call: were the tokens decode_token's device token?
+    real_graph = MLXContext.graph
+
+    def graph(self, key):
+        fn = real_graph(self, key)
+        return lambda tokens, *args: (from_device.append(tokens is self._token_on_device),
+                                      fn(tokens, *args))[1]
+
+    monkeypatch.setattr(MLXContext, "graph", graph)
+    token = mx.array([5], dtype=mx.int32)
     assert host.decode_token(5) == 0
-    assert dev.decode_token(mx.array([5], dtype=mx.int32)) == 0
+    assert dev.decode_token(token) == 0
+    assert from_device == [False, True]
     assert np.array_equal(host.get_logits(), dev.get_logits())
     assert cells(host) == cells(dev)
+    if host.recurrent:
+        for x, y in zip(host.memory.r_l + host.memory.s_l, dev.memory.r_l + dev.memory.s_l,
+                        strict=True):
+            assert np.array(x).tobytes() == np.array(y).tobytes()
 
 
 def test_lazy_outputs_read_as_the_reference_rules():
