@@ -8,11 +8,14 @@ through a strict fake that fails on anything but ``seq_pos_min`` / ``seq_pos_max
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+import reference.batch as B
 from reference.batch import (
     LLAMA_MAX_SEQ,
     Batch,
@@ -634,3 +637,62 @@ def test_coupled_sequences_without_unified_cache_give_rc_1(tmp_path):
     assert rc == 1 and theirs == []
     a = allocr(Batch(token=[1, 2], pos=[0, 1], seq_id=[[0, 1], [0]]), n_seq_max=2)
     assert a.split_equal(4, sequential=True).n_tokens == 0 and a.n_used < a.n_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# One token: the scalar path is the array path
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def one_token_cases(draw):
+    """A one-token batch, valid or not, and a memory that it may or may not continue: ids
+    around the ranges' edges, duplicate and coupled seq ids, positions given or filled,
+    sequences held up to the largest int32 position (filling past it overflows)."""
+    n_seq_max = draw(st.sampled_from([1, 2, 3, 5, LLAMA_MAX_SEQ, LLAMA_MAX_SEQ + 1]))
+    seq_ids = st.integers(-2, 6) | st.sampled_from([LLAMA_MAX_SEQ - 1, LLAMA_MAX_SEQ])
+    seq_id = draw(st.none() | st.lists(seq_ids, min_size=1, max_size=4).map(lambda s: [s]))
+    pos = draw(st.none() | st.integers(-3, 12).map(lambda p: [p]))
+    ranges = {}
+    for s in range(6):
+        p_max = draw(st.integers(-1, 10) | st.just(2**31 - 1))
+        if p_max >= 0:
+            ranges[s] = (draw(st.integers(0, p_max)), p_max)
+    memory = draw(st.none() | st.just(FakeMemory(ranges)))
+    batch = Batch(token=[draw(st.integers(-2, N_VOCAB + 1))], pos=pos, seq_id=seq_id,
+                  logits=draw(st.none() | st.booleans().map(lambda b: [b])))
+    return batch, n_seq_max, memory
+
+
+def outcome(fill, batch, n_seq_max, memory):
+    """What ``fill`` makes of the batch: its four results, or its refusal's message."""
+    try:
+        seq_id, pos, seq_pos, seq_cpl = fill(batch, N_VOCAB, n_seq_max, memory)
+    except BatchError as err:
+        return str(err)
+    return seq_id, pos.dtype, pos.tolist(), list(seq_pos.items()), seq_cpl
+
+
+@given(one_token_cases())
+def test_one_token_fields_are_the_array_rules(case):
+    """``fill_fields_one_token`` refuses what ``fill_fields`` refuses, with its message, and
+    fills what it fills; the whole allocator then agrees (the order rule, skipped for one
+    token, has nothing to refuse there)."""
+    batch, n_seq_max, memory = case
+    scalar = outcome(B.fill_fields_one_token, batch, n_seq_max, memory)
+    assert scalar == outcome(B.fill_fields, batch, n_seq_max, memory)
+
+    def build():
+        try:
+            a = allocr(batch, n_seq_max=n_seq_max, memory=memory, n_batch=1)
+        except BatchError as err:
+            return str(err)
+        return (a.batch.token.tolist(), a.batch.pos.tolist(), a.batch.seq_id,
+                a.batch.logits.tolist(), a.n_outputs, list(a.seq_pos.items()), a.seq_cpl,
+                a.seq_set, a.seq_set_map)
+
+    with mock.patch.object(B, "fill_fields_one_token", B.fill_fields):
+        arrays = build()
+    assert build() == arrays
+    if not isinstance(scalar, str):
+        B.check_seq_order(scalar[0], np.array(scalar[2]))
