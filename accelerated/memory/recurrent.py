@@ -68,8 +68,21 @@ _MX_DTYPES = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16
 
 
 def _put_rows(t: mx.array, start: int, rows: mx.array) -> mx.array:
-    """``t`` with rows ``start .. start + len(rows)`` replaced by ``rows`` (a new array)."""
-    return mx.slice_update(t, rows.astype(t.dtype), mx.array([start]), axes=(0,))
+    """``t`` with rows ``start .. start + len(rows)`` replaced by ``rows`` (a new array).
+
+    Rows that are all of ``t`` (one sequence in a one-cell memory: every generation step of
+    a single chat) replace it whole, with no update node in the step's graph.
+    """
+    rows = rows.astype(t.dtype)  # no node when it is t's dtype
+    if start == 0 and rows.shape == t.shape:
+        return rows
+    return mx.slice_update(t, rows, mx.array([start]), axes=(0,))
+
+
+def _get_rows(t: mx.array, start: int, n: int) -> mx.array:
+    """Rows ``start .. start + n`` of ``t``; ``t`` itself when they are all of it (no
+    slice node)."""
+    return t if start == 0 and n == t.shape[0] else t[start: start + n]
 
 
 # --8<-- [start:RecurrentMemoryInput]
@@ -84,21 +97,24 @@ class RecurrentMemoryInput(ref.RecurrentMemoryInput):
 
     def get_r(self, il: int) -> mx.array:
         """Conv states of layer ``il``, one row per sequence set ``(n_seqs, n_embd_r)``."""
-        return self.memory.r_l[il][self.head: self.head + self.n_seqs]
+        return _get_rows(self.memory.r_l[il], self.head, self.n_seqs)
 
     def get_s(self, il: int) -> mx.array:
         """SSM states of layer ``il``, one row per sequence set ``(n_seqs, n_embd_s)``."""
-        return self.memory.s_l[il][self.head: self.head + self.n_seqs]
+        return _get_rows(self.memory.s_l[il], self.head, self.n_seqs)
 
     def cpy_r(self, il: int, r: mx.array) -> None:
         """Store the final conv states ``(n_seqs, n_embd_r)`` of layer ``il``."""
-        rows = as_mx(r).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_r)
-        self.memory.r_l[il] = _put_rows(self.memory.r_l[il], self.head, rows)
+        self.memory.r_l[il] = _put_rows(self.memory.r_l[il], self.head, self._rows(r))
 
     def cpy_s(self, il: int, s: mx.array) -> None:
         """Store the final SSM states ``(n_seqs, n_embd_s)`` of layer ``il``."""
-        rows = as_mx(s).reshape(self.n_seqs, -1)  # (n_seqs, n_embd_s)
-        self.memory.s_l[il] = _put_rows(self.memory.s_l[il], self.head, rows)
+        self.memory.s_l[il] = _put_rows(self.memory.s_l[il], self.head, self._rows(s))
+
+    def _rows(self, x: mx.array) -> mx.array:
+        """``x`` as ``(n_seqs, -1)`` rows (no reshape node when it is already)."""
+        x = as_mx(x)
+        return x if x.ndim == 2 and x.shape[0] == self.n_seqs else x.reshape(self.n_seqs, -1)
 # --8<-- [end:RecurrentMemoryInput]
 
 

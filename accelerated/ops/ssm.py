@@ -10,7 +10,8 @@ update and one readout per token), evaluated once. The shape checks are the refe
 Each op of a graph costs the host a microsecond or two on a small model (``docs/performance.md``,
 "Fewer nodes per token"), so both keep their node count low: one convolution node instead of a
 slice, a product and a sum per tap, and for a one-token ubatch (generation) the scan's
-per-token operands are reshapes of the whole, not slices.
+per-token operands are reshapes of the whole, not slices, and a single group of ``B``/``C``
+is broadcast over the heads rather than repeated for each.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ def ssm_scan(
     r"""Twin of [`reference.ops.ssm.ssm_scan`][reference.ops.ssm.ssm_scan].
 
     A Python loop over tokens building one lazy MLX graph; groups of ``B``/``C`` are
-    repeated for their heads with ``mx.repeat``; returns ``(y, states)`` as MLX arrays.
+    repeated for their heads with ``mx.repeat``, except a single group (Mamba-1, and
+    Mamba-2 with ``n_group = 1``), which broadcasts over the heads as it is; returns
+    ``(y, states)`` as MLX arrays.
 
     Examples:
         >>> import numpy as np
@@ -114,7 +117,7 @@ def ssm_scan(
     delta = compute_softplus(dt.astype(dtype))  # (n_seqs, n_seq_tokens, n_head)
     heads_per_group = n_head // B.shape[2]
     B_h, C_h = B.astype(dtype), C.astype(dtype)  # (n_seqs, n_t, n_group, d_state) each
-    if heads_per_group > 1:
+    if heads_per_group > 1 and B.shape[2] > 1:  # one group broadcasts: no repeat nodes
         B_h = mx.repeat(B_h, heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
         C_h = mx.repeat(C_h, heads_per_group, axis=2)  # (n_seqs, n_t, n_head, d_state)
     A_h = A.astype(dtype)[:, None, :]  # (n_head, 1, d_state or 1)
