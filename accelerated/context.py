@@ -728,6 +728,8 @@ class Context(ref.Context):
             return mx.array(self._logits)
         rows, out_ids = self._device_rows
         stacked = rows[0] if len(rows) == 1 else mx.concatenate(rows)  # (n_outputs, n_vocab)
+        if len(out_ids) == 1:  # one row is in order (a generation step)
+            return stacked
         order = output_order(out_ids)
         if (order == np.arange(len(order))).all():
             return stacked

@@ -163,8 +163,9 @@ def batch_context(memory: Memory, balloc: BatchAllocr,
                   split: Callable[[], Ubatch]) -> MemoryContext:
     """``init_batch``'s common part: cut the whole batch with ``split``, then ``prepare`` it.
 
-    Each memory picks its ``split`` (the next ubatch of ``balloc``); this splits until
-    nothing is left and asks the memory for a placement of every ubatch, all or nothing.
+    Each memory picks its ``split`` (the next ubatch of ``balloc``); this splits until every
+    token is used or the split gives nothing (no valid split), and asks the memory for a
+    placement of every ubatch, all or nothing.
 
     Returns:
         A [`MemoryContext`][]; ``FAILED_PREPARE`` when some tokens cannot be split (coupled
@@ -172,7 +173,7 @@ def batch_context(memory: Memory, balloc: BatchAllocr,
     """
     balloc.split_reset()
     ubatches = []
-    while (ubatch := split()).n_tokens:
+    while balloc.n_used < balloc.n_tokens and (ubatch := split()).n_tokens:
         ubatches.append(ubatch)
     if balloc.n_used < balloc.n_tokens:
         return MemoryContext(memory, MemoryStatus.FAILED_PREPARE,
