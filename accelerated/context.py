@@ -100,6 +100,7 @@ __all__ = [
     "ContextError",
     "GraphKey",
     "KV_VIEW_PAD",
+    "MAMBA_COMPILE_MAX_SEQ_TOKENS",
     "PerfContextData",
     "cache_parts",
     "context_shift",
@@ -112,6 +113,9 @@ __all__ = [
 # Compiled graphs kept per context (least recently used first out). Token-by-token
 # generation needs one; a prompt of several ubatches one more per distinct ubatch size.
 GRAPH_CACHE_SIZE = 8
+# The most tokens per sequence of a Mamba ubatch whose graph is compiled and kept; a longer
+# one (a prompt) runs its graph op by op (Context.graph says why).
+MAMBA_COMPILE_MAX_SEQ_TOKENS = 16
 KV_VIEW_PAD = 64  # the step of the attention width the twin's graph reads, in cells
 
 
@@ -571,9 +575,20 @@ class Context(ref.Context):
 
         A key equal to the previous ubatch's counts as a reuse (``n_reused``). The cache
         holds at most ``graph_cache_size`` compiled graphs, least recently used out.
+
+        A Mamba ubatch of more than ``MAMBA_COMPILE_MAX_SEQ_TOKENS`` tokens per sequence (a
+        prompt) is not compiled: its scan is a loop over those tokens, so its graph grows
+        with them (thousands of nodes for a 512-token ubatch), is traced for one use, and
+        while such a compiled graph is held MLX runs every other graph slower (the tiny
+        Mamba's token took about 0.6 ms instead of 0.4 after a 1000-token prompt in
+        512-token ubatches; the same slowdown with any compiled graph of thousands of
+        nodes kept alive, ``docs/performance.md``). A Llama graph has the same nodes at
+        every size.
         """
         if self.hparams.arch in MAMBA_ARCHS:
             build = partial(_mamba_graph, self.mlx_weights, self.hparams, key)
+            if key.n_tokens // key.n_kv > MAMBA_COMPILE_MAX_SEQ_TOKENS:
+                return build  # a prompt's graph: see the docstring
         else:
             build = partial(_llama_graph, self.mlx_weights, self.hparams, self._parts, key)
         if not self.graph_reuse:
