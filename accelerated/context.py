@@ -422,6 +422,7 @@ class Context(ref.Context):
         self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
         self._host_stale = False  # the host copy (self._logits) lags the device rows
         self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
+        self._every_row: dict[int, mx.array] = {}  # _ids_input's aranges, by size
         self._parts = () if self.recurrent else cache_parts(self._memory)  # the graph's caches
 
     create_memory = staticmethod(create_memory)
@@ -559,7 +560,7 @@ class Context(ref.Context):
                 tokens = self._token_on_device  # (1,)
             else:
                 tokens = mx.array(np.asarray(ubatch.token, np.int32))  # (n_tokens,)
-            outs = self.graph(key)(tokens, mx.array(out_ids.astype(np.int32)), *rows)
+            outs = self.graph(key)(tokens, self._ids_input(out_ids, len(ubatch.token)), *rows)
             del rows
             for il in range(n_layer):
                 inp.cpy_r(il, outs[1 + il])
@@ -568,6 +569,17 @@ class Context(ref.Context):
         mem = self._memory
         mx.async_eval(logits, *mem.r_l, *mem.s_l)
         return logits
+
+    def _ids_input(self, out_ids: np.ndarray, n_tokens: int) -> mx.array:
+        """``out_ids`` as a graph input ``(n_outputs,)`` int32. When every token outputs they
+        are ``0 .. n_tokens - 1`` (generation's one row): a kept ``mx.arange`` of that size,
+        not a new array every step."""
+        if len(out_ids) != n_tokens:
+            return mx.array(out_ids.astype(np.int32))
+        ids = self._every_row.get(n_tokens)
+        if ids is None:
+            ids = self._every_row[n_tokens] = mx.arange(n_tokens, dtype=mx.int32)
+        return ids
 
     # --8<-- [start:graph]
     def graph(self, key: GraphKey) -> Callable:
@@ -636,7 +648,7 @@ class Context(ref.Context):
         caches = [c for c in kv_caches(self._memory) if c.layers]
         kv = [t for c in caches for t in (*c.k_l, *c.v_l)]
         outs = self.graph(key)(x, mx.array(pos.astype(np.int32)),
-                               mx.array(out_ids.astype(np.int32)), *host, *kv)
+                               self._ids_input(out_ids, len(pos)), *host, *kv)
         # the graph holds the old tensors now: with no other reference left, the writes into
         # them can reuse their buffers (MLX donates an input that nothing else holds)
         del kv

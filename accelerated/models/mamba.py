@@ -158,33 +158,43 @@ def build_mamba_layer(
     inp: RecurrentInput, cur: mx.array, layer: dict, hparams: MambaHParams, il: int
 ) -> mx.array:
     r"""Twin of
-    [`reference.models.mamba.build_mamba_layer`][reference.models.mamba.build_mamba_layer].
+    [`reference.models.mamba.build_mamba_layer`][reference.models.mamba.build_mamba_layer],
+    on the ubatch's rows.
 
     The same steps on lazy MLX arrays; ``ssm_in``, ``ssm_x``, ``ssm_dt`` and ``ssm_out`` may
-    be quantized (``mx.quantized_matmul``).
+    be quantized (``mx.quantized_matmul``). ``cur`` is the normed activations as rows
+    ``(n_tokens, n_embd)``, sequence set after set (the reference's
+    ``(n_seqs, n_seq_tokens, n_embd)`` flattened), and so is the result: the projections
+    multiply rows as they are (a matmul of a 3-D array costs MLX a flatten and an unflatten
+    node), and only the convolution and the scan see the sets, ``n_seqs`` of them (one
+    state row each: ``inp.get_r(il)``).
     """
     d_inner, d_state, dt_rank = hparams.ssm_d_inner, hparams.ssm_d_state, hparams.ssm_dt_rank
-    n_seqs, n_seq_tokens, _ = cur.shape
-    xz = linear(layer["ssm_in"], cur)  # (n_seqs, n_seq_tokens, 2 * d_inner)
-    x, z = xz[..., :d_inner], xz[..., d_inner:]  # (n_seqs, n_seq_tokens, d_inner) each
+    n_tokens = cur.shape[0]
+    n_seqs = inp.get_r(il).shape[0]
+    sets = (n_seqs, n_tokens // n_seqs)  # (n_seqs, n_seq_tokens)
+    xz = linear(layer["ssm_in"], cur)  # (n_tokens, 2 * d_inner)
+    x, z = xz[:, :d_inner], xz[:, d_inner:]  # (n_tokens, d_inner) each
 
-    x = build_rs_conv(inp, il, hparams, x, layer)  # (n_seqs, n_seq_tokens, d_inner)
+    x = build_rs_conv(inp, il, hparams, x.reshape(*sets, d_inner), layer)
+    x = x.reshape(n_tokens, d_inner)  # (n_tokens, d_inner)
 
-    x_db = linear(layer["ssm_x"], x)  # (n_seqs, n_seq_tokens, dt_rank + 2 * d_state)
-    dt = x_db[..., :dt_rank]  # (n_seqs, n_seq_tokens, dt_rank)
-    B = x_db[..., None, dt_rank : dt_rank + d_state]  # (n_seqs, n_seq_tokens, 1, d_state)
-    C = x_db[..., None, dt_rank + d_state :]  # (n_seqs, n_seq_tokens, 1, d_state)
+    x_db = linear(layer["ssm_x"], x)  # (n_tokens, dt_rank + 2 * d_state)
+    dt = x_db[:, :dt_rank]  # (n_tokens, dt_rank)
+    B = x_db[:, dt_rank : dt_rank + d_state]  # (n_tokens, d_state)
+    C = x_db[:, dt_rank + d_state :]  # (n_tokens, d_state)
     if hparams.ssm_dt_b_c_rms:
         eps = hparams.f_norm_rms_eps
         dt, B, C = rms_norm(dt, eps), rms_norm(B, eps), rms_norm(C, eps)
-    dt = add(linear(layer["ssm_dt"], dt), layer["ssm_dt_b"])  # (n_seqs, n_seq_tokens, d_inner)
+    dt = add(linear(layer["ssm_dt"], dt), layer["ssm_dt_b"])  # (n_tokens, d_inner)
 
-    x_heads = x.reshape(n_seqs, n_seq_tokens, d_inner, 1)  # (n_seqs, n_seq_tokens, n_head, 1)
-    y = build_rs_scan(inp, il, x_heads, dt, layer["ssm_a"], B, C)  # (.., d_inner, 1)
-    y = y.reshape(n_seqs, n_seq_tokens, d_inner)  # (n_seqs, n_seq_tokens, d_inner)
+    y = build_rs_scan(inp, il, x.reshape(*sets, d_inner, 1), dt.reshape(*sets, d_inner),
+                      layer["ssm_a"], B.reshape(*sets, 1, d_state),
+                      C.reshape(*sets, 1, d_state))  # (n_seqs, n_seq_tokens, d_inner, 1)
+    y = y.reshape(n_tokens, d_inner)  # (n_tokens, d_inner)
     y = add(y, mul(x, layer["ssm_d"]))  # the D skip connection
     y = swiglu(z, y)  # y * silu(z)
-    return linear(layer["ssm_out"], y)  # (n_seqs, n_seq_tokens, n_embd)
+    return linear(layer["ssm_out"], y)  # (n_tokens, n_embd)
 # --8<-- [end:build_mamba_layer]
 
 
@@ -193,37 +203,40 @@ def build_mamba2_layer(
     inp: RecurrentInput, cur: mx.array, layer: dict, hparams: MambaHParams, il: int
 ) -> mx.array:
     r"""Twin of
-    [`reference.models.mamba.build_mamba2_layer`][reference.models.mamba.build_mamba2_layer].
+    [`reference.models.mamba.build_mamba2_layer`][reference.models.mamba.build_mamba2_layer],
+    on the ubatch's rows.
 
-    The same steps on lazy MLX arrays; ``ssm_in`` and ``ssm_out`` may be quantized.
+    The same steps on lazy MLX arrays; ``ssm_in`` and ``ssm_out`` may be quantized. ``cur``
+    and the result are rows ``(n_tokens, n_embd)``, as in [`build_mamba_layer`][].
     """
     d_inner, d_state, n_group = hparams.ssm_d_inner, hparams.ssm_d_state, hparams.ssm_n_group
     n_head, head_dim, conv_dim = hparams.n_head(), hparams.head_dim(), hparams.conv_dim()
-    n_seqs, n_seq_tokens, _ = cur.shape
-    zxBCdt = linear(layer["ssm_in"], cur)  # (n_seqs, n_seq_tokens, d_in_proj)
-    z = zxBCdt[..., :d_inner]
-    z = z.reshape(n_seqs, n_seq_tokens, n_head, head_dim)  # (.., n_head, head_dim)
-    xBC = zxBCdt[..., d_inner : d_inner + conv_dim]  # (n_seqs, n_seq_tokens, conv_dim)
-    dt = zxBCdt[..., d_inner + conv_dim :]  # (n_seqs, n_seq_tokens, n_head)
+    n_tokens = cur.shape[0]
+    n_seqs = inp.get_r(il).shape[0]
+    sets = (n_seqs, n_tokens // n_seqs)  # (n_seqs, n_seq_tokens)
+    zxBCdt = linear(layer["ssm_in"], cur)  # (n_tokens, d_in_proj)
+    z = zxBCdt[:, :d_inner].reshape(*sets, n_head, head_dim)  # (.., n_head, head_dim)
+    xBC = zxBCdt[:, d_inner : d_inner + conv_dim]  # (n_tokens, conv_dim)
+    dt = zxBCdt[:, d_inner + conv_dim :]  # (n_tokens, n_head)
 
-    xBC = build_rs_conv(inp, il, hparams, xBC, layer)  # (n_seqs, n_seq_tokens, conv_dim)
+    xBC = build_rs_conv(inp, il, hparams, xBC.reshape(*sets, conv_dim), layer)
 
-    x = xBC[..., :d_inner].reshape(n_seqs, n_seq_tokens, n_head, head_dim)  # (.., n_head, head_dim)
+    x = xBC[..., :d_inner].reshape(*sets, n_head, head_dim)  # (.., n_head, head_dim)
     B = xBC[..., d_inner : d_inner + n_group * d_state]
-    B = B.reshape(n_seqs, n_seq_tokens, n_group, d_state)  # (.., n_group, d_state)
+    B = B.reshape(*sets, n_group, d_state)  # (.., n_group, d_state)
     C = xBC[..., d_inner + n_group * d_state :]
-    C = C.reshape(n_seqs, n_seq_tokens, n_group, d_state)  # (.., n_group, d_state)
-    dt = add(dt, layer["ssm_dt_b"])
+    C = C.reshape(*sets, n_group, d_state)  # (.., n_group, d_state)
+    dt = add(dt, layer["ssm_dt_b"]).reshape(*sets, n_head)  # (n_seqs, n_seq_tokens, n_head)
 
     y = build_rs_scan(inp, il, x, dt, layer["ssm_a"], B, C)  # (.., n_head, head_dim)
     y = add(y, mul(x, layer["ssm_d"]))  # the D skip connection, one D per head
     y = swiglu(z, y)  # y * silu(z)
 
     # grouped RMS norm
-    y = y.reshape(n_seqs, n_seq_tokens, n_group, -1)  # (.., n_group, d_inner / n_group)
+    y = y.reshape(n_tokens, n_group, -1)  # (n_tokens, n_group, d_inner / n_group)
     y = build_norm(y, layer["ssm_norm"], hparams.f_norm_rms_eps)
-    y = y.reshape(n_seqs, n_seq_tokens, d_inner)  # (n_seqs, n_seq_tokens, d_inner)
-    return linear(layer["ssm_out"], y)  # (n_seqs, n_seq_tokens, n_embd)
+    y = y.reshape(n_tokens, d_inner)  # (n_tokens, d_inner)
+    return linear(layer["ssm_out"], y)  # (n_tokens, n_embd)
 # --8<-- [end:build_mamba2_layer]
 
 
@@ -243,10 +256,10 @@ def llm_build_mamba(
     graph, already checked on the host ([`mamba_forward`][]'s checks, or the Context's),
     gathered with a plain ``mx.take``: [`accelerated.context.Context`][accelerated.context.Context]
     traces this function once with ``mx.compile`` and reuses it, as it does the Llama graph.
-    ``out_ids`` None means every row, in order (no ``get_rows``).
+    ``out_ids`` None means every row, in order (no ``get_rows``). The activations stay rows
+    ``(n_tokens, n_embd)`` through the layers ([`build_mamba_layer`][]); the ``n_seqs``
+    sequence sets are the state rows each layer reads.
     """
-    n_tokens = tokens.shape[0] if isinstance(tokens, mx.array) else len(tokens)
-    n_seq_tokens = n_tokens // n_seqs
     build_layer = build_mamba2_layer if hparams.arch == "mamba2" else build_mamba_layer
     rows = _take if isinstance(tokens, mx.array) else get_rows
 
@@ -255,9 +268,7 @@ def llm_build_mamba(
     for il in range(hparams.n_layer):
         layer = mamba_layer_weights(weights, il, hparams, mx.float32)
         cur = build_norm(inpL, layer["attn_norm"], hparams.f_norm_rms_eps)
-        cur = cur.reshape(n_seqs, n_seq_tokens, hparams.n_embd)  # (n_seqs, n_seq_tokens, n_embd)
-        cur = build_layer(inp_rs, cur, layer, hparams, il)
-        cur = cur.reshape(n_tokens, hparams.n_embd)  # (n_tokens, n_embd)
+        cur = build_layer(inp_rs, cur, layer, hparams, il)  # on rows: (n_tokens, n_embd)
         if il == hparams.n_layer - 1 and out_ids is not None:
             # only the output rows go on: llama.cpp's inp_out_ids
             cur = rows(cur, out_ids)  # (n_outputs, n_embd)
