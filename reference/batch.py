@@ -79,6 +79,9 @@ class SeqPosMemory(Protocol):
 # ---------------------------------------------------------------------------------------------
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _int_array(name: str, values, n_tokens: int | None) -> np.ndarray:
     """``values`` as a 1-D int32 array (of length ``n_tokens`` when given), or BatchError."""
     arr = np.asarray(values)
@@ -90,8 +93,7 @@ def _int_array(name: str, values, n_tokens: int | None) -> np.ndarray:
     if arr.dtype == bool:
         raise BatchError(f"{name} must hold integers, not booleans")
     if arr.dtype != np.int32 and arr.size:  # an int32 array fits by construction
-        info = np.iinfo(np.int32)
-        if arr.min() < info.min or arr.max() > info.max:
+        if arr.min() < _INT32.min or arr.max() > _INT32.max:
             raise BatchError(f"{name} must fit in int32 (llama_token / llama_pos are int32_t)")
     if n_tokens is not None and arr.shape[0] != n_tokens:
         raise BatchError(f"{name} has {arr.shape[0]} entries, the batch has {n_tokens} tokens")
