@@ -158,8 +158,7 @@ def build_mamba_layer(
     inp: RecurrentInput, cur: mx.array, layer: dict, hparams: MambaHParams, il: int
 ) -> mx.array:
     r"""Twin of
-    [`reference.models.mamba.build_mamba_layer`][reference.models.mamba.build_mamba_layer],
-    on the ubatch's rows.
+    [`reference.models.mamba.build_mamba_layer`][reference.models.mamba.build_mamba_layer].
 
     The same steps on lazy MLX arrays; ``ssm_in``, ``ssm_x``, ``ssm_dt`` and ``ssm_out`` may
     be quantized (``mx.quantized_matmul``). ``cur`` is the normed activations as rows
@@ -203,8 +202,7 @@ def build_mamba2_layer(
     inp: RecurrentInput, cur: mx.array, layer: dict, hparams: MambaHParams, il: int
 ) -> mx.array:
     r"""Twin of
-    [`reference.models.mamba.build_mamba2_layer`][reference.models.mamba.build_mamba2_layer],
-    on the ubatch's rows.
+    [`reference.models.mamba.build_mamba2_layer`][reference.models.mamba.build_mamba2_layer].
 
     The same steps on lazy MLX arrays; ``ssm_in`` and ``ssm_out`` may be quantized. ``cur``
     and the result are rows ``(n_tokens, n_embd)``, as in [`build_mamba_layer`][].
