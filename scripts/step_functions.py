@@ -82,7 +82,8 @@ def main() -> None:
         print(f"{1e3 * seconds / args.tokens:.3f} ms/token", end="  ")
     print()
     for label, values in sorted(times.items(), key=lambda kv: -statistics.median(kv[1])):
-        print(f"{label:26s} {len(values):5d} calls  median {1e6 * statistics.median(values):7.1f} µs")
+        median = 1e6 * statistics.median(values)
+        print(f"{label:26s} {len(values):5d} calls  median {median:7.1f} µs")
 
 
 if __name__ == "__main__":
