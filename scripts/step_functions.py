@@ -52,11 +52,13 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-mamba", help="tiny, tiny-mamba or tiny-mamba2")
     parser.add_argument("--depth", type=int, default=0, help="tokens in the cache first")
     parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("-c", "--n-ctx", type=int, default=0,
+                        help="the cache's cells (default: depth + tokens + 64)")
     args = parser.parse_args()
 
     hp, w = tiny_model(args.model)
-    runner = ContextRunner(mlx_context.Context, hp, w, n_ctx=args.depth + args.tokens + 64,
-                           n_batch=512)
+    n_ctx = args.n_ctx or args.depth + args.tokens + 64
+    runner = ContextRunner(mlx_context.Context, hp, w, n_ctx=n_ctx, n_batch=512)
     times: dict[str, list[float]] = defaultdict(list)
     memory = type(runner.ctx.memory)
     for owner, name, label in (

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reference.memory.kv_cache as kv_cache_module
 from reference.batch import Ubatch
 from reference.hparams import (
     SWA_TYPE_CHUNKED,
@@ -247,6 +248,67 @@ def test_find_slot_cont_needs_consecutive_cells():
     assert cache.find_slot(make_ubatch([2, 3], [0, 0]), cont=True).idxs == ((2, 3),)
     assert cache.find_slot(make_ubatch([2, 3, 4], [0, 0, 0]), cont=True) is None
     assert cache.find_slot(make_ubatch([2, 3, 4], [0, 0, 0])).idxs == ((0, 2, 3),)
+
+
+def cell_by_cell_search(cache: KVCache, n_tokens: int, cont: bool) -> list[int] | None:
+    """llama.cpp's ``find_slot`` loop over one stream, a cell at a time from the head,
+    wrapping once; a cell is usable when empty or hidden by its only sequence's window."""
+    cells, size = cache.v_cells[0], cache.get_size()
+    head = cache.v_heads[0]
+    if head > cells.get_used() + 2 * n_tokens:
+        head = 0
+
+    def usable(i: int) -> bool:
+        if int(cells.pos[i]) == -1:
+            return True
+        seqs = cells.seq_get_all(i)
+        if len(seqs) != 1:
+            return False
+        (s,) = seqs
+        return bool(is_masked_swa(cache.n_swa, cache.swa_type, cells.pos_get(i),
+                                  cells.seq_pos_max(s) + 1))
+
+    if n_tokens > size:
+        return None
+    if not cont:
+        found = [i for i in [*range(head, size), *range(head)] if usable(i)]
+        return found[:n_tokens] if len(found) >= n_tokens else None
+    starts = [a for a in range(size - n_tokens + 1)
+              if all(usable(i) for i in range(a, a + n_tokens))]
+    after = [a for a in starts if a >= head]
+    if not starts:
+        return None
+    a = after[0] if after else starts[0]
+    return list(range(a, a + n_tokens))
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 40),
+                                                st.sets(st.integers(0, N_SEQ - 1), min_size=1))),
+                min_size=16, max_size=16),
+       st.integers(0, 15), st.integers(1, 10), st.booleans(),
+       st.sampled_from([(None, None), (4, SWA_TYPE_STANDARD), (8, SWA_TYPE_CHUNKED),
+                        (3, SWA_TYPE_SYMMETRIC)]),
+       st.integers(1, 5))
+@settings(deadline=None)
+def test_the_slot_search_is_the_cell_by_cell_loop(layout, head, n_tokens, cont, swa, chunk):
+    """``_find_cells`` (array rule, read a chunk of cells at a time) finds the cells of
+    llama.cpp's loop, whatever the chunk size, head, window kind and cell states."""
+    n_swa, swa_type = swa
+    cache = KVCache(HP, kv_size=16, n_seq_max=N_SEQ, n_pad=16, n_swa=n_swa, swa_type=swa_type)
+    cells = cache.v_cells[0]
+    for i, c in enumerate(layout):
+        if c is not None:
+            cells.pos_set(i, c[0])
+            for s in sorted(c[1]):
+                cells.seq_add(i, s)
+    cache.v_heads[0] = head
+    saved = kv_cache_module.FIND_CHUNK
+    kv_cache_module.FIND_CHUNK = chunk
+    try:
+        got = cache._find_cells(0, n_tokens, cont)
+    finally:
+        kv_cache_module.FIND_CHUNK = saved
+    assert got == cell_by_cell_search(cache, n_tokens, cont)
 
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=5), st.integers(6, 14))

@@ -68,6 +68,10 @@ from reference.memory.interface import MemoryContext, MemoryStatus, batch_contex
 from reference.memory.kv_cells import KVCells
 from reference.ops import rope_ext, set_rows
 
+# How many cells the slot search of a decode reads at a time (KVCache._find_cells): it stops
+# at the first chunk where it has found its cells, so its cost does not grow with the cache.
+FIND_CHUNK = 256
+
 
 # --8<-- [start:KVCacheError]
 class KVCacheError(LlamarefError, ValueError):
@@ -821,6 +825,11 @@ class KVCache:
           wrapping past the end) with $a \ge h$, else the first one with $a < h$.
 
         None when there are not enough usable cells (or ``n_tokens > size``).
+
+        ``cont=False`` (every decode) reads the cells in that order a chunk at a time
+        (``FIND_CHUNK`` cells, or ``2 n_tokens`` if more) and stops at the chunk where it
+        has found enough: a decode whose head cell is free reads one chunk, not the whole
+        cache. The result is the same as testing every cell.
         """
         cells = self.v_cells[stream]
         size = cells.size()
@@ -830,11 +839,17 @@ class KVCache:
             head = 0
         if n_tokens > size:
             return None
-        usable = self._can_use(cells)  # (size,)
         if not cont:
-            found = np.concatenate([head + np.flatnonzero(usable[head:]),  # head .. size-1
-                                    np.flatnonzero(usable[:head])])  # then 0 .. head-1
-            return found[:n_tokens].tolist() if len(found) >= n_tokens else None
+            step = max(FIND_CHUNK, 2 * n_tokens)
+            found: list[int] = []
+            for end, start in ((size, head), (head, 0)):  # head .. size - 1, then 0 .. head - 1
+                for lo in range(start, end, step):
+                    hi = min(lo + step, end)
+                    found += (lo + np.flatnonzero(self._can_use(cells, lo, hi))).tolist()
+                    if len(found) >= n_tokens:
+                        return found[:n_tokens]
+            return None
+        usable = self._can_use(cells, 0, size)  # (size,)
         n_usable = np.concatenate([[0], np.cumsum(usable)])  # (size + 1,) usable in [0, j)
         starts = np.flatnonzero(n_usable[n_tokens:] - n_usable[:-n_tokens] == n_tokens)
         if not starts.size:
@@ -843,26 +858,28 @@ class KVCache:
         a = int(after[0] if after.size else starts[0])
         return list(range(a, a + n_tokens))
 
-    def _can_use(self, cells: KVCells) -> np.ndarray:
-        r"""Per cell: empty, or held by one sequence whose sliding window no longer reaches it.
+    def _can_use(self, cells: KVCells, lo: int, hi: int) -> np.ndarray:
+        r"""Per cell of ``lo .. hi``: empty, or held by one sequence whose sliding window no
+        longer reaches it.
 
         $$ u_i = pos_i = -1 \;\vee\; \big(|seq_i| = 1 \wedge
            \mathrm{is\_masked\_swa}(pos_i,\ \mathrm{seq\_pos\_max}(s_i) + 1)\big) $$
 
-        with $s_i$ the only sequence of cell $i$. Returns ``(size,)`` bool.
+        with $s_i$ the only sequence of cell $i$. Returns ``(hi - lo,)`` bool.
         """
-        usable = cells.pos == -1  # (size,)
+        pos = cells.pos[lo:hi]  # (hi - lo,)
+        usable = pos == -1  # (hi - lo,)
         if self.swa_type == SWA_TYPE_NONE:  # without a window no held cell is hidden
             return usable
         # the sequences that hold cells: a cell's row has its bits among them only
         live = np.array([s for s, pairs in enumerate(cells.seq_pos) if pairs], dtype=np.int64)
         if not live.size:
             return usable
-        held = cells.seq[:, live]  # (size, n_live)
-        alone = held.sum(axis=1) == 1  # (size,) one sequence
-        s_only = np.argmax(held, axis=1)  # (size,) which one (among live)
-        p_next = np.array([cells.seq_pos_max(s) + 1 for s in live.tolist()])[s_only]  # (size,)
-        return usable | (alone & is_masked_swa(self.n_swa, self.swa_type, cells.pos, p_next))
+        held = cells.seq[lo:hi, live]  # (hi - lo, n_live)
+        alone = held.sum(axis=1) == 1  # (hi - lo,) one sequence
+        s_only = np.argmax(held, axis=1)  # (hi - lo,) which one (among live)
+        p_next = np.array([cells.seq_pos_max(s) + 1 for s in live.tolist()])[s_only]
+        return usable | (alone & is_masked_swa(self.n_swa, self.swa_type, pos, p_next))
     # --8<-- [end:find_cells]
 
     # --8<-- [start:apply_ubatch]
