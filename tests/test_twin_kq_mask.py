@@ -80,3 +80,24 @@ def test_a_narrower_view_is_the_first_columns_of_each_stream(case, data):
     full = set_input_kq_mask(*case).reshape(len(pos), len(strm), n_kv)
     got = device_mask(v_cells, seq_to_stream, pos, seq_id, strm, n_view, n_swa, swa_type)
     assert np.array_equal(got, full[:, :, :n_view].reshape(len(pos), -1))
+
+
+def test_one_sequence_holding_every_cell_needs_no_membership_columns():
+    """The common case (one conversation): the token's sequence holds every used cell, so
+    the host hands a (n_tokens, 1) column of True, and the mask is still the reference's."""
+    cells = KVCells(8)
+    for i in range(5):
+        cells.pos_set(i, i)
+        cells.seq_add(i, 0)
+    case = ([cells], [0], np.array([5]), ((0,),), (0,), 8, 0, SWA_TYPE_NONE)
+    inp = SimpleNamespace(cache=SimpleNamespace(v_cells=[cells], seq_to_stream=[0]),
+                          ubatch=SimpleNamespace(seq_id=((0,),)), sinfo=SimpleNamespace(strm=(0,)))
+    p_cell, member = KVCacheAttnInput.kq_mask_inputs(inp, 8)
+    assert member.shape == (1, 1) and member.all()
+    assert np.array_equal(device_mask(*case), set_input_kq_mask(*case))
+    cells.seq_add(2, 1)  # another sequence shares a cell: still every cell of sequence 0
+    assert KVCacheAttnInput.kq_mask_inputs(inp, 8)[1].shape == (1, 1)
+    cells.seq_add(3, 1)
+    cells.seq_rm(3, 0)  # cell 3 now holds only sequence 1: the columns are read
+    assert KVCacheAttnInput.kq_mask_inputs(inp, 8)[1].shape == (1, 8)
+    assert np.array_equal(device_mask(*case), set_input_kq_mask(*case))
