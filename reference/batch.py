@@ -203,7 +203,7 @@ class Batch:
         return len(self.token) if self.token is not None else len(self.embd)
 
     @classmethod
-    def checked(cls, **fields) -> Batch:
+    def _checked(cls, **fields) -> Batch:
         """A batch of fields that are already what construction makes of them (arrays of
         the right types and shapes, ``seq_id`` a tuple of tuples), built without checking
         them again: [`BatchAllocr`][] fills a batch it has validated on every decode."""
@@ -742,8 +742,8 @@ class BatchAllocr:
             check_n_batch(n_tokens, n_batch)
 
         # every field is checked: the filled batch is built without checking it again
-        self.batch = Batch.checked(token=batch.token, embd=batch.embd, pos=pos,
-                                   seq_id=seq_id, logits=output)
+        self.batch = Batch._checked(token=batch.token, embd=batch.embd, pos=pos,
+                                    seq_id=seq_id, logits=output)
         self.n_seq_max = n_seq_max
         self.n_outputs = int(output.sum())
         self.seq_pos = seq_pos
