@@ -53,6 +53,7 @@ from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     SlotInfo,
     cache_layers,
     ggml_pad,
+    holds_every_used_cell,
     k_shift_rope_params,
     kv_size_swa,
     n_ctx_seq,
@@ -74,6 +75,7 @@ __all__ = [
     "head_major_blocks",
     "head_major_view",
     "head_rows",
+    "holds_every_used_cell",
     "kq_mask_device",
     "k_shift_rope_params",
     "kv_size_swa",
@@ -317,10 +319,11 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         """What [`kq_mask_device`][] reads, for the first ``n_cols`` cells of each stream.
 
         When the slot is one stream and each token's sequence holds every used cell of it
-        (one conversation, the common case), ``member`` is the test that a cell is not
-        empty, which the mask's formula makes anyway: it is returned as a ``(n_tokens, 1)``
-        column of True, and the host reads no column of the membership matrix (``n_cols``
-        rows apart in memory: about 20 µs a token at 8000 cells).
+        ([`holds_every_used_cell`][reference.memory.kv_cache.holds_every_used_cell]: one
+        conversation, the common case), ``member`` is the test that a cell is not empty,
+        which the mask's formula makes anyway: it is returned as a ``(n_tokens, 1)``
+        column of True, and the host reads no column of the membership matrix (about
+        20 µs a token at 8000 cells).
 
         Returns:
             ``p_cell`` ``(ns * n_cols,)`` int32 and ``member`` ``(n_tokens, ns * n_cols)``
@@ -331,7 +334,7 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         s_tok = np.array([ids[0] for ids in seq_id], dtype=np.int64)  # (n_tokens,)
         if len(self.sinfo.strm) == 1:
             cells = cache.v_cells[self.sinfo.strm[0]]
-            if all(len(cells.seq_pos[s]) == cells.get_used() for s in set(s_tok.tolist())):
+            if holds_every_used_cell(cells, s_tok):
                 return (cells.pos[:n_cols].astype(np.int32),  # (n_cols,)
                         np.ones((len(s_tok), 1), dtype=bool))  # (n_tokens, 1)
         stream_tok = np.asarray(cache.seq_to_stream)[s_tok]  # (n_tokens,)

@@ -52,7 +52,7 @@ where llama.cpp asserts, [`KVCacheError`][] is raised before anything changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,7 +291,9 @@ def set_input_kq_mask(
     the formula above over the arrays of its cells, for all tokens at once
     ([`is_masked_swa`][] is written with operators that work elementwise on arrays);
     [`set_input_kq_mask_per_cell`][] is the same rule one cell at a time, and a property
-    test holds the two equal.
+    test holds the two equal. When each token's sequence holds every used cell of the
+    stream ([`holds_every_used_cell`][]: one conversation), $seq_{j, s_i}$ is
+    $pos_j \ne -1$ and the membership columns are not read.
 
     Args:
         v_cells: the cells of every stream.
@@ -322,16 +324,45 @@ def set_input_kq_mask(
     for stream in strm:
         cells = v_cells[stream]
         p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
+        if holds_every_used_cell(cells, s_tok):
+            holds = True  # the cell holds s_i iff it is not empty: the term before says it
+        else:
+            holds = cells.seq[:n_kv, s_tok].T  # (n_tokens, n_kv): the cell holds s_i
         visible = (
             (stream_tok == stream)[:, None]  # the token's own stream
             & (p_cell != -1)
-            & cells.seq[:n_kv, s_tok].T  # (n_tokens, n_kv): the cell holds s_i
+            & holds
             & (p_cell <= p_tok)
             & ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
         )  # (n_tokens, n_kv)
-        blocks.append(np.where(visible, 0.0, -np.inf).astype(dtype))
-    return np.concatenate(blocks, axis=1)  # (n_tokens, len(strm) * n_kv)
+        block = np.full(visible.shape, -np.inf, dtype=dtype)  # -inf everywhere,
+        np.copyto(block, 0.0, where=visible)  # and 0 where visible
+        blocks.append(block)
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
 # --8<-- [end:set_input_kq_mask]
+
+
+# --8<-- [start:holds_every_used_cell]
+def holds_every_used_cell(cells: KVCells, seq_ids: Iterable[int]) -> bool:
+    """Whether each sequence of ``seq_ids`` holds every used cell of ``cells``.
+
+    Then, for those sequences, "cell $j$ holds $s$" is "cell $j$ is not empty", and the KQ
+    mask need not read $s$'s column of the membership matrix (the matrix is cells by
+    ``LLAMA_MAX_SEQ``: a column is one byte from each of ``n_kv`` rows, the slowest part
+    of a one-token mask at depth). O(1) per sequence: the count of its ``seq_pos`` pairs
+    against ``get_used()``.
+
+    Examples:
+        >>> cells = KVCells(4)
+        >>> for i in range(3):
+        ...     cells.pos_set(i, i); cells.seq_add(i, 0)
+        >>> cells.seq_add(1, 1)
+        >>> holds_every_used_cell(cells, [0]), holds_every_used_cell(cells, [0, 1])
+        (True, False)
+    """
+    n_used = cells.get_used()
+    return all(len(cells.seq_pos[s]) == n_used for s in set(np.asarray(seq_ids).tolist()))
+# --8<-- [end:holds_every_used_cell]
 
 
 # --8<-- [start:set_input_kq_mask_per_cell]
