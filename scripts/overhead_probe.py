@@ -125,6 +125,7 @@ def probe(ctx_factory: Callable[[], object], depths: Sequence[int] = DEPTHS, n_g
         fill(ctx, depth)
         _generate(ctx, n_warmup)
         out["ms_per_token"][depth] = 1e3 * float(np.median(_generate(ctx, n_gen, clock)))
+        ctx.synchronize()  # the last forward, launched, must not run beside the bookkeeping
         out["bookkeeping_ms"][depth] = 1e3 * float(np.median(_bookkeeping(ctx, n_gen, clock)))
     if failed_decode:
         ctx = ctx_factory()
