@@ -531,6 +531,16 @@ def fill_fields(batch: Batch, n_vocab: int, n_seq_max: int, memory: SeqPosMemory
 
     Raises:
         BatchError: the first rule broken, in that order.
+
+    Examples:
+        >>> class Mem:  # sequence 0 holds positions 0..4, sequence 1 is empty
+        ...     def seq_pos_min(self, s): return 0 if s == 0 else -1
+        ...     def seq_pos_max(self, s): return 4 if s == 0 else -1
+        >>> seq_id, pos, seq_pos, seq_cpl = fill_fields(
+        ...     Batch(token=[7, 8, 9], seq_id=[[0, 1], [1], [0]]), n_vocab=10, n_seq_max=2,
+        ...     memory=Mem())
+        >>> pos.tolist(), seq_pos, seq_cpl
+        ([5, 0, 6], {0: {5, 6}, 1: {0, 5}}, {(1, 0)})
     """
     n_tokens = batch.n_tokens
     if batch.token is not None:

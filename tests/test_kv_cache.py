@@ -79,9 +79,10 @@ def check_pos_min_max(cache: KVCache) -> None:
 HP = tiny_hparams(n_layer=1)
 
 
-def filled_cache(layout, kv_size=12) -> KVCache:
-    """A cache whose cells hold ``layout``: one (pos, seqs) or None per cell, from cell 0."""
-    cache = KVCache(HP, kv_size=kv_size, n_seq_max=N_SEQ)
+def filled_cache(layout, kv_size=12, **kw) -> KVCache:
+    """A cache whose cells hold ``layout``: one (pos, seqs) or None per cell, from cell 0
+    (``kw``: more arguments of the cache, e.g. its window)."""
+    cache = KVCache(HP, kv_size=kv_size, n_seq_max=N_SEQ, **kw)
     cells = cache.v_cells[0]
     for i, c in enumerate(layout):
         if c is not None:
@@ -294,13 +295,7 @@ def test_the_slot_search_is_the_cell_by_cell_loop(layout, head, n_tokens, cont, 
     """``_find_cells`` (array rule, read a chunk of cells at a time) finds the cells of
     llama.cpp's loop, whatever the chunk size, head, window kind and cell states."""
     n_swa, swa_type = swa
-    cache = KVCache(HP, kv_size=16, n_seq_max=N_SEQ, n_pad=16, n_swa=n_swa, swa_type=swa_type)
-    cells = cache.v_cells[0]
-    for i, c in enumerate(layout):
-        if c is not None:
-            cells.pos_set(i, c[0])
-            for s in sorted(c[1]):
-                cells.seq_add(i, s)
+    cache = filled_cache(layout, kv_size=16, n_pad=16, n_swa=n_swa, swa_type=swa_type)
     cache.v_heads[0] = head
     saved = kv_cache_module.FIND_CHUNK
     kv_cache_module.FIND_CHUNK = chunk
