@@ -252,6 +252,12 @@ class _LayerRoute:
         self.route = {il: (inp, i) for inp, part in zip(inputs, parts, strict=True)
                       for i, il in enumerate(part.layers)}
         self.n_stream = inputs[0].n_stream  # every part places the ubatch on the same streams
+        self.kqv: mx.array | None = None  # the last attention output shown (kqv_out)
+
+    def kqv_out(self, il: int, kqv: mx.array) -> None:
+        """Keep layer ``il``'s attention output: the layers come in order, so after the
+        forward ``kqv`` is the last layer's, the end of the graph's reads of the caches."""
+        self.kqv = kqv
 
     def cpy_k(self, il: int, k_cur: mx.array) -> None:
         inp, i = self.route[il]
@@ -296,7 +302,9 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
     after part, its K tensors and its V tensors (head-major, one per layer of the part). The
     forward is the architecture's: [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]
     for Gemma, else [`llm_build_llama`][accelerated.models.llama.llm_build_llama]. Returned:
-    the logits, then each part's written K then V tensors, in the same order.
+    the logits, then each part's written K then V tensors, in the same order, then the last
+    layer's attention output (``kqv_out``, where the graph's reads of the caches end: see
+    ``Context._launch``).
     """
     n_in = 3 * len(parts)
     inputs, off = [], n_in
@@ -313,8 +321,9 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
     if key.n_outputs == key.n_tokens:  # the ids are ascending: every row, in order
         out_ids = None
     build = llm_build_gemma if hparams.arch in GEMMA_ARCHS else llm_build_llama
-    logits = build(weights, hparams, tokens, pos, _LayerRoute(inputs, parts), out_ids, embd)
-    return (logits, *[t for inp in inputs for t in (*inp.k_l, *inp.v_l)])
+    route = _LayerRoute(inputs, parts)
+    logits = build(weights, hparams, tokens, pos, route, out_ids, embd)
+    return (logits, *[t for inp in inputs for t in (*inp.k_l, *inp.v_l)], route.kqv)
 
 
 class _RowsInput:
@@ -422,6 +431,7 @@ class Context(ref.Context):
         self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
         self._host_stale = False  # the host copy (self._logits) lags the device rows
         self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
+        self._caches_read: mx.array | None = None  # the last graph's kqv_out (_launch)
         self._every_row: dict[int, mx.array] = {}  # _ids_input's aranges, by size
         self._parts = () if self.recurrent else cache_parts(self._memory)  # the graph's caches
 
@@ -658,8 +668,33 @@ class Context(ref.Context):
             c.k_l[:] = outs[off:off + n]
             c.v_l[:] = outs[off + n:off + 2 * n]
             off += 2 * n
-        mx.async_eval(outs)
+        self._launch(outs[0], outs[1:-1], outs[-1])
         return outs[0]
+
+    # --8<-- [start:launch]
+    def _launch(self, logits: mx.array, caches: Sequence[mx.array], caches_read: mx.array) -> None:
+        """Launch a ubatch's graph once the previous graph has stopped reading the caches.
+
+        The graph writes its tokens' K and V rows into the cache tensors, and MLX writes in
+        place only into a buffer that nothing else holds. An op holds the buffers it reads
+        until it has *run*, not merely been launched, and so does ``mx.async_eval`` those of
+        the arrays it is given, until everything it launched has run. If step $t + 1$ were
+        launched while step $t$ still had to read a cache, each write of step $t + 1$ would
+        copy the whole tensor first: 2 MiB a tensor for the tiny Llama in a 16384-cell
+        cache, four a token, at any depth (the write copies every cell, not those in view).
+
+        So the graph returns ``caches_read``, the last layer's attention output, after which
+        no op of the step reads a cache, and the step is launched in two parts, each with
+        its own completion event: ``caches_read`` with the written caches, then the logits.
+        The next launch waits for the first part only; the rest of this step (the last
+        layer's FFN and the output) runs while the next one is launched behind it.
+        """
+        if self._caches_read is not None:
+            mx.eval(self._caches_read)  # the previous step's reads of the caches are done
+        mx.async_eval(caches_read, *caches)
+        mx.async_eval(logits)
+        self._caches_read = caches_read
+    # --8<-- [end:launch]
 
     def _cache_inputs(self, mctx: MemoryContext) -> list[tuple]:
         """``(cache, slot, input)`` of each KV cache for the ubatch, in [`kv_caches`][] order.

@@ -4,6 +4,7 @@ Usage::
 
     python scripts/token_phases.py                 # the tiny Llama, 400 tokens
     python scripts/token_phases.py --model tiny-mamba --tokens 1000
+    python scripts/token_phases.py --depth 16000    # 16000 tokens in the cache first
 
 A plain loop (decode one token, take the argmax, read it back: no pipelining, so each phase
 is timed alone) on a shipped tiny model, whose forward costs almost nothing: what is left is
@@ -25,6 +26,7 @@ import time
 from collections import defaultdict
 
 import mlx.core as mx
+import numpy as np
 
 import accelerated.context as mlx_context
 from llamaref.bench.peers import mlx_lm_model
@@ -52,10 +54,14 @@ class _TimedMLX:
         return timed
 
 
-def ours(name: str, n_tokens: int) -> dict:
-    """Per-token phase times of the MLX Context (lists of seconds)."""
+def ours(name: str, n_tokens: int, depth: int = 0) -> dict:
+    """Per-token phase times of the MLX Context after ``depth`` tokens (lists of seconds)."""
     hp, w = tiny_model(name)
-    ctx = mlx_context.Context(hp, w, n_ctx=max(512, n_tokens + 1))
+    ctx = mlx_context.Context(hp, w, n_ctx=max(512, depth + n_tokens + 1))
+    for i in range(0, depth, PREFILL):
+        ctx.decode(Batch(token=list(_prompt(depth)[i:i + PREFILL]),
+                         pos=list(range(i, min(depth, i + PREFILL)))))
+    mx.synchronize()
     times = defaultdict(list)
     graph = ctx.graph
 
@@ -76,7 +82,7 @@ def ours(name: str, n_tokens: int) -> dict:
         token = 1
         for i in range(n_tokens):
             t0 = time.perf_counter()
-            ctx.decode(Batch(token=[token], pos=[i]))
+            ctx.decode(Batch(token=[token], pos=[depth + i]))
             t1 = time.perf_counter()
             token = int(mx.argmax(ctx.get_logits_ith_device(-1)).item())
             times["decode"].append(t1 - t0)
@@ -86,13 +92,16 @@ def ours(name: str, n_tokens: int) -> dict:
     return times
 
 
-def mlx_lm(name: str, n_tokens: int) -> dict:
+def mlx_lm(name: str, n_tokens: int, depth: int = 0) -> dict:
     """Per-token phase times of mlx-lm's model on the same weights (lists of seconds)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     hp, w = tiny_model(name)
     model = mlx_lm_model(hp, w)
     cache = make_prompt_cache(model)
+    for i in range(0, depth, PREFILL):
+        model(mx.array(_prompt(depth)[i:i + PREFILL])[None], cache=cache)
+        mx.eval([c.state for c in cache])
     times = defaultdict(list)
     y = mx.array([[1]])
     for _ in range(n_tokens):
@@ -107,6 +116,14 @@ def mlx_lm(name: str, n_tokens: int) -> dict:
         times["async_eval"].append(t2 - t1)
         times["argmax, read back"].append(time.perf_counter() - t2)
     return times
+
+
+PREFILL = 512  # the prompt's chunk, for both programs
+
+
+def _prompt(depth: int) -> np.ndarray:
+    """The tokens put in the cache before the timed loop (seeded; the same for both)."""
+    return np.random.default_rng(0).integers(0, 256, size=depth)
 
 
 def report(title: str, times: dict, n_tokens: int) -> None:
@@ -125,10 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="tiny, tiny-mamba or tiny-mamba2")
     parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--depth", type=int, default=0, help="tokens in the cache first")
     args = parser.parse_args()
     print("device:", mx.default_device())
-    report("ours (MLX Context)", ours(args.model, args.tokens), args.tokens)
-    report("mlx-lm", mlx_lm(args.model, args.tokens), args.tokens)
+    report("ours (MLX Context)", ours(args.model, args.tokens, args.depth), args.tokens)
+    report("mlx-lm", mlx_lm(args.model, args.tokens, args.depth), args.tokens)
 
 
 if __name__ == "__main__":

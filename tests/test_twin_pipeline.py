@@ -253,3 +253,31 @@ def test_lazy_outputs_read_as_the_reference_rules():
     assert ctx.decode(Batch(token=[4], pos=[9])) == -1  # refused: outputs kept
     assert np.array_equal(ctx.get_logits_ith(2), row)
     assert not ctx._host_stale and ctx.get_logits().shape == (2, HP.n_vocab)
+
+
+def test_a_step_launched_behind_another_writes_the_caches_in_place():
+    """Decodes launched back to back, each behind one still running: no write copies a cache.
+
+    MLX writes into a buffer in place only when nothing else holds it, and the previous
+    step's attention holds the cache tensors until it has run; the Context waits for that
+    before it launches (``Context._launch``). A copied tensor shows as a peak of MLX's
+    memory of at least its size during the launch; in place, a launch allocates only the
+    step's small intermediates. Without the wait most of these launches copy.
+    """
+    hp = tiny_hparams(n_layer=2, n_embd=128, n_head=8, n_head_kv=8, n_vocab=64)
+    ctx = MLXContext(hp, random_weights(hp, seed=1), n_ctx=4096, n_batch=512)
+    depth = 4000
+    rng = np.random.default_rng(0)
+    for p0 in range(0, depth, 512):
+        n = min(512, depth - p0)
+        ctx.decode(Batch(token=rng.integers(0, 64, n).tolist(), pos=list(range(p0, p0 + n))))
+    ctx.synchronize()
+    tensor_bytes = ctx.memory.k_l[0].nbytes
+    peaks = []
+    for i in range(8):  # launched one behind the other: nothing is read in between
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        assert ctx.decode(Batch(token=[1], pos=[depth + i])) == 0
+        peaks.append(mx.get_peak_memory() - before)
+    ctx.synchronize()
+    assert max(peaks) < tensor_bytes / 2, (peaks, tensor_bytes)

@@ -40,6 +40,7 @@ from accelerated.models.llama import (
     AttnInput,
     Weight,
     _index,
+    _kqv_out,
     attn_grouped,
     build_inp_embd,
     build_norm,
@@ -123,6 +124,7 @@ def build_attn_gemma(
     mha = build_attn_mha if gpu_paths() else attn_grouped
     cur = mha(q_cur, k, v, kq_mask, 1.0, softcap=attn_softcap,
               n_stream=inp.n_stream)  # (n_tokens, n_head * d_v)
+    _kqv_out(inp, il, cur)
     return linear(wo, cur)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn_gemma]
 

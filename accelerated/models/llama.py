@@ -457,8 +457,24 @@ def build_attn(
         cur = build_attn_mha_heads(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)
     else:
         cur = attn_grouped_heads(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)
+    _kqv_out(inp, il, cur)
     return _bias(linear(wo, cur), wo_b)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn]
+
+
+# --8<-- [start:kqv_out]
+def _kqv_out(inp: AttnInput, il: int, kqv: mx.array) -> None:
+    """Show layer ``il``'s attention output (llama.cpp's ``kqv_out``) to an input that asks.
+
+    Only the Context's graph input asks (it has a ``kqv_out`` method): the last layer's is
+    the point of the step after which no op reads the caches, and the Context waits for it
+    before it launches the next step (``Context._launch``, in
+    [`accelerated.context`][accelerated.context]).
+    """
+    see = getattr(inp, "kqv_out", None)
+    if see is not None:
+        see(il, kqv)
+# --8<-- [end:kqv_out]
 
 
 # --8<-- [start:build_ffn]
