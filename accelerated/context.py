@@ -49,7 +49,8 @@ differs:
   [`accelerated.models.mamba.mamba_forward`][accelerated.models.mamba.mamba_forward] op by op, with
   the same bits (on CUDA: to float32 rounding, as above);
 - nothing waits for the device: a decode *launches* its ubatches (``mx.async_eval``) and
-  returns, and its logits rows stay on the device ([`Context.output_set`][]). They are
+  returns (a launch waits only until the previous graph has read the caches, so that its
+  writes need no copy: ``Context._launch``), and its logits rows stay on the device ([`Context.output_set`][]). They are
   copied to the host the first time they are read, so [`Context.get_logits`][] returns
   NumPy as the reference does; [`Context.get_logits_ith_device`][] gives the same row as
   an ``mx.array`` without a host copy, for a sampler that runs on the device, and

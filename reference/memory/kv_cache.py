@@ -291,9 +291,12 @@ def set_input_kq_mask(
     the formula above over the arrays of its cells, for all tokens at once
     ([`is_masked_swa`][] is written with operators that work elementwise on arrays);
     [`set_input_kq_mask_per_cell`][] is the same rule one cell at a time, and a property
-    test holds the two equal. When each token's sequence holds every used cell of the
-    stream ([`holds_every_used_cell`][]: one conversation), $seq_{j, s_i}$ is
-    $pos_j \ne -1$ and the membership columns are not read.
+    test holds the two equal. A term that is true for every cell is left out, since each
+    is a pass over the block (a one-token mask at 16000 cells is a few such passes): the
+    token's own stream when every token is in the block's stream (one stream: always);
+    $seq_{j, s_i}$ when each token's sequence holds every used cell of the stream
+    ([`holds_every_used_cell`][]: one conversation), where it is $pos_j \ne -1$; the
+    window when there is none.
 
     Args:
         v_cells: the cells of every stream.
@@ -320,24 +323,20 @@ def set_input_kq_mask(
     s_tok = np.array([ids[0] for ids in seq_id], dtype=np.int64)  # (n_tokens,)
     p_tok = np.asarray(pos, dtype=np.int64)[:, None]  # (n_tokens, 1)
     stream_tok = np.asarray(seq_to_stream)[s_tok]  # (n_tokens,)
+    zero, minus_inf = np.dtype(dtype).type(0), np.dtype(dtype).type(-np.inf)
     blocks = []
     for stream in strm:
         cells = v_cells[stream]
         p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
-        if holds_every_used_cell(cells, s_tok):
-            holds = True  # the cell holds s_i iff it is not empty: the term before says it
-        else:
-            holds = cells.seq[:n_kv, s_tok].T  # (n_tokens, n_kv): the cell holds s_i
-        visible = (
-            (stream_tok == stream)[:, None]  # the token's own stream
-            & (p_cell != -1)
-            & holds
-            & (p_cell <= p_tok)
-            & ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
-        )  # (n_tokens, n_kv)
-        block = np.full(visible.shape, -np.inf, dtype=dtype)  # -inf everywhere,
-        np.copyto(block, 0.0, where=visible)  # and 0 where visible
-        blocks.append(block)
+        visible = (p_cell != -1) & (p_cell <= p_tok)  # (n_tokens, n_kv)
+        own = stream_tok == stream  # (n_tokens,): the token is in this block's stream
+        if not own.all():
+            visible &= own[:, None]
+        if not holds_every_used_cell(cells, s_tok):  # else: holds s_i iff not empty
+            visible &= cells.seq[:n_kv, s_tok].T  # the cell holds s_i
+        if swa_type != SWA_TYPE_NONE:
+            visible &= ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
+        blocks.append(np.where(visible, zero, minus_inf))  # (n_tokens, n_kv), in dtype
     return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
 # --8<-- [end:set_input_kq_mask]
 
