@@ -49,8 +49,9 @@ differs:
   [`accelerated.models.mamba.mamba_forward`][accelerated.models.mamba.mamba_forward] op by op, with
   the same bits (on CUDA: to float32 rounding, as above);
 - nothing waits for the device: a decode *launches* its ubatches (``mx.async_eval``) and
-  returns (a launch waits only until the previous graph has read the caches, so that its
-  writes need no copy: ``Context._launch``), and its logits rows stay on the device ([`Context.output_set`][]). They are
+  returns (``Context._launch``: the logits, and the last layer's attention output, which
+  launches the cache writes without holding the caches), and its logits rows stay on the
+  device ([`Context.output_set`][]). They are
   copied to the host the first time they are read, so [`Context.get_logits`][] returns
   NumPy as the reference does; [`Context.get_logits_ith_device`][] gives the same row as
   an ``mx.array`` without a host copy, for a sampler that runs on the device, and
@@ -257,7 +258,7 @@ class _LayerRoute:
 
     def kqv_out(self, il: int, kqv: mx.array) -> None:
         """Keep layer ``il``'s attention output: the layers come in order, so after the
-        forward ``kqv`` is the last layer's, the end of the graph's reads of the caches."""
+        forward ``kqv`` is the last layer's, which has every cache write among its inputs."""
         self.kqv = kqv
 
     def cpy_k(self, il: int, k_cur: mx.array) -> None:
@@ -304,7 +305,7 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
     forward is the architecture's: [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]
     for Gemma, else [`llm_build_llama`][accelerated.models.llama.llm_build_llama]. Returned:
     the logits, then each part's written K then V tensors, in the same order, then the last
-    layer's attention output (``kqv_out``, where the graph's reads of the caches end: see
+    layer's attention output (``kqv_out``: every cache write is an input of it; see
     ``Context._launch``).
     """
     n_in = 3 * len(parts)
@@ -432,7 +433,6 @@ class Context(ref.Context):
         self._logits_device: mx.array | None = None  # (n_outputs, n_vocab), batch order
         self._host_stale = False  # the host copy (self._logits) lags the device rows
         self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
-        self._caches_read: mx.array | None = None  # the last graph's kqv_out (_launch)
         self._every_row: dict[int, mx.array] = {}  # _ids_input's aranges, by size
         self._parts = () if self.recurrent else cache_parts(self._memory)  # the graph's caches
 
@@ -669,32 +669,30 @@ class Context(ref.Context):
             c.k_l[:] = outs[off:off + n]
             c.v_l[:] = outs[off + n:off + 2 * n]
             off += 2 * n
-        self._launch(outs[0], outs[1:-1], outs[-1])
+        self._launch(outs[0], outs[-1])
         return outs[0]
 
     # --8<-- [start:launch]
-    def _launch(self, logits: mx.array, caches: Sequence[mx.array], caches_read: mx.array) -> None:
-        """Launch a ubatch's graph once the previous graph has stopped reading the caches.
+    def _launch(self, logits: mx.array, caches_read: mx.array) -> None:
+        """Launch a ubatch's graph: its logits, and ``caches_read``, nothing else.
 
         The graph writes its tokens' K and V rows into the cache tensors, and MLX writes in
-        place only into a buffer that nothing else holds. An op holds the buffers it reads
-        until it has *run*, not merely been launched, and so does ``mx.async_eval`` those of
-        the arrays it is given, until everything it launched has run. If step $t + 1$ were
-        launched while step $t$ still had to read a cache, each write of step $t + 1$ would
-        copy the whole tensor first: 2 MiB a tensor for the tiny Llama in a 16384-cell
-        cache, four a token, at any depth (the write copies every cell, not those in view).
+        place only into a buffer that nothing else holds: otherwise it copies the whole
+        tensor first (every cell, not only those in view). ``mx.async_eval`` holds the
+        arrays it is given until everything it launched has run, so launching the written
+        caches themselves, as this Context did, kept them held while the next step was
+        launched behind: each write of that step copied its tensor, four copies of 2 MiB a
+        token for the tiny Llama in a 16384-cell cache. ``caches_read`` is the last layer's
+        attention output (``kqv_out``): every write of the graph is an input of it, so
+        launching it launches them all, even in a ubatch with no logits rows.
 
-        So the graph returns ``caches_read``, the last layer's attention output, after which
-        no op of the step reads a cache, and the step is launched in two parts, each with
-        its own completion event: ``caches_read`` with the written caches, then the logits.
-        The next launch waits for the first part only; the rest of this step (the last
-        layer's FFN and the output) runs while the next one is launched behind it.
+        An op also holds the buffers it reads until it has run. A step's reads of a cache
+        are over before the next step's write into it is launched as long as the graph has
+        more nodes than MLX keeps in flight (``mx.async_eval`` waits once about 100 are
+        queued): 128 for the tiny Llama. A one-layer model's graph is shorter, and there
+        some writes still copy.
         """
-        if self._caches_read is not None:
-            mx.eval(self._caches_read)  # the previous step's reads of the caches are done
-        mx.async_eval(caches_read, *caches)
-        mx.async_eval(logits)
-        self._caches_read = caches_read
+        mx.async_eval(logits, caches_read)
     # --8<-- [end:launch]
 
     def _cache_inputs(self, mctx: MemoryContext) -> list[tuple]:

@@ -258,11 +258,12 @@ def test_lazy_outputs_read_as_the_reference_rules():
 def test_a_step_launched_behind_another_writes_the_caches_in_place():
     """Decodes launched back to back, each behind one still running: no write copies a cache.
 
-    MLX writes into a buffer in place only when nothing else holds it, and the previous
-    step's attention holds the cache tensors until it has run; the Context waits for that
-    before it launches (``Context._launch``). A copied tensor shows as a peak of MLX's
-    memory of at least its size during the launch; in place, a launch allocates only the
-    step's small intermediates. Without the wait most of these launches copy.
+    MLX writes into a buffer in place only when nothing else holds it, and ``mx.async_eval``
+    holds the arrays it is given until what it launched has run: the Context launches the
+    logits and the last layer's attention output, not the caches (``Context._launch``). A
+    copied tensor shows as a peak of MLX's memory of at least its size during the launch; in
+    place, a launch allocates only the step's small intermediates. With the caches launched
+    too, most of these launches copy.
     """
     hp = tiny_hparams(n_layer=2, n_embd=128, n_head=8, n_head_kv=8, n_vocab=64)
     ctx = MLXContext(hp, random_weights(hp, seed=1), n_ctx=4096, n_batch=512)

@@ -466,9 +466,9 @@ def build_attn(
 def _kqv_out(inp: AttnInput, il: int, kqv: mx.array) -> None:
     """Show layer ``il``'s attention output (llama.cpp's ``kqv_out``) to an input that asks.
 
-    Only the Context's graph input asks (it has a ``kqv_out`` method): the last layer's is
-    the point of the step after which no op reads the caches, and the Context waits for it
-    before it launches the next step (``Context._launch``, in
+    Only the Context's graph input asks (it has a ``kqv_out`` method). Every cache write
+    of the forward is an input of the last layer's, so the Context launches the writes by
+    launching it, without handing MLX the caches themselves (``Context._launch``, in
     [`accelerated.context`][accelerated.context]).
     """
     see = getattr(inp, "kqv_out", None)
