@@ -77,3 +77,18 @@ def test_is_masked_swa_is_elementwise(swa_type):
     masked = np.broadcast_to(is_masked_swa(n_swa, swa_type, p0, p1), (12, 12))
     expected = [[is_masked_swa(n_swa, swa_type, a, b) for a in range(12)] for b in range(12)]
     assert masked.tolist() == expected
+
+
+@pytest.mark.parametrize("p_token", [9, 6, 4])
+def test_a_token_after_its_sequence_needs_no_causal_term(p_token):
+    """One conversation with holes, and a token at its sequence's last position (9: the mask
+    leaves the causal term out) or before it (6, 4: the term is needed): the per-cell rule."""
+    cells = KVCells(12)
+    for i, p in enumerate([0, 1, -1, 3, 4, -1, 9, 7]):
+        if p >= 0:
+            cells.pos_set(i, p)
+            cells.seq_add(i, 0)
+    case = ([cells], [0], np.array([p_token]), ((0,),), (0,), 10, 0, SWA_TYPE_NONE)
+    fast = set_input_kq_mask(*case)
+    assert np.array_equal(fast, set_input_kq_mask_per_cell(*case))
+    assert fast.shape == (1, 10)

@@ -295,8 +295,10 @@ def set_input_kq_mask(
     is a pass over the block (a one-token mask at 16000 cells is a few such passes): the
     token's own stream when every token is in the block's stream (one stream: always);
     $seq_{j, s_i}$ when each token's sequence holds every used cell of the stream
-    ([`holds_every_used_cell`][]: one conversation), where it is $pos_j \ne -1$; the
-    window when there is none.
+    ([`holds_every_used_cell`][]: one conversation), where it is $pos_j \ne -1$; then also
+    $pos_j \le p_i$ when no token comes before the last position of its sequence (a
+    generation step: the cell's position is at most that last position, which
+    ``seq_pos_max`` gives in O(1)); the window when there is none.
 
     Args:
         v_cells: the cells of every stream.
@@ -328,15 +330,19 @@ def set_input_kq_mask(
     for stream in strm:
         cells = v_cells[stream]
         p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
-        visible = (p_cell != -1) & (p_cell <= p_tok)  # (n_tokens, n_kv)
+        holds_all = holds_every_used_cell(cells, s_tok)  # s_i holds every non-empty cell
+        visible = p_cell != -1  # (1, n_kv)
+        if not (holds_all and p_tok.min() >= max(cells.seq_pos_max(s) for s in set(s_tok.tolist()))):
+            visible = visible & (p_cell <= p_tok)  # (n_tokens, n_kv)
         own = stream_tok == stream  # (n_tokens,): the token is in this block's stream
         if not own.all():
-            visible &= own[:, None]
-        if not holds_every_used_cell(cells, s_tok):  # else: holds s_i iff not empty
-            visible &= cells.seq[:n_kv, s_tok].T  # the cell holds s_i
+            visible = visible & own[:, None]
+        if not holds_all:  # else: the cell holds s_i iff it is not empty
+            visible = visible & cells.seq[:n_kv, s_tok].T  # the cell holds s_i
         if swa_type != SWA_TYPE_NONE:
-            visible &= ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
-        blocks.append(np.where(visible, zero, minus_inf))  # (n_tokens, n_kv), in dtype
+            visible = visible & ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
+        visible = np.broadcast_to(visible, (len(s_tok), n_kv))  # (n_tokens, n_kv)
+        blocks.append(np.where(visible, zero, minus_inf))  # in dtype
     return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
 # --8<-- [end:set_input_kq_mask]
 
