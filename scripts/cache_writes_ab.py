@@ -4,6 +4,7 @@ Usage::
 
     python scripts/cache_writes_ab.py                     # depths 0 1000 4000 8000 16000
     python scripts/cache_writes_ab.py --depths 4000 --runs 9
+    python scripts/cache_writes_ab.py --depths 16000 --waiting    # and the waiting launch
 
 ``Context._launch`` hands ``mx.async_eval`` the logits and the last layer's attention
 output; before 2026-11-26 it handed it the logits and the written caches, which MLX then held
@@ -13,7 +14,9 @@ process on the shipped tiny Llama in a 16384-cell cache (the bench's ``tg64`` lo
 pipelined), alternating run by run with mlx-lm beside them, and prints per depth the median
 milliseconds per token of each, and the largest memory a launch allocated (MLX's peak over
 its active memory around ``process_ubatch``): a copied cache tensor shows there as 2 MiB or
-more.
+more. ``--waiting`` adds the launch that was tried and not kept: it waits, before each
+launch, for the previous step's ``kqv_out`` (launched on its own, with the caches), then
+launches the logits.
 """
 
 from __future__ import annotations
@@ -34,15 +37,29 @@ def _launch_before(self, logits, caches_read) -> None:
     mx.async_eval(logits, *self.memory.k_l, *self.memory.v_l)
 
 
+def _launch_waiting(self, logits, caches_read) -> None:
+    """The waiting launch: the previous step's reads of the caches over first."""
+    previous = getattr(self, "_previous_read", None)
+    if previous is not None:
+        mx.eval(previous)  # the previous step's kqv_out: its reads of the caches are done
+    mx.async_eval(caches_read, *self.memory.k_l, *self.memory.v_l)
+    mx.async_eval(logits)
+    self._previous_read = caches_read
+
+
 def main() -> None:
     """The command line: depths and runs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1000, 4000, 8000, 16000])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--waiting", action="store_true", help="run the waiting launch too")
     args = parser.parse_args()
-    hp, w = tiny_model("tiny")
     now = mlx_context.Context._launch
+    launches = [("now", now), ("before", _launch_before)]
+    if args.waiting:
+        launches.append(("waiting", _launch_waiting))
+    hp, w = tiny_model("tiny")
     peaks: list[int] = []
     process_ubatch = mlx_context.Context.process_ubatch
 
@@ -54,9 +71,10 @@ def main() -> None:
         return out
 
     mlx_context.Context.process_ubatch = measured
+    extra = " waiting (ms) |" if args.waiting else ""
     print("| depth | now (ms) | before (ms) | mlx-lm (ms) | now / before "
-          "| now / mlx-lm | largest launch, now / before (KiB) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          "| now / mlx-lm | largest launch, now / before (KiB) |" + extra)
+    print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.waiting else ""))
     for depth in args.depths:
         ours = ContextRunner(mlx_context.Context, hp, w, n_ctx=16384, n_batch=512)
         peer = MLXLMRunner(mlx_lm_model(hp, w))
@@ -66,10 +84,10 @@ def main() -> None:
             peer.set_depth(tokens)
         ours.tg(1, 16)
         peer.tg(1, 16)
-        times = {"now": [], "before": [], "mlx-lm": []}
-        peak = {"now": 0, "before": 0}
+        times = {name: [] for name, _ in launches} | {"mlx-lm": []}
+        peak = {name: 0 for name, _ in launches}
         for _ in range(args.runs):
-            for name, launch in (("now", now), ("before", _launch_before)):
+            for name, launch in launches:
                 mlx_context.Context._launch = launch
                 peaks.clear()
                 times[name].append(1e3 * ours.tg(1, args.tokens) / args.tokens)
@@ -79,7 +97,8 @@ def main() -> None:
         med = {name: statistics.median(v) for name, v in times.items()}
         print(f"| {depth} | {med['now']:.2f} | {med['before']:.2f} | {med['mlx-lm']:.2f} "
               f"| {med['now'] / med['before']:.2f} | {med['now'] / med['mlx-lm']:.2f} "
-              f"| {peak['now'] >> 10} / {peak['before'] >> 10} |", flush=True)
+              f"| {peak['now'] >> 10} / {peak['before'] >> 10} |"
+              + (f" {med['waiting']:.2f} |" if args.waiting else ""), flush=True)
 
 
 if __name__ == "__main__":

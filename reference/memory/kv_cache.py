@@ -332,7 +332,8 @@ def set_input_kq_mask(
         p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
         holds_all = holds_every_used_cell(cells, s_tok)  # s_i holds every non-empty cell
         visible = p_cell != -1  # (1, n_kv)
-        if not (holds_all and p_tok.min() >= max(cells.seq_pos_max(s) for s in set(s_tok.tolist()))):
+        last = max(cells.seq_pos_max(s) for s in set(s_tok.tolist()))  # the sequences' last
+        if not (holds_all and p_tok.min() >= last):  # else: every non-empty cell is at or before
             visible = visible & (p_cell <= p_tok)  # (n_tokens, n_kv)
         own = stream_tok == stream  # (n_tokens,): the token is in this block's stream
         if not own.all():
