@@ -78,7 +78,12 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.memory import KVCache, KVCacheISWA, create_memory
-from accelerated.memory.kv_cache import GraphAttnInput, head_rows, kq_mask_device
+from accelerated.memory.kv_cache import (
+    GraphAttnInput,
+    head_rows,
+    kq_mask_device,
+    prefix_inputs_device,
+)
 from accelerated.models.gemma import GEMMA_ARCHS, check_gemma_inputs, llm_build_gemma
 from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
 from accelerated.models.mamba import check_mamba_inputs, llm_build_mamba, mamba_forward
@@ -142,6 +147,10 @@ class GraphKey:
         strm: the streams of the slot.
         n_kv_swa: with an iSWA memory, the cells of each stream the SWA layers read in the
             SWA cache (its own view); 0 without one.
+        prefix: for each cache part, whether its mask and rows come from two integers
+            ([`accelerated.memory.kv_cache.prefix_inputs_device`][accelerated.memory.kv_cache.prefix_inputs_device]:
+            a generation step in one conversation) instead of the cells' positions and
+            membership; ``()``: none does.
 
     Examples:
         >>> GraphKey(False, 1, 1, 64, (0,)) == GraphKey(False, 1, 1, 64, (0,))  # reused
@@ -156,6 +165,7 @@ class GraphKey:
     n_kv: int
     strm: tuple[int, ...]
     n_kv_swa: int = 0
+    prefix: tuple[bool, ...] = ()
 # --8<-- [end:GraphKey]
 
 
@@ -300,23 +310,33 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
     cache), ``p_cell`` and ``member``, what its KQ mask is built from in the graph
     ([`accelerated.memory.kv_cache.kq_mask_device`][accelerated.memory.kv_cache.kq_mask_device],
     with the part's own window), and ``k_rows``, where the tokens' heads are written in it
-    ([`accelerated.memory.kv_cache.head_rows`][accelerated.memory.kv_cache.head_rows]); then, part
-    after part, its K tensors and its V tensors (head-major, one per layer of the part). The
+    ([`accelerated.memory.kv_cache.head_rows`][accelerated.memory.kv_cache.head_rows]); or,
+    for a part of ``key.prefix``, the one ``slot`` both are made from
+    ([`accelerated.memory.kv_cache.prefix_inputs_device`][accelerated.memory.kv_cache.prefix_inputs_device]).
+    Then, part after part, its K tensors and its V tensors (head-major, one per layer of the
+    part). The
     forward is the architecture's: [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]
     for Gemma, else [`llm_build_llama`][accelerated.models.llama.llm_build_llama]. Returned:
     the logits, then each part's written K then V tensors, in the same order, then the last
     layer's attention output (``kqv_out``: every cache write is an input of it; see
     ``Context._launch``).
     """
-    n_in = 3 * len(parts)
-    inputs, off = [], n_in
-    for ip, part in enumerate(parts):
-        p_cell, member, k_rows = arrays[3 * ip:3 * ip + 3]
+    prefix = key.prefix or (False,) * len(parts)
+    n_in = sum(1 if pre else 3 for pre in prefix)  # the parts' slot, or p_cell, member, k_rows
+    inputs, i, off = [], 0, n_in
+    for part, pre in zip(parts, prefix, strict=True):
         n = len(part.layers)
         k_l, v_l = arrays[off:off + n], arrays[off + n:off + 2 * n]
         off += 2 * n
-        kq_mask = kq_mask_device(p_cell, member, pos, part.n_swa, part.swa_type)
         n_kv = key.n_kv_swa if part.swa else key.n_kv
+        if pre:
+            kv_size = k_l[0].shape[2]  # (n_stream, n_head_kv, kv_size, d)
+            k_rows, kq_mask = prefix_inputs_device(arrays[i], n_kv, kv_size, hparams.n_head_kv)
+            i += 1
+        else:
+            p_cell, member, k_rows = arrays[i:i + 3]
+            kq_mask = kq_mask_device(p_cell, member, pos, part.n_swa, part.swa_type)
+            i += 3
         inputs.append(GraphAttnInput(k_l, v_l, k_rows, kq_mask, n_kv, key.strm,
                                      hparams.n_head_kv))
     tokens, embd = (None, x) if key.embd else (x, None)
@@ -435,6 +455,10 @@ class Context(ref.Context):
         self._token_on_device: mx.array | None = None  # decode_token's token, (1,) int32
         self._every_row: dict[int, mx.array] = {}  # _ids_input's aranges, by size
         self._parts = () if self.recurrent else cache_parts(self._memory)  # the graph's caches
+        # a one-token ubatch whose mask is the first u cells hands the graph [r_0, u] for
+        # a cache part, not the cells' positions, membership and rows (_llama_ubatch);
+        # False: always the cells' form (the two are compared in tests and benchmarks)
+        self.prefix_masks = True
 
     create_memory = staticmethod(create_memory)
     """The memory factory: [`accelerated.memory.create_memory`][accelerated.memory.create_memory]
@@ -641,15 +665,24 @@ class Context(ref.Context):
         tokens, pos, out_ids, embd = check(self.hparams, ubatch.token, ubatch.pos, out_ids,
                                            ubatch.embd)
         cache_inputs = self._cache_inputs(mctx)  # (base, swa) of an iSWA memory, or one
-        views, host = [0, 0], []  # the view of each cache; the graph inputs of the parts
+        views, host, prefix = [0, 0], [], []  # the view of each cache; the parts' graph inputs
         for i, (cache, sinfo, inp) in enumerate(cache_inputs):
             views[i] = kv_view(cache, sinfo, inp.n_kv)  # the columns past it would all be masked
-            if cache.layers:
+            if not cache.layers:
+                continue
+            u = inp.kq_mask_prefix() if len(pos) == 1 and self.prefix_masks else None
+            if u is not None:  # the mask is the first u cells: two integers say it all
+                stream, cell = divmod(int(inp.k_idxs[0]), cache.get_size())
+                r_0 = stream * self.hparams.n_head_kv * cache.get_size() + cell  # head 0's row
+                host.append(mx.array([r_0, u], dtype=mx.int32))  # the slot
+            else:
                 p_cell, member = inp.kq_mask_inputs(views[i])  # the mask is built in the graph
                 k_rows = head_rows(inp.k_idxs, cache.get_size(), self.hparams.n_head_kv)
                 host += [mx.array(p_cell), mx.array(member), mx.array(k_rows.astype(np.int32))]
+            prefix.append(u is not None)
         strm = tuple(cache_inputs[0][1].strm)  # the same streams in both caches
-        key = GraphKey(embd is not None, len(pos), len(out_ids), views[0], strm, views[1])
+        key = GraphKey(embd is not None, len(pos), len(out_ids), views[0], strm, views[1],
+                       tuple(prefix) if any(prefix) else ())
         if embd is not None:
             x = mx.array(embd, mx.float32)  # (n_tokens, n_embd)
         elif self._token_on_device is not None:  # decode_token's, not read back
@@ -689,7 +722,7 @@ class Context(ref.Context):
         An op also holds the buffers it reads until it has run. A step's reads of a cache
         are over before the next step's write into it is launched as long as the graph has
         more nodes than MLX keeps in flight (``mx.async_eval`` waits once about 100 are
-        queued): 128 for the tiny Llama. A one-layer model's graph is shorter, and there
+        queued): 131 for the tiny Llama. A one-layer model's graph is shorter, and there
         some writes still copy.
         """
         mx.async_eval(logits, caches_read)

@@ -59,6 +59,7 @@ from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     n_ctx_seq,
     set_input_kq_mask,
     set_input_kq_mask_per_cell,
+    visible_prefix,
 )
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "head_rows",
     "holds_every_used_cell",
     "kq_mask_device",
+    "prefix_inputs_device",
     "k_shift_rope_params",
     "kv_size_swa",
     "mx_dtype",
@@ -85,6 +87,7 @@ __all__ = [
     "set_input_kq_mask_per_cell",
     "to_cell_major",
     "to_head_major",
+    "visible_prefix",
 ]
 
 _MX_DTYPES = {
@@ -284,6 +287,46 @@ def kq_mask_device(p_cell: mx.array, member: mx.array, pos: mx.array, n_swa: int
 # --8<-- [end:kq_mask_device]
 
 
+# --8<-- [start:prefix_inputs_device]
+def prefix_inputs_device(slot: mx.array, n_cols: int, kv_size: int,
+                         n_head_kv: int) -> tuple[mx.array, mx.array]:
+    r"""A one-token ubatch's cache rows and KQ mask, from two integers, when its mask is a
+    prefix.
+
+    ``slot`` is $[r_0, u]$: the row of the token's first head in a cache tensor seen as rows
+    of $d$ (``head_rows(k_idxs, ...)[0, 0]``) and the number of first cells it sees, when it
+    sees exactly those ([`visible_prefix`][reference.memory.kv_cache.visible_prefix]: a
+    generation step in one conversation). Head $h$'s row is [`head_rows`][]'s
+    $(s \cdot n\_head\_kv + h) \cdot kv\_size + c = r_0 + h \cdot kv\_size$, and the mask is
+    $\mathrm{visible}_j = j < u$: the values [`kq_mask_device`][] makes from the cells, made
+    in the graph from the two integers. So a generation step hands the device one array of
+    two integers where the cells' form hands it the position of every cell in view, their
+    membership and the token's rows.
+
+    Args:
+        slot: ``(2,)`` int32, $[r_0, u]$.
+        n_cols: cells in view (one stream).
+        kv_size: cells per stream.
+        n_head_kv: KV heads.
+
+    Returns:
+        ``k_rows`` ``(1, n_head_kv)`` int32 and ``kq_mask`` ``(1, n_cols)`` float32.
+
+    Examples:
+        >>> rows, mask = prefix_inputs_device(mx.array([10, 3]), 5, kv_size=4, n_head_kv=2)
+        >>> rows.tolist(), mask.tolist()  # stream 1, cell 2: head_rows gives [[10, 14]]
+        ([[10, 14]], [[0.0, 0.0, 0.0, -inf, -inf]])
+    """
+    # the offsets of the heads and the column indices are constants of a traced graph
+    # (NumPy-made, so no node computes them at each step); slices, not an index (a gather)
+    heads = mx.array(np.arange(n_head_kv, dtype=np.int32) * kv_size)  # (n_head_kv,) h * kv_size
+    k_rows = (slot[:1] + heads)[None, :]  # (1, n_head_kv)
+    visible = mx.array(np.arange(n_cols, dtype=np.int32)) < slot[1:]  # (n_cols,)
+    kq_mask = mx.where(visible, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+    return k_rows, kq_mask[None, :]  # (1, n_cols)
+# --8<-- [end:prefix_inputs_device]
+
+
 # --8<-- [start:KVCacheAttnInput]
 class KVCacheAttnInput(ref.KVCacheAttnInput):
     """Twin of
@@ -345,6 +388,16 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
             member.append(cells.seq[:n_cols, s_tok].T & (stream_tok == stream)[:, None])
         return (np.concatenate(p_cell).astype(np.int32),  # (ns * n_cols,)
                 np.concatenate(member, axis=1))  # (n_tokens, ns * n_cols)
+
+    def kq_mask_prefix(self) -> int | None:
+        """$u$ when every token of the ubatch sees exactly the first $u$ cells of the slot's
+        one stream ([`visible_prefix`][reference.memory.kv_cache.visible_prefix]); None for
+        any other mask, or a slot over several streams. O(1)."""
+        if len(self.sinfo.strm) != 1:
+            return None
+        s_tok = np.array([ids[0] for ids in self.ubatch.seq_id], dtype=np.int64)  # (n_tokens,)
+        return visible_prefix(self.cache.v_cells[self.sinfo.strm[0]], s_tok, self.ubatch.pos,
+                              self.cache.n_swa, self.cache.swa_type)
 
     @property
     def kq_mask(self) -> mx.array:

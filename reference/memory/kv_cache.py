@@ -298,7 +298,10 @@ def set_input_kq_mask(
     ([`holds_every_used_cell`][]: one conversation), where it is $pos_j \ne -1$; then also
     $pos_j \le p_i$ when no token comes before the last position of its sequence (a
     generation step: the cell's position is at most that last position, which
-    ``seq_pos_max`` gives in O(1)); the window when there is none.
+    ``seq_pos_max`` gives in O(1)); the window when there is none. When all of those are
+    left out, the window hides no cell and no cell before the last used one is empty, the
+    block is $u$ zeros then $-\infty$ ([`visible_prefix`][]: a generation step in one
+    conversation), made with no pass over the cells at all.
 
     Args:
         v_cells: the cells of every stream.
@@ -329,13 +332,19 @@ def set_input_kq_mask(
     blocks = []
     for stream in strm:
         cells = v_cells[stream]
+        own = stream_tok == stream  # (n_tokens,): the token is in this block's stream
+        u = visible_prefix(cells, s_tok, p_tok[:, 0], n_swa, swa_type) if own.all() else None
+        if u is not None:  # every token sees the first u cells: no pass over the cells
+            block = np.full((len(s_tok), n_kv), minus_inf, dtype=dtype)  # (n_tokens, n_kv)
+            block[:, :u] = zero
+            blocks.append(block)
+            continue
         p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
         holds_all = holds_every_used_cell(cells, s_tok)  # s_i holds every non-empty cell
         visible = p_cell != -1  # (1, n_kv)
         last = max(cells.seq_pos_max(s) for s in set(s_tok.tolist()))  # the sequences' last
         if not (holds_all and p_tok.min() >= last):  # else: every non-empty cell is at or before
             visible = visible & (p_cell <= p_tok)  # (n_tokens, n_kv)
-        own = stream_tok == stream  # (n_tokens,): the token is in this block's stream
         if not own.all():
             visible = visible & own[:, None]
         if not holds_all:  # else: the cell holds s_i iff it is not empty
@@ -369,6 +378,68 @@ def holds_every_used_cell(cells: KVCells, seq_ids: Iterable[int]) -> bool:
     n_used = cells.get_used()
     return all(len(cells.seq_pos[s]) == n_used for s in set(np.asarray(seq_ids).tolist()))
 # --8<-- [end:holds_every_used_cell]
+
+
+# --8<-- [start:visible_prefix]
+def visible_prefix(cells: KVCells, s_tok: np.ndarray, p_tok: np.ndarray, n_swa: int,
+                   swa_type: int) -> int | None:
+    r"""$u$ when every token sees exactly the first $u$ cells of ``cells``; else None.
+
+    The mask of a generation step in one conversation, which is most of the masks a
+    program builds, has this form. Token $i$ of sequence $s_i$ at position $p_i$ (the
+    tokens of one stream) sees cell $j$ iff it is not empty, holds $s_i$, comes at or
+    before $p_i$ and is not hidden by the window ([`set_input_kq_mask`][]). When
+
+    1. each $s_i$ holds every used cell ([`holds_every_used_cell`][]), "holds $s_i$" is
+       "not empty";
+    2. no token comes before the last position of the sequences, every used cell is at or
+       before $p_i$;
+    3. the window of the last token keeps the sequences' first position, every window
+       keeps every used cell: each window type hides a cell by its distance $p_i - pos_j$
+       (one side of a bound: ``is_masked_swa``), and no distance is larger than that one;
+    4. no cell before the last used one is empty (``get_used() == used_max_p1()``: no hole
+       left by a removal), the non-empty cells are the first $u$ = ``used_max_p1``;
+
+    then $\mathrm{visible}_{ij} = j < u$ for every token: one integer says the whole mask.
+    O(1): each test reads counts that the cells keep.
+
+    Args:
+        cells: the cells of the tokens' stream.
+        s_tok: the first sequence id of each token ``(n_tokens,)``.
+        p_tok: the position of each token ``(n_tokens,)``.
+        n_swa: sliding window (0: none).
+        swa_type: one of ``SWA_TYPE_*``.
+
+    Returns:
+        $u$, or None when the visible cells are not the same first cells for every token.
+
+    Examples:
+        >>> cells = KVCells(8)
+        >>> for i in range(3):
+        ...     cells.pos_set(i, i); cells.seq_add(i, 0)
+        >>> visible_prefix(cells, np.array([0]), np.array([2]), 0, SWA_TYPE_NONE)
+        3
+        >>> visible_prefix(cells, np.array([0]), np.array([1]), 0, SWA_TYPE_NONE)  # before 2
+        >>> visible_prefix(cells, np.array([0]), np.array([2]), 2, 1)  # a window of 2 (standard)
+        >>> cells.rm(1)  # a hole
+        >>> visible_prefix(cells, np.array([0]), np.array([2]), 0, SWA_TYPE_NONE)
+    """
+    n_used = cells.get_used()
+    if n_used != cells.used_max_p1():  # 4
+        return None
+    seqs = set(np.asarray(s_tok).tolist())
+    if not holds_every_used_cell(cells, seqs):  # 1
+        return None
+    if n_used == 0:  # no cell: nothing to see
+        return 0
+    # every sequence holds the same cells (1), so the same first and last position
+    first, last = cells.seq_pos_min(min(seqs)), cells.seq_pos_max(min(seqs))
+    p = np.asarray(p_tok).tolist()
+    # 3: the last token is the farthest from the first position, so checked alone
+    if min(p) < last or is_masked_swa(n_swa, swa_type, first, max(p)):  # 2, 3
+        return None
+    return n_used
+# --8<-- [end:visible_prefix]
 
 
 # --8<-- [start:set_input_kq_mask_per_cell]
