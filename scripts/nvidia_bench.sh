@@ -56,6 +56,10 @@ step "where a token's time goes, ours and mlx-lm's (scripts/token_phases.py)"
 for m in tiny tiny-mamba; do timeout 60 python3 scripts/token_phases.py --model $m; done
 MLX_USE_CUDA_GRAPHS=0 timeout 60 python3 scripts/token_phases.py  # without MLX's CUDA graphs
 
+step "a generation step's mask from two integers, against the cells' form (scripts/prefix_mask_ab.py)"
+timeout 90 python3 scripts/prefix_mask_ab.py --depths 0 16000 --runs 5 \
+  | tee "$OUTDIR/prefix-mask-ab.md"
+
 step "MLX's GPU kernels: three facts and a question (scripts/mlx_cuda_checks.py)"
 timeout 60 python3 scripts/mlx_cuda_checks.py
 
