@@ -314,9 +314,9 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
     for a part of ``key.prefix``, the one ``slot`` both are made from
     ([`accelerated.memory.kv_cache.prefix_inputs_device`][accelerated.memory.kv_cache.prefix_inputs_device]).
     Then, part after part, its K tensors and its V tensors (head-major, one per layer of the
-    part). The
-    forward is the architecture's: [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]
-    for Gemma, else [`llm_build_llama`][accelerated.models.llama.llm_build_llama]. Returned:
+    part). The forward is the architecture's:
+    [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma] for Gemma, else
+    [`llm_build_llama`][accelerated.models.llama.llm_build_llama]. Returned:
     the logits, then each part's written K then V tensors, in the same order, then the last
     layer's attention output (``kqv_out``: every cache write is an input of it; see
     ``Context._launch``).
@@ -673,7 +673,8 @@ class Context(ref.Context):
             u = inp.kq_mask_prefix() if len(pos) == 1 and self.prefix_masks else None
             if u is not None:  # the mask is the first u cells: two integers say it all
                 stream, cell = divmod(int(inp.k_idxs[0]), cache.get_size())
-                r_0 = stream * self.hparams.n_head_kv * cache.get_size() + cell  # head 0's row
+                # head 0's row, head_rows(inp.k_idxs, ...)[0, 0] in Python ints
+                r_0 = stream * self.hparams.n_head_kv * cache.get_size() + cell
                 host.append(mx.array([r_0, u], dtype=mx.int32))  # the slot
             else:
                 p_cell, member = inp.kq_mask_inputs(views[i])  # the mask is built in the graph
