@@ -47,6 +47,19 @@ def _launch_waiting(self, logits, caches_read) -> None:
     self._previous_read = caches_read
 
 
+def tiny_pair(hp, w, depth: int) -> tuple[ContextRunner, MLXLMRunner]:
+    """The MLX Context (a 16384-cell cache) and mlx-lm on the same weights, the same
+    ``depth`` random tokens in both caches (not timed); ``scripts/prefix_mask_ab.py`` uses
+    it too."""
+    ours = ContextRunner(mlx_context.Context, hp, w, n_ctx=16384, n_batch=512)
+    peer = MLXLMRunner(mlx_lm_model(hp, w))
+    if depth:
+        tokens = random_tokens(depth, hp.n_vocab)
+        ours.set_depth(tokens)
+        peer.set_depth(tokens)
+    return ours, peer
+
+
 def main() -> None:
     """The command line: depths and runs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -76,12 +89,7 @@ def main() -> None:
           "| now / mlx-lm | largest launch, now / before (KiB) |" + extra)
     print("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.waiting else ""))
     for depth in args.depths:
-        ours = ContextRunner(mlx_context.Context, hp, w, n_ctx=16384, n_batch=512)
-        peer = MLXLMRunner(mlx_lm_model(hp, w))
-        if depth:
-            tokens = random_tokens(depth, hp.n_vocab)
-            ours.set_depth(tokens)
-            peer.set_depth(tokens)
+        ours, peer = tiny_pair(hp, w, depth)
         ours.tg(1, 16)
         peer.tg(1, 16)
         times = {name: [] for name, _ in launches} | {"mlx-lm": []}

@@ -22,9 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import accelerated.context as mlx_context
-from llamaref.bench import ContextRunner, random_tokens
-from llamaref.bench.peers import MLXLMRunner, mlx_lm_model
+from cache_writes_ab import tiny_pair  # scripts/ (run from the repository root)
+
 from llamaref.bench.tiny import tiny_model
 
 
@@ -40,12 +39,7 @@ def main() -> None:
           "| prefix / mlx-lm | cells / mlx-lm |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for depth in args.depths:
-        ours = ContextRunner(mlx_context.Context, hp, w, n_ctx=16384, n_batch=512)
-        peer = MLXLMRunner(mlx_lm_model(hp, w))
-        if depth:
-            tokens = random_tokens(depth, hp.n_vocab)
-            ours.set_depth(tokens)
-            peer.set_depth(tokens)
+        ours, peer = tiny_pair(hp, w, depth)
         for form in (True, False):  # both graphs traced before the timed runs
             ours.ctx.prefix_masks = form
             ours.tg(1, 16)
