@@ -37,7 +37,7 @@ differs:
     llama.cpp's ``llm_graph_result::can_reuse``, and counts in ``perf().n_reused``.
     ``graph_reuse=False`` (or the environment variable ``LLAMA_GRAPH_REUSE_DISABLE=1``, as in
     llama.cpp) runs the same function uncompiled, op by op: the logits and caches are bit for
-    bit the same on the CPU (``tests/test_twin_reuse.py``; Metal is untested); on CUDA a compiled
+    bit the same on the CPU (``tests/twin/test_reuse.py``; Metal is untested); on CUDA a compiled
     kernel contracts ``a * b + c`` into one FMA, so there the two agree to float32 rounding
     (``scripts/mlx_cuda_checks.py``);
 - a Mamba ubatch runs
@@ -56,7 +56,7 @@ differs:
   NumPy as the reference does; [`Context.get_logits_ith_device`][] gives the same row as
   an ``mx.array`` without a host copy, for a sampler that runs on the device, and
   [`Context.decode_token`][] decodes a token that a device sampler picked *before* it is
-  read back: the generation loop ([`reference.generate.Generator`][reference.generate.Generator])
+  read back: the generation loop ([`reference.tools.generate.Generator`][reference.tools.generate.Generator])
   launches step $t + 1$ and only then reads token $t$, as mlx-lm's ``generate_step`` does;
   [`Context.synchronize`][] waits (``llama_synchronize``);
 - the state methods are inherited: each memory runs the reference's state functions on

@@ -47,7 +47,7 @@ draw and launches the step, but does not read the token: it returns a
 ([`accelerated.context.Context.decode_token`][accelerated.context.Context.decode_token]);
 [`SamplerChain.resolve`][] reads it back later (and redoes a step whose margin failed on the host,
 as [`SamplerChain.sample`][] does). The generation loop
-([`reference.generate.Generator`][reference.generate.Generator]) uses this to launch step $t + 1$
+([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) uses this to launch step $t + 1$
 before it reads token $t$. Penalties read the history, which lacks token $t$ then: the chain
 counts the tokens it launched and that were not accepted yet from the device (``token``), so
 step $t + 1$ sees the same last ``penalty_last_n`` tokens as in the sequential loop. A chain

@@ -82,7 +82,7 @@ def prepare_weights(weights: dict, backend: str,
     Q4_1 / Q8_0 stay packed).
 
     Args:
-        weights: GGUF-named weights from [`reference.model.load_model`][reference.model.load_model].
+        weights: GGUF-named weights from [`reference.model_loader.load_model`][reference.model_loader.load_model].
         backend: ``"reference"`` or ``"accelerated"``.
         progress: called with ``(tensors done, tensors in all)`` after each tensor.
 

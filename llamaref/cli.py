@@ -4,17 +4,17 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 (``common/arg.cpp``):
 
 - ``llamaref generate PROMPT`` streams a continuation, like ``llama-completion`` /
-  ``llama-simple`` ([`reference.generate.Generator`][reference.generate.Generator]), and ends with
+  ``llama-simple`` ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]), and ends with
   ``llama_perf_context_print``'s report on stderr;
 - ``llamaref chat`` reads messages from stdin, renders the conversation with the model's chat
   template and decodes only what the KV cache lacks
-  ([`reference.generate.ChatSession`][reference.generate.ChatSession]);
+  ([`reference.tools.generate.ChatSession`][reference.tools.generate.ChatSession]);
 - ``llamaref tokenize`` prints token ids like ``llama-tokenize``;
 - ``llamaref verify`` runs the equivalence harness on a model
   ([`llamaref.verify`][llamaref.verify]);
 - ``llamaref perplexity -f FILE -c N`` measures perplexity, or the KL divergence against a
   base logits file, like ``llama-perplexity``
-  ([`reference.perplexity`][reference.perplexity]);
+  ([`reference.tools.perplexity`][reference.tools.perplexity]);
 - ``llamaref passkey`` runs llama.cpp's passkey-retrieval example, with Self-Extend's
   ``--grp-attn-n`` ([`llamaref.passkey`][llamaref.passkey]);
 - ``llamaref speculative``, ``llamaref speculative-simple`` and ``llamaref lookup`` run
@@ -53,9 +53,9 @@ from llamaref.server.main import add_serve_command
 from llamaref.speculative import add_speculative_commands
 from llamaref.verify import run_verify
 from reference.common import LLAMA_DEFAULT_SEED
-from reference.generate import ChatSession, Generator, Perf, eog_tokens
-from reference.model import load_model
-from reference.perplexity import (
+from reference.tools.generate import ChatSession, Generator, Perf, eog_tokens
+from reference.model_loader import load_model
+from reference.tools.perplexity import (
     context_params,
     kl_divergence,
     perplexity,
@@ -63,7 +63,7 @@ from reference.perplexity import (
     read_logits_file,
 )
 from reference.sampling import SamplerParams
-from reference.self_extend import check_group_attention
+from reference.tools.self_extend import check_group_attention
 from reference.tokenizer import StreamDecoder, load_tokenizer
 
 #: models at least this large get a progress bar while loading, even when stderr is no TTY
@@ -191,7 +191,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def new_generator(args, hparams, weights, tokenizer, backend, perf):
-    """A Context, a sampler and a [`Generator`][reference.generate.Generator] from the flags."""
+    """A Context, a sampler and a [`Generator`][reference.tools.generate.Generator] from the flags."""
     ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
                        n_ubatch=args.ubatch_size, swa_full=getattr(args, "swa_full", True))
     sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from reference.common import LlamarefError
-from reference.model import default_model_path
+from reference.model_loader import default_model_path
 
 
 class CLIError(LlamarefError):

@@ -40,7 +40,7 @@ import mlx.core as mx
 from accelerated.training.finetune import TRAINER as MLX_TRAINER
 from llamaref.backends import pick_backend, prepare_weights
 from llamaref.common import CLIError, log, model_path
-from reference.model import load_model
+from reference.model_loader import load_model
 from reference.tokenizer import load_tokenizer
 from reference.training.finetune import (
     TRAINER,

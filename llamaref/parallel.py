@@ -4,14 +4,14 @@ The three commands of llama.cpp that serve several sequences from one context, w
 flag names and defaults (``common/arg.cpp``), on either backend:
 
 - ``llamaref batched -p PROMPT -n 32 -np 4`` writes ``-np`` completions of one prompt
-  (``examples/batched``, [`reference.batched`][reference.batched]); ``-n`` is the total
+  (``examples/batched``, [`reference.tools.batched`][reference.tools.batched]); ``-n`` is the total
   length, prompt included. Without ``-kvu`` each sequence has its own KV stream and gets
   the prompt by ``seq_cp`` (llama.cpp's example needs ``-kvu`` there);
 - ``llamaref parallel -np 4 -ns 16 -pps`` simulates a server with ``-np`` clients
-  (``examples/parallel``, [`reference.parallel`][reference.parallel]): continuous batching,
+  (``examples/parallel``, [`reference.tools.parallel`][reference.tools.parallel]): continuous batching,
   a shared system prompt, chunks halved when the cache is full;
 - ``llamaref batched-bench -npp 128 -ntg 128 -npl 1,2,4,8`` prints the PP / TG / B table
-  (``tools/batched-bench``, [`reference.batched_bench`][reference.batched_bench]), as markdown
+  (``tools/batched-bench``, [`reference.tools.batched_bench`][reference.tools.batched_bench]), as markdown
   or JSONL.
 
 llama.cpp's log lines go to stderr, what its ``LOG`` prints (the texts, the table) to
@@ -29,7 +29,7 @@ from pathlib import Path
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.bench.peers import LlamaCppBatchContext
 from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
-from reference.batched import (
+from reference.tools.batched import (
     DEFAULT_N_PREDICT,
     DEFAULT_PROMPT,
     batched,
@@ -37,8 +37,8 @@ from reference.batched import (
     n_kv_required,
     report,
 )
-from reference.batched import sampler_params as batched_sampler_params
-from reference.batched_bench import (
+from reference.tools.batched import sampler_params as batched_sampler_params
+from reference.tools.batched_bench import (
     batched_bench,
     header,
     n_ctx_required,
@@ -46,9 +46,9 @@ from reference.batched_bench import (
     row_md,
 )
 from reference.common import LLAMA_DEFAULT_SEED, LLAMA_MAX_SEQ
-from reference.generate import Perf
-from reference.model import load_model
-from reference.parallel import (
+from reference.tools.generate import Perf
+from reference.model_loader import load_model
+from reference.tools.parallel import (
     DEFAULT_N_JUNK,
     K_PROMPTS,
     K_SYSTEM,
@@ -57,7 +57,7 @@ from reference.parallel import (
     make_requests,
     totals,
 )
-from reference.parallel import DEFAULT_N_PREDICT as PARALLEL_N_PREDICT
+from reference.tools.parallel import DEFAULT_N_PREDICT as PARALLEL_N_PREDICT
 from reference.sampling import SamplerParams
 from reference.tokenizer import load_tokenizer
 

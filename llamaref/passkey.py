@@ -7,7 +7,7 @@ also Self-Extend's block, default 2048). One addition: ``-c/--ctx-size`` sets th
 (default 0: ``passkey.cpp``'s ``n_ctx_train * G + n_keep``).
 
 llama.cpp's information lines go to stderr, the 16-token answer to stdout; the last line on
-stderr says whether the key was found. The semantics are [`reference.passkey`][reference.passkey].
+stderr says whether the key was found. The semantics are [`reference.tools.passkey`][reference.tools.passkey].
 
 Examples: ``llamaref passkey --junk 250 --pos 90 --grp-attn-n 2``.
 """
@@ -19,8 +19,8 @@ import sys
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
 from llamaref.common import CLIError, log, model_path
-from reference.model import load_model
-from reference.passkey import run_passkey
+from reference.model_loader import load_model
+from reference.tools.passkey import run_passkey
 from reference.tokenizer import load_tokenizer
 
 

@@ -10,8 +10,8 @@ draft model, so any model can draft for itself.
 
 The prompt and the generated text go to stdout; the statistics (``n_drafted``,
 ``n_accept``, ``accept = %``) to stderr, line by line as llama.cpp prints them. The
-semantics are [`reference.speculative`][reference.speculative] and
-[`reference.lookup`][reference.lookup]; every check (flags, the draft's vocabulary, the
+semantics are [`reference.tools.speculative`][reference.tools.speculative] and
+[`reference.tools.lookup`][reference.tools.lookup]; every check (flags, the draft's vocabulary, the
 cache files) runs before any weight is prepared.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 from llamaref.backends import make_context, pick_backend, prepare_weights
 from llamaref.common import CLIError, add_sampling_flags, log, model_path
 from reference.common import LLAMA_DEFAULT_SEED
-from reference.lookup import Lookup, ngram_cache_load, ngram_cache_merge, ngram_cache_save
-from reference.model import load_model
+from reference.tools.lookup import Lookup, ngram_cache_load, ngram_cache_merge, ngram_cache_save
+from reference.model_loader import load_model
 from reference.sampling import SamplerParams
-from reference.speculative import (
+from reference.tools.speculative import (
     Speculative,
     SpeculativeSimple,
     check_draft_vocab,

@@ -56,7 +56,7 @@ from llamaref.backends import make_context, pick_backend, prepare_weights
 from reference.batch import Batch
 from reference.common import MAX_NMSE_OP, MAX_NMSE_TWIN
 from reference.context import Context, is_recurrent
-from reference.model import load_model
+from reference.model_loader import load_model
 from reference.models import llama as RL
 from reference.models.gemma import GEMMA_ARCHS
 from reference.testing import nmse

@@ -579,7 +579,7 @@ def fill_fields_one_token(batch: Batch, n_vocab: int, n_seq_max: int,
     rule costs a few NumPy calls whatever the batch size, about 20 µs a decode for these
     rules against 2 µs on scalars, which a generation step would pay per token. A test
     holds the two paths equal on every one-token batch it draws, refusals included
-    (``tests/test_batch.py``).
+    (``tests/laws/test_batch.py``).
 
     Returns:
         ``(seq_id, pos, seq_pos, seq_cpl)`` as [`fill_fields`][] returns them.

@@ -499,7 +499,7 @@ class Context:
         The MLX twin also takes a token that is still on the device (a scalar ``mx.array``
         from its sampler): it launches the step without reading the token back, so the
         generation loop can read token $t$ while step $t + 1$ computes
-        ([`Generator`][reference.generate.Generator]).
+        ([`Generator`][reference.tools.generate.Generator]).
 
         Examples:
             >>> from reference.testing import tiny_hparams, random_weights

@@ -18,7 +18,7 @@ This module is the table a reader of llama.cpp looks things up in: one [`Entry`]
 - ``note``: one line of Markdown, when the correspondence is not one to one.
 
 It is part of the specification: ``docs/figures/map.py`` writes the site's map page from it,
-and ``tests/test_surface_map.py`` holds it to the code and the pages. Every name in ``ours``
+and ``tests/docs/test_surface_map.py`` holds it to the code and the pages. Every name in ``ours``
 resolves, every chapter and anchor exists, and every public method of the
 [`Context`][reference.context.Context], every memory operation, every sampler and every op
 that ``reference.ops`` exports is either here or in [`NOT_IN_LLAMA_CPP`][], with the reason.
@@ -75,7 +75,7 @@ class Entry:
 
 _LLAMA_H = [
     # model and context
-    ("llama_model_load_from_file", "reference.model.load_model", "cli.md#loading",
+    ("llama_model_load_from_file", "reference.model_loader.load_model", "cli.md#loading",
      "a GGUF file or a HF folder; returns (hparams, weights)"),
     ("llama_model_is_recurrent", "reference.context.is_recurrent",
      "decode.md#recurrent-models-the-same-decode-another-memory", ""),
@@ -219,7 +219,7 @@ _LLAMA_H = [
     ("llama_perf_context_data", "reference.context.PerfContextData", "mlx.md#timings-perf", ""),
     ("llama_perf_context_reset", "reference.context.Context.perf_reset", "mlx.md#timings-perf",
      ""),
-    ("llama_perf_context_print", "reference.generate.Perf.lines", "cli.md#llamaref-generate",
+    ("llama_perf_context_print", "reference.tools.generate.Perf.lines", "cli.md#llamaref-generate",
      "the lines, not the printing"),
     ("LLAMA_ROPE_TYPE_NORM", "reference.ops.rope.ROPE_TYPE_NORM",
      "ops/rope.md#which-dimensions-pair-up-the-two-layouts", ""),
@@ -282,11 +282,11 @@ _COMMON = [
      "sampling.md#a-worked-example", "the history the penalties read"),
     ("common_sampler_reset", "reference.sampling.SamplerChain.reset",
      "sampling.md#seeds-and-reproducible-draws", ""),
-    ("the generation loop", "reference.generate.Generator.generate", "cli.md#llamaref-generate",
+    ("the generation loop", "reference.tools.generate.Generator.generate", "cli.md#llamaref-generate",
      "`llama-completion`, `llama-simple`"),
     ("context shift", "reference.context.context_shift", "context-shift.md",
      "`seq_rm`, then `seq_add`; `llama-completion`, `llama-server`"),
-    ("a chat turn", "reference.generate.ChatSession.turn", "cli.md#llamaref-chat",
+    ("a chat turn", "reference.tools.generate.ChatSession.turn", "cli.md#llamaref-chat",
      "`llama-cli`; the common prefix stays in the cache"),
     ("common_opt_dataset_init", "reference.training.dataset.opt_dataset_init",
      "training.md#the-dataset", "`finetune` passes `stride = n_ctx / 2`"),
@@ -498,5 +498,5 @@ NOT_IN_LLAMA_CPP: dict[str, str] = {
         "decode(Batch(token=[t], seq_id=[[s]])); the MLX twin takes a token still on the device"
     ),
 }
-"""Public names that ``tests/test_surface_map.py`` checks and llama.cpp has no name for:
+"""Public names that ``tests/docs/test_surface_map.py`` checks and llama.cpp has no name for:
 ``ours -> why``."""

@@ -473,7 +473,7 @@ class Tokenizer:
         tokens: text of every token; ``attrs``: its ``ATTR_*`` bits.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> tok = load_tokenizer(default_model_path())  # SmolLM2: byte-level BPE, smollm
         >>> tok.model, tok.pre, tok.n_vocab, tok.tokenize("Hello world")
         ('gpt2', 'smollm', 49152, [19556, 905])
@@ -545,7 +545,7 @@ class Tokenizer:
                 ``tokenizer.ggml.pre``, malformed GGUF.
 
         Examples:
-            >>> from reference.model import default_model_path
+            >>> from reference.model_loader import default_model_path
             >>> tok = Tokenizer.from_gguf(default_model_path())
             >>> tok.model, tok.pre, tok.n_vocab, tok.add_bos
             ('gpt2', 'smollm', 49152, False)
@@ -792,7 +792,7 @@ class Tokenizer:
             Text fragments (``str``) and token ids (``int``), in order.
 
         Examples:
-            >>> from reference.model import default_model_path
+            >>> from reference.model_loader import default_model_path
             >>> tok = Tokenizer.from_gguf(default_model_path())
             >>> tok.partition("<|im_start|>user\nhi<|im_end|>", parse_special=True)
             [1, 'user\nhi', 2]
@@ -835,7 +835,7 @@ class Tokenizer:
             TokenizerError: BOS/EOS needed but undefined; a byte token is missing.
 
         Examples:
-            >>> from reference.model import default_model_path
+            >>> from reference.model_loader import default_model_path
             >>> tok = Tokenizer.from_gguf(default_model_path())
             >>> tok.tokenize("Hello world!")
             [19556, 905, 17]
@@ -928,7 +928,7 @@ class Tokenizer:
             TokenizerError: the id is out of range.
 
         Examples:
-            >>> from reference.model import default_model_path
+            >>> from reference.model_loader import default_model_path
             >>> tok = Tokenizer.from_gguf(default_model_path())
             >>> tok.token_to_piece(905), tok.token_to_piece(2), tok.token_to_piece(2, special=True)
             (b' world', b'', b'<|im_end|>')
@@ -980,7 +980,7 @@ class Tokenizer:
             TokenizerError: an id is out of range.
 
         Examples:
-            >>> from reference.model import default_model_path
+            >>> from reference.model_loader import default_model_path
             >>> tok = Tokenizer.from_gguf(default_model_path())
             >>> tok.detokenize(tok.tokenize("Hello world!"))
             'Hello world!'
@@ -995,7 +995,7 @@ class Tokenizer:
         """Whether the token ends generation (``llama_vocab_is_eog``).
 
         Examples:
-            >>> from reference.model import default_model_path
+            >>> from reference.model_loader import default_model_path
             >>> tok = Tokenizer.from_gguf(default_model_path())
             >>> [t for t in range(10) if tok.is_eog(t)]
             [0, 2, 4]
@@ -1080,7 +1080,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         TokenizerError: the path does not exist or is neither.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> load_tokenizer(default_model_path()).n_vocab
         49152
     """
@@ -1112,7 +1112,7 @@ class StreamDecoder:
         special: render control tokens (``unparse_special``).
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> tok = Tokenizer.from_gguf(default_model_path())
         >>> ids = tok.tokenize("né 🦙")
         >>> dec = StreamDecoder(tok)

@@ -15,7 +15,7 @@ llama.cpp has its own version of each:
 2. **Hand-written splitters.** For the GPT-2, Llama 3 and Qwen2 expressions llama.cpp does not
    run a regex engine: ``unicode_regex_split_custom_gpt2`` / ``_llama3`` / ``_qwen2`` scan the
    codepoints by hand. We write each one as the Python regular expression it is equivalent to
-   (`CUSTOM_SPLITS`); ``tests/test_tokenizer.py`` runs a line-by-line port of the C++
+   (`CUSTOM_SPLITS`); ``tests/laws/test_tokenizer.py`` runs a line-by-line port of the C++
    scanners against these expressions on random text.
 3. **The std::regex fallback.** Any other expression runs through ``std::regex`` on a
    *collapsed* text where every codepoint above 127 is replaced by one byte naming its class

@@ -4,7 +4,7 @@ Run after adding, moving or removing a module::
 
     python scripts/api_pages.py
 
-and commit what changed. ``tests/test_docs_api.py`` fails when a page, the index or the nav
+and commit what changed. ``tests/docs/test_api.py`` fails when a page, the index or the nav
 block of ``mkdocs.yml`` differs from what this script writes, so no module can be missing from
 the reference and no page can outlive its module.
 

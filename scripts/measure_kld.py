@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from reference.context import Context  # noqa: E402
 from reference.gguf import read_gguf, write_gguf  # noqa: E402
 from reference.hparams import hparams_from_file  # noqa: E402
-from reference.model import default_model_path  # noqa: E402
-from reference.perplexity import (  # noqa: E402
+from reference.model_loader import default_model_path  # noqa: E402
+from reference.tools.perplexity import (  # noqa: E402
     context_params,
     kl_divergence,
     percentile,
@@ -99,7 +99,7 @@ def main() -> None:
     rows.append(row("MLX twin, Q4_1 as MLX 4-bit (`quantized_matmul`)",
                     kl_divergence(mlx, base, n_batch, bos, info=log)))
 
-    from tests.llamacpp_lowlevel import LlamaCppContext
+    from tests.support.llamacpp_lowlevel import LlamaCppContext
 
     def llamacpp(file: Path):
         return LlamaCppContext(file, n_ctx=n_batch, n_batch=n_batch, n_ubatch=n_batch,

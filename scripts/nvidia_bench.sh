@@ -96,8 +96,8 @@ step "the twin's tests on the GPU (float32 products in float32: MLX_ENABLE_TF32=
 # -v names each test as it ends, so a run cut short by its limit still says which failed.
 MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci timeout 300 python3 -m pytest -o addopts= \
   -p no:cacheprovider -p no:benchmark -n 8 -v --tb=line -rfE \
-  -k "(mlx or twin or accelerated) and not smollm2" tests/test_twin_*.py \
-  tests/test_decode_properties.py tests/test_state.py tests/test_context_mamba.py \
+  -k "(mlx or twin or accelerated) and not smollm2" tests/twin/ \
+  tests/laws/test_decode.py tests/laws/test_state.py tests/laws/test_context_mamba.py \
   > "$OUTDIR/tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$OUTDIR/tests.log" | tail -40
 step done

@@ -7,12 +7,12 @@ Usage::
 
 For each prompt length (tokens, approximately: ``--junk`` is chosen to reach it), each key
 position (``--positions`` evenly spaced junk sentences) and each group size ``G``, the passkey
-example ([`reference.passkey.run_passkey`]) runs twice on the same GGUF (SmolLM2-135M-Instruct
+example ([`reference.tools.passkey.run_passkey`]) runs twice on the same GGUF (SmolLM2-135M-Instruct
 Q4_1, ``n_batch`` 2048, so the grouped block is 2048 tokens):
 
 - **ours**: the reference Context (the GGUF dequantized to float32), our ``seq_div``;
 - **llama.cpp**: the same loop driving llama.cpp's own context through llama-cpp-python
-  (``tests/llamacpp_lowlevel.py``: f32 KV cache, no flash attention), so its ``seq_div`` sign
+  (``tests/support/llamacpp_lowlevel.py``: f32 KV cache, no flash attention), so its ``seq_div`` sign
   does what it does.
 
 ``G = 1`` runs with a cache that holds the whole prompt at its own positions (positions past
@@ -33,8 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from reference.model import default_model_path, load_model  # noqa: E402
-from reference.passkey import passkey_n_ctx, passkey_prompt, run_passkey  # noqa: E402
+from reference.model_loader import default_model_path, load_model  # noqa: E402
+from reference.tools.passkey import passkey_n_ctx, passkey_prompt, run_passkey  # noqa: E402
 from reference.tokenizer import load_tokenizer  # noqa: E402
 
 OUT = REPO / "docs" / "assets" / "self-extend"
@@ -74,7 +74,7 @@ def run_one(impl: str, hp, weights, tok, path, n_junk: int, i_pos: int, g: int) 
             from reference.context import Context
 
             return Context(hp, weights, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512)
-        from tests.llamacpp_lowlevel import LlamaCppContext
+        from tests.support.llamacpp_lowlevel import LlamaCppContext
 
         ctx = LlamaCppContext(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=2)
         opened.append(ctx)

@@ -5,7 +5,7 @@ Usage::
     python scripts/step_functions.py                        # the tiny Mamba, depth 0
     python scripts/step_functions.py --model tiny --depth 1000
 
-Runs ``llamaref bench``'s ``tg`` (the pipelined [`Generator`][reference.generate.Generator]
+Runs ``llamaref bench``'s ``tg`` (the pipelined [`Generator`][reference.tools.generate.Generator]
 loop with the greedy device sampler) on a shipped tiny model with the MLX Context, five
 times 1000 tokens, and times every call of the functions below with ``time.perf_counter``
 around it (which adds about a microsecond to each). Prints each run's milliseconds per
@@ -27,7 +27,7 @@ from collections import defaultdict
 import accelerated.context as mlx_context
 import reference.batch as batch_module
 import reference.context as ref_context
-import reference.generate as generate_module
+import reference.tools.generate as generate_module
 from llamaref.bench import ContextRunner, random_tokens
 from llamaref.bench.tiny import tiny_model
 

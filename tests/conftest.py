@@ -3,7 +3,7 @@
 - ``HYPOTHESIS_PROFILE=ci`` (set by ``.ci/run``) keeps property tests small and deterministic
   enough for a CI run of a few minutes, except for the stateful machines and the state laws
   (save/restore, states crossing between the twins), which take ``ci-deep``: more examples
-  and steps, still derandomized (:func:`tests.helpers.deep`). ``dev`` is the default;
+  and steps, still derandomized (:func:`tests.support.helpers.deep`). ``dev`` is the default;
   ``thorough`` digs deeper.
 - Tests marked ``oracle`` compare against an external implementation. When
   ``LLAMAREF_REQUIRE_ORACLES=1`` (set by ``.ci/run``) every skipped test is reported as a
@@ -45,7 +45,7 @@ settings.register_profile(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-# The stateful machines and the state laws dig deeper in CI (tests.helpers.deep):
+# The stateful machines and the state laws dig deeper in CI (tests.support.helpers.deep):
 # memory bugs hide in long sequences of operations.
 settings.register_profile(
     "ci-deep",

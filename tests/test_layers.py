@@ -3,7 +3,8 @@
 llamaref is three packages stacked like llama.cpp's ``src/`` under ``tools/``, each importing
 only itself and the layers below it:
 
-- ``reference/``: the specification, in NumPy. It imports nothing of ours but itself.
+- ``reference/``: the specification, in NumPy. It imports nothing of ours but itself, and
+  its library (everything but ``reference/tools/``) imports none of its programs.
 - ``accelerated/``: its MLX twin. It imports ``reference/`` (the bookkeeping, the host-side
   pieces) and itself.
 - ``llamaref/``: the application (cli, backends, bench, verify). It imports both.
@@ -340,5 +341,43 @@ def test_the_memory_imports_no_model_graph(twin):
         for i in our_imports()
         if inside(i.module, f"{twin}.memory")
         and (inside(i.target, "reference.models") or inside(i.target, "accelerated.models"))
+    ]
+    assert not violations, report(violations)
+
+
+def test_the_library_imports_no_program():
+    """``reference/tools/`` (llama.cpp's ``tools/`` and ``examples/``: generation, batched,
+    speculative, perplexity, the server's scheduler...) sits on top of the library (its
+    ``src/``): a program imports the library, never the other way. Anywhere: at the top,
+    inside a function or under ``TYPE_CHECKING``."""
+    violations = [
+        f"{i.where}: {i.module} imports {i.target}, but the library part of reference/ never "
+        "imports a program. Move what both need down into the library (or the code that "
+        "needs the program up into reference/tools/)."
+        for i in our_imports()
+        if inside(i.module, "reference")
+        and not inside(i.module, "reference.tools")
+        and inside(i.target, "reference.tools")
+    ]
+    assert not violations, report(violations)
+
+
+def test_the_server_scheduler_owns_no_runtime():
+    """The server's specification (``reference/tools/server/``) decides which slot runs what
+    and which tokens a step decodes; the thread, the queue and the locks that drive it are the
+    application's (``llamaref/server/``), as llama.cpp's ``server_queue`` drives
+    ``server_context::update_slots``."""
+    runtime = ("threading", "queue", "asyncio", "concurrent", "socket", "http")
+    violations = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}, a runtime module; the "
+        "scheduler is a pure step. Move the thread/queue/HTTP code to llamaref/server/."
+        for module, path in sources().items()
+        if inside(module, "reference.tools.server")
+        for node in ast.walk(syntax_tree(path))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+        if name.split(".")[0] in runtime
     ]
     assert not violations, report(violations)

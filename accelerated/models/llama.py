@@ -337,7 +337,7 @@ def attn_grouped(
     ``n_head / n_head_kv`` query heads that share a KV head. Here those query heads are
     stacked as extra rows of one product per KV head, $(r \cdot n_{tokens}) \times d$ by
     $d \times n_{kv}$: the same dot products in the same order (bit for bit the fallback's
-    result, ``tests/test_twin_reuse.py``), in ``n_head_kv`` BLAS calls instead of
+    result, ``tests/twin/test_reuse.py``), in ``n_head_kv`` BLAS calls instead of
     ``n_head``, which for one token costs half the time. Rows with no visible key are zeros.
 
     With a soft-cap $c > 0$ (Gemma 2) the scores are capped before the scale and the mask,

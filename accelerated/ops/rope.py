@@ -20,7 +20,7 @@ by a few ulps, which the twin registry bounds (NMSE below $10^{-8}$ up to positi
 **The cos/sin cache on the CPU.** MLX's CPU backend has no rope kernel: there
 ``mx.fast.rope`` is a fallback of about 19 plain ops per call. The CPU device takes the path of
 YaRN with ``ext_factor = 0`` instead: ggml's own recurrence for the angles (bit for bit the
-reference's, ``tests/test_twin_rope_graph.py``), then [`rotate_pairs`][]. A graph builds the
+reference's, ``tests/twin/test_rope_graph.py``), then [`rotate_pairs`][]. A graph builds the
 cache once for all its ``q`` and ``k``
 ([`accelerated.models.llama.graph_rope`][accelerated.models.llama.graph_rope]).
 
@@ -130,7 +130,7 @@ def rope_theta(
     The same recurrence $\theta_{j+1} = \mathrm{fl}(\theta_j s)$, written as the cumulative
     product of the row $(p, s, s, \dots, s)$: MLX's CPU scan multiplies left to right, one
     rounding per step, so each column is ggml's float32 value bit for bit
-    (``tests/test_twin_ops.py``), in two graph nodes where a loop of ``n_dims // 2``
+    (``tests/twin/test_ops.py``), in two graph nodes where a loop of ``n_dims // 2``
     multiplies and a stack took about ``n_dims``. A GPU's scan may group the products
     differently (a few ulps; the GPU takes this path only for YaRN). ``theta_scale`` is the
     reference's host scalar, ``powf(b, -2.0f / n_dims)`` with the exponent in float32 as ggml

@@ -12,7 +12,7 @@ inverts, and [`loss_and_grads`][] is ``mx.value_and_grad`` of the loss of the wh
 $$ (L, \nabla_W L) = \mathrm{value\_and\_grad}\Big(W \mapsto \frac{1}{\mathrm{opt\_period}}
    \,\mathrm{cross\_entropy\_loss}\big(z(W), \mathrm{onehot}(\ell)\big)\Big)(W) . $$
 
-That both differentiate the same function is what ``tests/test_twin_training.py`` checks: the
+That both differentiate the same function is what ``tests/twin/test_training.py`` checks: the
 gradients agree with the reference's chain rule to float32 rounding. Weights are float32
 ``mx.array`` (plain arrays: the prepared forms of the inference forward, quantized or
 transposed, are not differentiable parameters); results are lazy ``mx.array``.

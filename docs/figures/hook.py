@@ -5,7 +5,7 @@ rebuild of ``mkdocs serve``) it runs the ``draw`` function of every script named
 ``FIGURES`` into a temporary folder and copies a picture into ``docs/assets/figures/`` only
 when its bytes changed: the drawing is deterministic, so an unchanged picture is not
 touched and ``mkdocs serve`` does not see a change it would rebuild for. A changed picture is
-a change to commit; ``tests/test_docs_figures.py`` fails until it is committed.
+a change to commit; ``tests/docs/test_figures.py`` fails until it is committed.
 
 The pictures are drawn from the code (a real forward, a real cache, the real splits, sampler
 chain and RoPE functions), so they need ``matplotlib`` beside the docs tools.

@@ -25,9 +25,9 @@ LAYERS = [
      ["ops/", "quants.py", "models/", "memory/", "context.py", "sampling.py"]),
     ("reference/", "the specification",
      "NumPy: ops, memory, decoding semantics; what the chapters show",
-     ["ops/", "models/", "memory/", "batch.py", "context.py", "generate.py", "sampling.py",
+     ["ops/", "models/", "memory/", "batch.py", "context.py", "sampling.py",
       "quants.py", "gguf.py", "hf.py", "hparams.py", "tokenizer.py", "common.py",
-      "testing.py"]),
+      "testing.py", "tools/"]),
 ]
 FILL = {"llamaref/": "#fbe3c8", "accelerated/": "#d9eed8", "reference/": "#d6e4f5"}
 EDGE = {"llamaref/": "#b86b1b", "accelerated/": "#3f7f3c", "reference/": "#34629c"}

@@ -6,7 +6,7 @@ or the nav labels of ``mkdocs.yml``::
     python docs/figures/map.py
 
 and commit the fragment. ``docs/map.md`` includes it (snippets), and
-``tests/test_surface_map.py`` fails when the committed fragment differs from what this script
+``tests/docs/test_surface_map.py`` fails when the committed fragment differs from what this script
 writes now. One table per kind of llama.cpp name, in the order of ``KINDS``; each row links
 our name to its API entry (when the entry has a docstring, so that the API page shows it) and
 the chapter to its page and section, named by the nav label and the section's heading.

@@ -4,7 +4,7 @@ The pictures are drawn with matplotlib and written as SVG with the text left as 
 (``svg.fonttype = none``): the browser draws it with its own sans-serif and monospace fonts,
 nothing is embedded or fetched. The output is deterministic (a fixed ``svg.hashsalt`` for the
 ids, no date in the metadata, the script's name as its creator), so drawing a picture again
-gives the same bytes, which is what ``tests/test_docs_figures.py`` compares.
+gives the same bytes, which is what ``tests/docs/test_figures.py`` compares.
 
 Sizes: a figure is ``WIDTH`` = 8 inches wide, shown at its natural 768 px in the site's
 868 px content column (``docs/assets/stylesheets/extra.css``), 4/3 px per point: the

@@ -8,10 +8,10 @@ model, sampler)::
 and commit what it writes under ``docs/assets/trace/``: one Markdown fragment per step, a
 code block of what that step printed. ``docs/trace.md`` shows the code of each step (the
 sections of this file between snippet markers) followed by its fragment, and
-``tests/test_docs_trace.py`` fails when the committed fragments differ from what this script
+``tests/docs/test_trace.py`` fails when the committed fragments differ from what this script
 writes now, so the page cannot go stale.
 
-The model is SmolLM2-135M-Instruct Q4_1 (``reference.model.default_model_path``) on the
+The model is SmolLM2-135M-Instruct Q4_1 (``reference.model_loader.default_model_path``) on the
 reference backend, the prompt "The capital of France is". The decode is done by hand, in the
 steps of ``Context.decode`` and with the Context's own methods, so that every intermediate
 value can be printed; the forward of the last ubatch is ``llm_build_llama`` written out, the
@@ -45,7 +45,7 @@ from reference.batch import Batch, BatchAllocr  # noqa: E402
 from reference.context import Context  # noqa: E402
 from reference.hparams import rope_cparams  # noqa: E402
 from reference.memory import KVCells  # noqa: E402
-from reference.model import default_model_path, load_model  # noqa: E402
+from reference.model_loader import default_model_path, load_model  # noqa: E402
 from reference.models.llama import (  # noqa: E402
     build_inp_embd,
     build_norm,

@@ -7,7 +7,7 @@ Three tests, named as llama-bench and llama-batched-bench name them:
   so the lm_head runs once.
 - ``tg{n}``: ``n`` one-token decodes into a growing cache, each next token the greedy argmax
   of the last logits (llama-bench's ``test_gen``). Ours run the generation loop of
-  ``llamaref generate`` ([`reference.generate.Generator`][reference.generate.Generator]) with a
+  ``llamaref generate`` ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) with a
   greedy sampler: on the MLX twin the argmax stays on the device and the loop runs ahead (token $t +
   1$ launched before token $t$ is read back), as mlx-lm's ``generate_step`` does.
 - ``pl{n}`` (``--parallel``): ``n`` sequences decoded together, one token each per step, in
@@ -79,9 +79,9 @@ from llamaref.bench.tiny import TINY_MODELS, tiny_model
 from llamaref.common import CLIError
 from reference.batch import Batch
 from reference.context import Context
-from reference.generate import Generator
+from reference.tools.generate import Generator
 from reference.hparams import LlamaHParams
-from reference.model import default_model_path, load_model
+from reference.model_loader import default_model_path, load_model
 from reference.testing import write_tiny_gguf, write_tiny_mamba_gguf
 
 __all__ = [
@@ -241,7 +241,7 @@ class GreedyDevice(GreedyHost):
     """The greedy sampler on the MLX device: ``mx.argmax``, and only the token comes back.
 
     It can sample ahead (`sample_async`), so
-    [`reference.generate.Generator`][reference.generate.Generator] runs its pipelined loop with it,
+    [`reference.tools.generate.Generator`][reference.tools.generate.Generator] runs its pipelined loop with it,
     as mlx-lm's ``generate_step`` with its greedy sampler.
 
     Examples:
@@ -278,7 +278,7 @@ class ContextRunner:
     """Times a [`reference.context.Context`][reference.context.Context] (or its MLX twin) on the
     three tests.
 
-    ``tg`` runs [`reference.generate.Generator`][reference.generate.Generator] with a greedy sampler
+    ``tg`` runs [`reference.tools.generate.Generator`][reference.tools.generate.Generator] with a greedy sampler
     ([`GreedyHost`][]; on the twin [`GreedyDevice`][], pipelined).
 
     Args:

@@ -178,7 +178,7 @@ def mlx_lm_mamba_model(hparams: MambaHParams, weights: dict) -> nn.Module:
     The GGUF tensors map onto mlx-lm's modules as llama.cpp's converter mapped them from
     HF's, backwards: ``ssm_a`` holds $A = -e^{A_{\log}}$, so ``A_log`` $= \log(-A)$ (one
     rounding; the logits then agree to NMSE far below an op's threshold,
-    ``tests/test_bench.py``); the depthwise ``ssm_conv1d`` ``(channels, d_conv)`` becomes
+    ``tests/app/test_bench.py``); the depthwise ``ssm_conv1d`` ``(channels, d_conv)`` becomes
     ``nn.Conv1d``'s ``(channels, d_conv, 1)``; a Mamba-2's per-head ``ssm_a``, ``ssm_d``
     ``(n_head, 1)`` become vectors, and its one-group ``ssm_norm`` the gated norm's gain.
     Mamba-2's ``dt`` is not clipped (``time_step_limit`` ``(0, inf)``), as in llama.cpp.
@@ -530,8 +530,8 @@ _LOG_CALLBACK = None  # keeps llama.cpp's no-op logger alive
 class LlamaCppBatchContext:
     """llama.cpp's own ``llama_context`` behind the names batched-bench and parallel call.
 
-    [`reference.batched_bench.batched_bench`][reference.batched_bench.batched_bench] and
-    [`reference.parallel.ParallelRun`][reference.parallel.ParallelRun] are written against the
+    [`reference.tools.batched_bench.batched_bench`][reference.tools.batched_bench.batched_bench] and
+    [`reference.tools.parallel.ParallelRun`][reference.tools.parallel.ParallelRun] are written against the
     Context protocol, so ``llamaref batched-bench --vs llama.cpp`` and ``llamaref parallel
     --vs llama.cpp`` run the same code over llama.cpp: ``decode`` (one ``llama_batch`` per
     call), ``get_logits_ith`` (for our samplers), ``synchronize``, ``memory.clear / seq_cp /

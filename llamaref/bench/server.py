@@ -75,7 +75,7 @@ import openai
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llamaref.common import CLIError
-from reference.model import default_model_path
+from reference.model_loader import default_model_path
 
 __all__ = [
     "OURS_CMD", "PEER_CMD", "LoadResult", "RequestRecord", "ServerError", "ServerProcess",

@@ -1,1 +1,1 @@
-"""``llamaref serve``: llama.cpp's server over HTTP (the engine is ``reference.server``)."""
+"""``llamaref serve``: llama.cpp's server over HTTP (the engine is ``reference.tools.server``)."""

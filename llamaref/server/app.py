@@ -10,11 +10,11 @@ wheels. mlx-lm's server uses ``http.server`` threads, where a client that discon
 up as a ``BrokenPipeError`` in the middle of a write; under ASGI a disconnect cancels the
 response's task, and we mark its tasks cancelled so the engine frees their slots.
 
-**Threads.** The engine ([`reference.server.engine.Engine`][]) runs its decode loop on its
+**Threads.** The engine ([`reference.tools.server.engine.Engine`][]) runs its decode loop on its
 own thread and owns the Context. A request handler parses the body, queues tasks, and awaits
 their results on an ``asyncio.Queue`` fed from the engine's thread with
 ``loop.call_soon_threadsafe``. Slot actions and ``/metrics`` run on the engine's thread
-between two steps ([`Engine.call`][reference.server.engine.Engine.call]).
+between two steps ([`Engine.call`][reference.tools.server.engine.Engine.call]).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from llamaref.server import formats, schema
-from reference.server.engine import Engine
-from reference.server.errors import (
+from reference.tools.server.engine import Engine
+from reference.tools.server.errors import (
     InvalidRequest,
     NotFound,
     NotSupported,
@@ -45,10 +45,10 @@ from reference.server.errors import (
     Unauthorized,
     Unavailable,
 )
-from reference.server.params import SlotParams
-from reference.server.results import Failed, Final, Partial
-from reference.server.slot import Task
-from reference.server.spans import user_starts
+from reference.tools.server.params import SlotParams
+from reference.tools.server.results import Failed, Final, Partial
+from reference.tools.server.slot import Task
+from reference.tools.server.spans import user_starts
 
 STATIC = Path(__file__).parent / "static"
 PUBLIC_PATHS = ("/", "/health", "/v1/health", "/index.html")
@@ -76,7 +76,7 @@ class ServerState:
         props: extra ``/props`` fields (chat template, BOS/EOS, build).
         load_error: why the model did not load (the server stays up and says so).
         user_delimiter: the chat template's user-message opening, as tokens (checkpoints go
-            where it matches in a chat prompt; [`reference.server.spans`][]).
+            where it matches in a chat prompt; [`reference.tools.server.spans`][]).
     """
 
     engine: Engine | None = None

@@ -1,7 +1,7 @@
 r"""Results to llama.cpp's JSON: the native, OpenAI completion and OpenAI chat formats.
 
-Pure functions from the engine's result dataclasses ([`Partial`][reference.server.results.Partial],
-[`Final`][reference.server.results.Final]) to the objects llama.cpp sends
+Pure functions from the engine's result dataclasses ([`Partial`][reference.tools.server.results.Partial],
+[`Final`][reference.tools.server.results.Final]) to the objects llama.cpp sends
 (``tools/server/server-task.cpp``):
 
 - **native** ``/completion``: ``to_json_non_oaicompat`` of a final (``:340-363``) or partial
@@ -33,8 +33,8 @@ import math
 import secrets
 import string
 
-from reference.server.params import SlotParams
-from reference.server.results import Final, Partial, TokenOutput, TokenProb, logarithm
+from reference.tools.server.params import SlotParams
+from reference.tools.server.results import Final, Partial, TokenOutput, TokenProb, logarithm
 
 #: ``system_fingerprint`` (llama.cpp writes its build info there)
 SYSTEM_FINGERPRINT = "llamaref"
@@ -218,7 +218,7 @@ def completion_final(res: Final, params: SlotParams, *, model: str, prompt: str)
         The object.
 
     Examples:
-        >>> from reference.server.results import Timings
+        >>> from reference.tools.server.results import Timings
         >>> fin = Final(0, 0, 1, "Hi!", [7, 8], "eos", "", 2, 5, 3, 7, False, False, Timings())
         >>> out = completion_final(fin, SlotParams(), model="m", prompt="Say hi")
         >>> out["stop"], out["stop_type"], out["tokens_predicted"], out["tokens_cached"]
@@ -275,7 +275,7 @@ def usage(res: Final) -> dict:
     """``usage_json_oaicompat`` (``server-task.cpp:365-372``).
 
     Examples:
-        >>> from reference.server.results import Timings
+        >>> from reference.tools.server.results import Timings
         >>> usage(Final(0, 0, 0, "", [], "eos", "", 4, 10, 6, 14, False, False, Timings()))
         {'completion_tokens': 4, 'prompt_tokens': 10, 'total_tokens': 14, \
 'prompt_tokens_details': {'cached_tokens': 6}}
@@ -299,7 +299,7 @@ def oai_completion_final(
     partial chunks). ``usage`` and ``timings`` are always there.
 
     Examples:
-        >>> from reference.server.results import Timings
+        >>> from reference.tools.server.results import Timings
         >>> fin = Final(0, 0, 0, "Hi", [7], "limit", "", 1, 3, 0, 4, False, False, Timings())
         >>> out = oai_completion_final(fin, model="m", cmpl_id="chatcmpl-x", created=1)
         >>> out["object"], out["choices"], out["usage"]["total_tokens"]
@@ -347,7 +347,7 @@ def oai_chat_final(
     """A ``chat.completion`` object (``to_json_oaicompat_chat``, ``server-task.cpp:414-460``).
 
     Examples:
-        >>> from reference.server.results import Timings
+        >>> from reference.tools.server.results import Timings
         >>> fin = Final(0, 0, 0, "Hello", [7], "eos", "", 1, 9, 0, 10, False, False, Timings())
         >>> out = oai_chat_final(fin, model="m", cmpl_id="chatcmpl-x", created=1)
         >>> out["object"], out["choices"]
@@ -418,7 +418,7 @@ def oai_chat_final_chunks(
         send_role: also open with the role delta (no partial chunk was sent before).
 
     Examples:
-        >>> from reference.server.results import Timings
+        >>> from reference.tools.server.results import Timings
         >>> fin = Final(0, 0, 0, "", [], "word", "\n", 3, 9, 0, 12, False, True, Timings())
         >>> chunks = oai_chat_final_chunks(fin, model="m", cmpl_id="c", created=1,
         ...                                include_usage=True)

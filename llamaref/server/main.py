@@ -20,11 +20,11 @@ from llamaref.backends import make_context, make_sampler, pick_backend, prepare_
 from llamaref.common import CLIError, add_sampling_flags, log, model_path
 from llamaref.server.app import DEFAULT_BODY_LIMIT, ServerState, build_app, start_engine
 from reference.common import LLAMA_DEFAULT_SEED
-from reference.model import load_model
+from reference.model_loader import load_model
 from reference.sampling import SamplerParams
-from reference.server.engine import Engine, EngineConfig
-from reference.server.params import SlotParams
-from reference.server.spans import user_delimiter
+from reference.tools.server.engine import Engine, EngineConfig
+from reference.tools.server.params import SlotParams
+from reference.tools.server.spans import user_delimiter
 from reference.tokenizer import load_tokenizer
 
 DEFAULT_N_SLOTS = 4  # server.cpp:156-161: n_parallel = -1 ("auto") means 4 unified slots

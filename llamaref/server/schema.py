@@ -38,10 +38,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from reference.generate import chat_tokens
-from reference.server.errors import ExceedContextSize as ExceedContextSize  # for the app
-from reference.server.errors import InvalidRequest
-from reference.server.params import SlotParams
+from reference.tools.generate import chat_tokens
+from reference.tools.server.errors import ExceedContextSize as ExceedContextSize  # for the app
+from reference.tools.server.errors import InvalidRequest
+from reference.tools.server.params import SlotParams
 from reference.tokenizer import TokenizerError
 
 INT32_MAX = 2**31 - 1
@@ -85,7 +85,7 @@ def parse_json(raw: bytes, limit: int) -> dict:
         >>> parse_json(b'[1]', 1024)
         Traceback (most recent call last):
         ...
-        reference.server.errors.InvalidRequest: Invalid JSON: the body must be a JSON object
+        reference.tools.server.errors.InvalidRequest: Invalid JSON: the body must be a JSON object
         >>> try:
         ...     parse_json(b'{}' + b' ' * 2000, 1024)
         ... except BodyTooLarge as e:
@@ -261,7 +261,7 @@ def eval_num(field: NumField, body: dict, params: SlotParams) -> None:
         >>> eval_num(NumField(("n_keep",), "n_keep", True, -1, 10, True), {"n_keep": 11}, p)
         Traceback (most recent call last):
         ...
-        reference.server.errors.InvalidRequest: Field 'n_keep': value must be between \
+        reference.tools.server.errors.InvalidRequest: Field 'n_keep': value must be between \
 -1 <= value <= 10, but got 11
     """
     found = _lookup(body, field.names)
@@ -434,7 +434,7 @@ def check_unsupported(body: dict) -> None:
         >>> check_unsupported({"grammar": "root ::= [a-z]+"})
         Traceback (most recent call last):
         ...
-        reference.server.errors.InvalidRequest: Field 'grammar': constrained generation \
+        reference.tools.server.errors.InvalidRequest: Field 'grammar': constrained generation \
 (grammars, JSON schemas) is not supported
     """
     def refuse(name: str, what: str) -> None:
@@ -597,7 +597,7 @@ def tokenize_mixed(prompt: Any, tokenizer: Any, add_special: bool, parse_special
     and token ids; only a leading string gets BOS.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> from reference.tokenizer import Tokenizer
         >>> tok = Tokenizer.from_gguf(default_model_path())
         >>> tokenize_mixed([1, " world"], tok, True, True)
@@ -661,7 +661,7 @@ def parse_prompt(prompt: Any, tokenizer: Any, n_vocab: int | None = None) -> lis
             outside the vocabulary.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> from reference.tokenizer import Tokenizer
         >>> tok = Tokenizer.from_gguf(default_model_path())
         >>> parse_prompt("Hello world", tok), parse_prompt([19556, 905], tok)
@@ -745,7 +745,7 @@ def parse_chat(body: dict, tokenizer: Any) -> list[int]:
             no chat template.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> from reference.tokenizer import Tokenizer
         >>> tok = Tokenizer.from_gguf(default_model_path())
         >>> ids = parse_chat({"messages": [{"role": "user", "content": [
@@ -792,7 +792,7 @@ def parse_tokenize(body: dict, tokenizer: Any) -> dict:
         InvalidRequest: a flag that is not a boolean, or a malformed ``content``.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> from reference.tokenizer import Tokenizer
         >>> tok = Tokenizer.from_gguf(default_model_path())
         >>> parse_tokenize({"content": "Hello world"}, tok)
@@ -844,7 +844,7 @@ def detokenize_response(tokens: list[int], tokenizer: Any) -> dict:
     (``tokens_to_str``), invalid UTF-8 replaced.
 
     Examples:
-        >>> from reference.model import default_model_path
+        >>> from reference.model_loader import default_model_path
         >>> from reference.tokenizer import Tokenizer
         >>> tok = Tokenizer.from_gguf(default_model_path())
         >>> detokenize_response([1, 19556], tok)
@@ -891,7 +891,7 @@ def validate_filename(name: Any) -> str:
         >>> validate_filename("../etc/passwd")
         Traceback (most recent call last):
         ...
-        reference.server.errors.InvalidRequest: Invalid filename
+        reference.tools.server.errors.InvalidRequest: Invalid filename
     """
     if not isinstance(name, str) or not name:
         raise InvalidRequest("Invalid filename")

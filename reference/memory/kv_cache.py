@@ -1039,7 +1039,7 @@ class KVCache:
         undo journal ([`undone`][]): the cost is what the ubatches changed. The purge leaks
         after a success too: when a later ubatch of the batch reuses a cell whose position
         an earlier ubatch's window still needs, llama.cpp computes the earlier ubatch without
-        it, and its logits depend on ``n_ubatch`` (``tests/test_oracle_iswa.py``,
+        it, and its logits depend on ``n_ubatch`` (``tests/oracle/test_iswa.py``,
         ``test_llamacpp_prepare_leaks_the_swa_purge_divergence``); here they do not.
         """
         res: list[SlotInfo] = []

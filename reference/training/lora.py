@@ -31,7 +31,7 @@ with the merged weights $W'$ ([`lora_weights`][]): the forward and the backward 
 [`reference.training.llama_grad`][reference.training.llama_grad] then run unchanged, and the
 gradient of every $W'$ they return gives the adapter's gradient by the chain rule
 ([`lora_grads`][]). [`build_lora_mm`][] writes llama.cpp's per-matmul form out, and
-``tests/test_lora.py`` holds both to each other; ``tests/test_oracle_lora.py`` holds our
+``tests/laws/test_lora.py`` holds both to each other; ``tests/oracle/test_lora.py`` holds our
 adapted logits to llama.cpp applying a file that [`save_lora_gguf`][] wrote.
 
 **Training.** llama.cpp at the pinned commit applies adapters but does not train them

@@ -30,7 +30,7 @@ period (``ggml_opt_alloc``: ``ggml_graph_reset(opt_ctx->gb_grad)``) is a no-op b
 ``ggml_opt_eval`` has already set ``gb_grad`` to NULL. The $t$-th optimizer step of a run
 therefore uses $\sum_{s \le t} g_s$, every gradient since ``llama_opt_init``. The
 specification zeroes the accumulators with each period, as ggml-opt's code intends (and as its
-static graphs do); ``tests/test_training_opt.py`` runs llama.cpp and shows both facts: one
+static graphs do); ``tests/laws/test_training_opt.py`` runs llama.cpp and shows both facts: one
 step equals the specification's, two steps equal the cumulative variant.
 
 **AdamW** (``ggml_compute_forward_opt_step_adamw_f32``; ``iter`` counts optimizer steps from

@@ -89,7 +89,7 @@ def model_save_to_file(
     Examples:
         >>> import tempfile, pathlib
         >>> from reference.testing import tiny_hparams, random_weights
-        >>> from reference.model import load_model
+        >>> from reference.model_loader import load_model
         >>> hp = tiny_hparams(n_layer=1)
         >>> p = pathlib.Path(tempfile.mkdtemp()) / "out.gguf"
         >>> model_save_to_file(p, random_weights(hp), hp)

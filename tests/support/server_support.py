@@ -1,0 +1,165 @@
+"""What the server tests share: a tiny random model with SmolLM2's tokenizer, engines on
+both twins, greedy references, and a live server on a free localhost port."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+
+import numpy as np
+import uvicorn
+
+from accelerated.sampling import SamplerChain as MLXSamplerChain
+from llamaref.backends import make_context as backend_context
+from llamaref.backends import prepare_weights
+from llamaref.server.app import ServerState, build_app, start_engine
+from reference.batch import Batch
+from reference.context import Context
+from reference.tools.generate import Generator
+from reference.hparams import swa_pattern
+from reference.model_loader import default_model_path
+from reference.sampling import SamplerChain, SamplerParams
+from reference.tools.server.engine import Engine, EngineConfig
+from reference.tools.server.params import SlotParams
+from reference.tools.server.spans import user_delimiter
+from reference.testing import (
+    random_gemma_weights,
+    random_mamba_weights,
+    random_weights,
+    tiny_gemma_hparams,
+    tiny_hparams,
+    tiny_mamba_hparams,
+)
+from reference.tokenizer import Tokenizer
+
+N_VOCAB = 49152  # SmolLM2's vocabulary: the tiny models speak its tokens
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@functools.cache
+def model(kind: str = "llama"):
+    """``(hparams, weights)`` of a tiny random model over SmolLM2's vocabulary."""
+    if kind == "llama":
+        hp = dataclasses.replace(tiny_hparams(n_vocab=N_VOCAB, n_embd=32, n_ff=48),
+                                 n_ctx_train=4096)
+        return hp, random_weights(hp, seed=3)
+    if kind == "gemma":
+        hp = tiny_gemma_hparams("gemma2", n_vocab=N_VOCAB, n_embd=32, n_ff=48, n_swa=8,
+                                swa_layers=swa_pattern(2, 2), n_ctx_train=4096)
+        return hp, random_gemma_weights(hp, seed=3)
+    if kind in ("mamba", "mamba2"):
+        hp = dataclasses.replace(tiny_mamba_hparams(kind), n_vocab=N_VOCAB)
+        return hp, random_mamba_weights(hp, seed=3)
+    raise ValueError(kind)
+
+
+@functools.cache
+def prepared(backend: str, kind: str):
+    hp, w = model(kind)
+    return hp, prepare_weights(w, "accelerated") if backend == "mlx" else w
+
+
+#: the Contexts every law runs on: the reference in float32 and float64, and the MLX twin
+BACKENDS = ("reference", "reference64", "mlx")
+
+
+def make_context(backend: str, kind: str = "llama", **kw):
+    """A Context of ``backend`` (one of ``BACKENDS``) on the tiny model ``kind``."""
+    hp, w = prepared(backend, kind)
+    if backend == "mlx":
+        return backend_context("accelerated", hp, w, **kw)
+    return Context(hp, w, dtype=np.float64 if backend == "reference64" else np.float32, **kw)
+
+
+def sampler_factory(backend: str):
+    def make(params: SamplerParams):
+        if backend == "mlx":
+            return MLXSamplerChain.from_params(params, N_VOCAB), True
+        return SamplerChain.from_params(params, N_VOCAB), False
+    return make
+
+
+def make_engine(backend: str = "reference", kind: str = "llama", n_slots: int = 4,
+                n_ctx: int = 1024, kv_unified: bool = True, n_batch: int = 64,
+                n_ubatch: int = 32, swa_full: bool = False, **config) -> Engine:
+    ctx = make_context(backend, kind, n_ctx=n_ctx, n_seq_max=n_slots, kv_unified=kv_unified,
+                       n_batch=n_batch, n_ubatch=n_ubatch, swa_full=swa_full)
+    return Engine(ctx, tokenizer(), sampler_factory(backend),
+                  EngineConfig(n_slots=n_slots, swa_full=swa_full, **config))
+
+
+def greedy(n_predict: int, **kw) -> SlotParams:
+    return SlotParams(n_predict=n_predict, sampling=SamplerParams(temp=0.0), **kw)
+
+
+def alone(backend: str, prompt: list[int], n_predict: int, kind: str = "llama",
+          n_ctx: int = 1024) -> list[int]:
+    """``llamaref generate`` on one prompt: a fresh one-sequence Context, greedy."""
+    ctx = make_context(backend, kind, n_ctx=n_ctx, n_batch=64, n_ubatch=32)
+    sampler, on_device = sampler_factory(backend)(SamplerParams(temp=0.0))
+    gen = Generator(ctx, sampler, shift=False, on_device=on_device)
+    gen.eval_prompt(prompt)
+    out = []
+    for t in gen.generate(n_predict, tokenizer().is_eog):
+        out.append(t)
+        if tokenizer().is_eog(t):
+            break
+    return out
+
+
+def decode_all(ctx, tokens: list[int], seq: int = 0) -> np.ndarray:
+    """Logits of the last token after decoding ``tokens`` on sequence ``seq`` from 0."""
+    ctx.decode(Batch(token=tokens, pos=list(range(len(tokens))), seq_id=[[seq]] * len(tokens),
+                     logits=[False] * (len(tokens) - 1) + [True]))
+    return np.asarray(ctx.get_logits_ith(0))
+
+
+def run_engine(engine: Engine, tasks, max_steps: int = 100_000) -> None:
+    for t in tasks:
+        engine.submit(t)
+    for _ in range(max_steps):
+        if not engine.step():
+            return
+    raise AssertionError("the engine did not finish")
+
+
+class LiveServer:
+    """uvicorn on a free port in a thread, with an engine thread behind it."""
+
+    def __init__(self, factory, **state_kw):
+        """``factory``: builds the Engine (on the engine's thread, as MLX needs)."""
+        self.state = ServerState(tokenizer=tokenizer(), n_vocab=N_VOCAB, model_name="tiny",
+                                 user_delimiter=user_delimiter(tokenizer()), **state_kw)
+        self.app = build_app(self.state)
+        start_engine(self.state, factory)
+        for _ in range(3000):
+            if self.state.engine is not None or self.state.load_error:
+                break
+            time.sleep(0.01)
+        assert self.state.engine is not None, self.state.load_error
+        self.engine = self.state.engine
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                break
+            time.sleep(0.01)
+        sock = self.server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+        self.state.stop.set()
+        if self.state.thread is not None:
+            self.state.thread.join(5)
