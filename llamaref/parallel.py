@@ -8,11 +8,11 @@ flag names and defaults (``common/arg.cpp``), on either backend:
   length, prompt included. Without ``-kvu`` each sequence has its own KV stream and gets
   the prompt by ``seq_cp`` (llama.cpp's example needs ``-kvu`` there);
 - ``llamaref parallel -np 4 -ns 16 -pps`` simulates a server with ``-np`` clients
-  (``examples/parallel``, [`reference.tools.parallel`][reference.tools.parallel]): continuous batching,
-  a shared system prompt, chunks halved when the cache is full;
+  (``examples/parallel``, [`reference.tools.parallel`][reference.tools.parallel]): continuous
+  batching, a shared system prompt, chunks halved when the cache is full;
 - ``llamaref batched-bench -npp 128 -ntg 128 -npl 1,2,4,8`` prints the PP / TG / B table
-  (``tools/batched-bench``, [`reference.tools.batched_bench`][reference.tools.batched_bench]), as markdown
-  or JSONL.
+  (``tools/batched-bench``, [`reference.tools.batched_bench`][reference.tools.batched_bench]),
+  as markdown or JSONL.
 
 llama.cpp's log lines go to stderr, what its ``LOG`` prints (the texts, the table) to
 stdout; the last lines on stderr are ``llama_perf_context_print``'s report.
@@ -27,8 +27,19 @@ import time
 from pathlib import Path
 
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
-from llamaref.bench.peers import LlamaCppBatchContext
-from llamaref.common import SAMPLING_FLAGS, CLIError, add_sampling_flags, log, model_path
+from llamaref.common import (
+    SAMPLING_FLAGS,
+    CLIError,
+    add_context_flags,
+    add_sampling_flags,
+    log,
+    model_path,
+)
+from llamaref.llamacpp import LlamaCppContext
+from reference.common import LLAMA_DEFAULT_SEED, LLAMA_MAX_SEQ
+from reference.model_loader import load_model
+from reference.sampling import SamplerParams
+from reference.tokenizer import load_tokenizer
 from reference.tools.batched import (
     DEFAULT_N_PREDICT,
     DEFAULT_PROMPT,
@@ -45,9 +56,7 @@ from reference.tools.batched_bench import (
     row_jsonl,
     row_md,
 )
-from reference.common import LLAMA_DEFAULT_SEED, LLAMA_MAX_SEQ
 from reference.tools.generate import Perf
-from reference.model_loader import load_model
 from reference.tools.parallel import (
     DEFAULT_N_JUNK,
     K_PROMPTS,
@@ -58,8 +67,6 @@ from reference.tools.parallel import (
     totals,
 )
 from reference.tools.parallel import DEFAULT_N_PREDICT as PARALLEL_N_PREDICT
-from reference.sampling import SamplerParams
-from reference.tokenizer import load_tokenizer
 
 
 def _write(text: str) -> None:
@@ -182,6 +189,17 @@ def _check_vs(args: argparse.Namespace) -> None:
         raise CLIError("--vs llama.cpp reads a GGUF file; this model is a directory")
 
 
+# --8<-- [start:llamacpp_peer]
+def llamacpp_peer(args: argparse.Namespace, path: Path, n_seq_max: int) -> LlamaCppContext:
+    """``--vs llama.cpp``: llama.cpp's own context on the same file with our sizes
+    (``-c``, ``-b``, ``-ub``, ``-kvu``) and its defaults (f16 KV cache, the file's quantized
+    matmuls, flash attention ``auto``), ``--threads`` threads (default: every core)."""
+    return LlamaCppContext(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                           n_ubatch=args.ubatch_size, n_seq_max=n_seq_max,
+                           kv_unified=args.kv_unified, n_threads=args.threads, f32=False)
+# --8<-- [end:llamacpp_peer]
+
+
 def prompt_lines(args: argparse.Namespace) -> list[str] | None:
     """The prompts of ``-f FILE`` or ``-p``, split on newlines as ``std::getline`` (a
     final newline adds no empty prompt); None: the built-in ones."""
@@ -227,9 +245,7 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     _print_perf(ctx, t_load_ms, t_start)
     if args.vs == "llama.cpp":
         del ctx  # one model in memory at a time
-        peer = LlamaCppBatchContext(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                                    n_ubatch=args.ubatch_size, n_seq_max=args.parallel + 1,
-                                    kv_unified=args.kv_unified, n_threads=args.threads)
+        peer = llamacpp_peer(args, path, n_seq_max=args.parallel + 1)
         chains = [make_sampler("reference", _parallel_sampler(args, seed), hp.n_vocab, tok)
                   for seed in client_seeds(args.seed, args.parallel)]
         theirs = ParallelRun(peer, [c for c, _ in chains], system, requests, args.n_predict,
@@ -317,9 +333,7 @@ def _batched_bench_llamacpp(args: argparse.Namespace, path: Path, backend: str, 
                             jsonl: bool) -> None:
     """``--vs llama.cpp``: the same rows by the same code on llama.cpp's own context, then
     S_TG side by side with the ratio ours / llama.cpp (above 1: ours is faster)."""
-    peer = LlamaCppBatchContext(path, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                                n_ubatch=args.ubatch_size, n_seq_max=max(args.npl, default=1),
-                                kv_unified=args.kv_unified, n_threads=args.threads)
+    peer = llamacpp_peer(args, path, n_seq_max=max(args.npl, default=1))
     config = dict(n_kv_max=peer.n_ctx, n_batch=peer.n_batch, n_ubatch=peer.n_ubatch,
                   flash_attn=-1, is_pp_shared=int(args.is_pp_shared),
                   is_tg_separate=int(args.is_tg_separate), n_gpu_layers=0,
@@ -356,18 +370,16 @@ def _int_list(text: str) -> list[int]:
                                          "integers") from None
 
 
+# -c of these examples: 0 is the model's training context, as in llama.cpp's examples
+_CTX_SIZE_TRAIN = dict(default=0, help="context size (default: 0 = the model's n_ctx_train)")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
     p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
                    help="auto: accelerated (MLX) when MLX's default device is a GPU, else "
                         "reference (NumPy) (default: auto)")
-    p.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true",
-                   default=False, help="one KV stream shared by every sequence "
-                                       "(default: one stream per sequence)")
-    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false",
-                   help="one KV stream per sequence")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512)")
+    add_context_flags(p, ["kv_unified", "no_kv_unified", "ubatch_size"])
 
 
 def _add_sampling(p: argparse.ArgumentParser, common: bool) -> None:
@@ -395,8 +407,7 @@ def add_parallel_commands(sub) -> None:
                    default=DEFAULT_N_PREDICT, metavar="N",
                    help=f"total length of each sequence, prompt included "
                         f"(default: {DEFAULT_N_PREDICT})")
-    b.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="number of sequences (default: 1)")
+    add_context_flags(b, ["parallel"])
     _add_sampling(b, common=False)
     b.set_defaults(func=cmd_batched)
 
@@ -409,8 +420,7 @@ def add_parallel_commands(sub) -> None:
         epilog="examples:\n  llamaref parallel -np 4 -ns 16 -pps -n 64\n"
                "  llamaref parallel -np 8 -ns 32 -f questions.txt -c 4096 -kvu")
     _add_common(p)
-    p.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="number of clients (default: 1)")
+    add_context_flags(p, ["parallel"], parallel=dict(help="number of clients (default: 1)"))
     p.add_argument("-ns", "--sequences", type=int, default=1, metavar="N",
                    help="number of requests (default: 1)")
     p.add_argument("-pps", dest="is_pp_shared", action="store_true",
@@ -425,10 +435,8 @@ def add_parallel_commands(sub) -> None:
                    default=PARALLEL_N_PREDICT, metavar="N",
                    help=f"most tokens per response (default: {PARALLEL_N_PREDICT}, "
                         "-1 = no limit)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                   help="context size (default: 0 = the model's n_ctx_train)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="tokens per decode (default: 2048)")
+    add_context_flags(p, ["ctx_size", "batch_size"], ctx_size=_CTX_SIZE_TRAIN,
+                      batch_size=dict(help="tokens per decode (default: 2048)"))
     p.add_argument("--vs", choices=("llama.cpp",), default=None,
                    help="then run the same requests on llama.cpp (llama-cpp-python, the same "
                         "GGUF, its defaults) and print its totals and the speed ratio")
@@ -446,10 +454,7 @@ def add_parallel_commands(sub) -> None:
                "-npl 1,2,4,8,16,32 [-pps]\n"
                "  llamaref batched-bench -c 8192 -npp 128 -ntg 32 -npl 1,8,32 --vs llama.cpp")
     _add_common(bb)
-    bb.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                    help="context size (default: 0 = the model's n_ctx_train)")
-    bb.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                    help="logical batch size (default: 2048)")
+    add_context_flags(bb, ["ctx_size", "batch_size"], ctx_size=_CTX_SIZE_TRAIN)
     for flag, what in (("-npp", "prompt sizes"), ("-ntg", "generated tokens"),
                        ("-npl", "parallel sequences")):
         bb.add_argument(flag, type=_int_list, action="extend", default=[],

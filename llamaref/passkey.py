@@ -7,7 +7,8 @@ also Self-Extend's block, default 2048). One addition: ``-c/--ctx-size`` sets th
 (default 0: ``passkey.cpp``'s ``n_ctx_train * G + n_keep``).
 
 llama.cpp's information lines go to stderr, the 16-token answer to stdout; the last line on
-stderr says whether the key was found. The semantics are [`reference.tools.passkey`][reference.tools.passkey].
+stderr says whether the key was found. The semantics are
+[`reference.tools.passkey`][reference.tools.passkey].
 
 Examples: ``llamaref passkey --junk 250 --pos 90 --grp-attn-n 2``.
 """
@@ -18,10 +19,10 @@ import argparse
 import sys
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
-from llamaref.common import CLIError, log, model_path
+from llamaref.common import CLIError, add_context_flags, log, model_path
 from reference.model_loader import load_model
-from reference.tools.passkey import run_passkey
 from reference.tokenizer import load_tokenizer
+from reference.tools.passkey import run_passkey
 
 
 def check_passkey_flags(args: argparse.Namespace) -> None:
@@ -82,14 +83,13 @@ def add_passkey_command(sub) -> None:
                    help="number of times to repeat the junk text (default: 250)")
     p.add_argument("--pos", type=int, default=-1, metavar="N",
                    help="position of the passkey in the junk text (default: -1 = random)")
-    p.add_argument("--keep", type=int, default=32, metavar="N",
-                   help="tokens kept at the start when the prompt is shifted in (default: 32)")
+    add_context_flags(p, ["keep"], keep=dict(
+        default=32, help="tokens kept at the start when the prompt is shifted in (default: 32)"))
     p.add_argument("-gan", "--grp-attn-n", type=int, default=1, metavar="N",
                    help="group-attention factor (default: 1)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="chunk size, also the grouped block (default: 2048)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
-                   help="cache size (default: 0 = n_ctx_train * G + --keep, as llama-passkey)")
+    add_context_flags(
+        p, ["batch_size", "ubatch_size", "ctx_size"],
+        batch_size=dict(help="chunk size, also the grouped block (default: 2048)"),
+        ctx_size=dict(default=0, help="cache size (default: 0 = n_ctx_train * G + --keep, as "
+                                      "llama-passkey)"))
     p.set_defaults(func=cmd_passkey)

@@ -23,18 +23,18 @@ import time
 from pathlib import Path
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
-from llamaref.common import CLIError, add_sampling_flags, log, model_path
+from llamaref.common import CLIError, add_context_flags, add_sampling_flags, log, model_path
 from reference.common import LLAMA_DEFAULT_SEED
-from reference.tools.lookup import Lookup, ngram_cache_load, ngram_cache_merge, ngram_cache_save
 from reference.model_loader import load_model
 from reference.sampling import SamplerParams
+from reference.tokenizer import StreamDecoder, load_tokenizer
+from reference.tools.lookup import Lookup, ngram_cache_load, ngram_cache_merge, ngram_cache_save
 from reference.tools.speculative import (
     Speculative,
     SpeculativeSimple,
     check_draft_vocab,
     draft_layers,
 )
-from reference.tokenizer import StreamDecoder, load_tokenizer
 
 
 def _write(text: str) -> None:
@@ -186,12 +186,7 @@ def _add_common(p: argparse.ArgumentParser, draft: bool) -> None:
     p.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=-1, metavar="N",
                    help="tokens to predict (default: -1 = until end of generation or a "
                         "full context)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
-                   help="context size, padded to 256 (default: 4096; 0 = the model's)")
-    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="logical batch size (default: 2048)")
-    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512)")
+    add_context_flags(p, ["ctx_size", "batch_size", "ubatch_size"])
     p.add_argument("--draft-max", "--spec-draft-n-max", "--draft", "--draft-n",
                    dest="draft_max", type=int, default=3, metavar="N",
                    help="tokens to draft per round (default: 3)")
@@ -220,8 +215,8 @@ def add_speculative_commands(sub) -> None:
                "  llamaref speculative -m big.gguf -md small.gguf -np 3 --draft-max 8 "
                "-p 'Once upon a time'")
     _add_common(p, draft=True)
-    p.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                   help="most draft branches (default: 1 = no tree)")
+    add_context_flags(p, ["parallel"],
+                      parallel=dict(help="most draft branches (default: 1 = no tree)"))
     p.add_argument("--draft-p-split", "--spec-draft-p-split", dest="draft_p_split", type=float,
                    default=0.10, metavar="P",
                    help="split a branch where a candidate's probability is above P "

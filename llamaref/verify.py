@@ -54,7 +54,7 @@ from accelerated.context import Context as AContext
 from accelerated.models import llama as AL
 from llamaref.backends import make_context, pick_backend, prepare_weights
 from reference.batch import Batch
-from reference.common import MAX_NMSE_OP, MAX_NMSE_TWIN
+from reference.common import MAX_NMSE_OP, MAX_NMSE_TWIN, LlamarefError
 from reference.context import Context, is_recurrent
 from reference.model_loader import load_model
 from reference.models import llama as RL
@@ -78,6 +78,10 @@ TIE_MARGIN = 1e-3
 MAX_KLD_CONTEXT = 1e-4
 MIN_TOP1 = 0.95
 MAX_KL = 5e-3
+
+
+class VerifyError(LlamarefError, ValueError):
+    """A harness run that cannot start (a prompt length out of range)."""
 
 
 # --8<-- [start:Check]
@@ -173,13 +177,12 @@ def op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
     rope = RL.rope_cparams(hparams)
     ff = weights.get("rope_freqs.weight")
     ff = None if ff is None else _dense(ff)
-    q_r = R.rope_ext(q, pos, freq_factors=ff, **rope)  # (n_tokens, n_head, d)
-    k_r = R.rope_ext(k, pos, freq_factors=ff, **rope)  # (n_tokens, n_head_kv, d)
-    twin = A.rope_ext(mx.array(q), mx.array(pos), freq_factors=None if ff is None
-                      else mx.array(ff), **rope)
+    q_r = R.rope_ext(q, pos, rope, ff)  # (n_tokens, n_head, d)
+    k_r = R.rope_ext(k, pos, rope, ff)  # (n_tokens, n_head_kv, d)
+    twin = A.rope_ext(mx.array(q), mx.array(pos), rope, None if ff is None else mx.array(ff))
     checks.append(_nmse_check("ops", f"ROPE_EXT(q=[{len(tokens)},{n_head},{d}],n_dims="
-                              f"{rope['n_dims']},mode={rope['mode']},base="
-                              f"{rope['freq_base']:g})", q_r, np.array(twin), MAX_NMSE["default"]))
+                              f"{rope.n_dims},mode={rope.mode},base="
+                              f"{rope.freq_base:g})", q_r, np.array(twin), MAX_NMSE["default"]))
     checks += _attention_checks(hparams, q_r, k_r, v)
     attn = R.build_attn_mha(q_r, k_r, v, _causal_mask(len(tokens)), _kq_scale(hparams))
     gate = R.mul_mat(layer["ffn_gate"], cur)  # (n_tokens, n_ff)
@@ -503,10 +506,10 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
         The [`Report`][]; ``report.passed`` is False when a check failed.
 
     Raises:
-        ValueError: a bad ``n_tokens``; the errors of the loaders and the tokenizer.
+        VerifyError: a bad ``n_tokens``; the errors of the loaders and the tokenizer.
     """
     if not 4 <= n_tokens <= 256:
-        raise ValueError(f"n_tokens = {n_tokens} must be in [4, 256]")
+        raise VerifyError(f"n_tokens = {n_tokens} must be in [4, 256]")
     t0 = time.perf_counter()
     path = Path(path)
     hparams, weights = load_model(path)

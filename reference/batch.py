@@ -569,17 +569,19 @@ def fill_fields_one_token(batch: Batch, n_vocab: int, n_seq_max: int,
                           memory: SeqPosMemory | None
                           ) -> tuple[tuple[tuple[int, ...]], np.ndarray, dict[int, set[int]],
                                      set[tuple[int, int]]]:
-    r"""[`fill_fields`][] for a batch of one token (a generation step), on Python scalars.
+    r"""Fast path of [`fill_fields`][] for a batch of one token (a generation step), on Python
+    scalars.
 
     [`BatchAllocr`][] takes this path when ``n_tokens == 1``: the same checks in the same
     order, with the same messages, and the same results. For one token they are plain: its
     position, when not given, is $\mathrm{pos\_max}(s_0) + 1$ of its first sequence $s_0$;
     every sequence it lists has that one position; it couples each later seq id to $s_0$.
     (And [`check_seq_order`][] has no two tokens to compare.) Why a second path: each array
-    rule costs a few NumPy calls whatever the batch size, about 20 µs a decode for these
-    rules against 2 µs on scalars, which a generation step would pay per token. A test
-    holds the two paths equal on every one-token batch it draws, refusals included
-    (``tests/laws/test_batch.py``).
+    rule costs a few NumPy calls whatever the batch size, a fixed cost that a generation
+    step would pay per token, where the scalar checks cost a fraction of it
+    (``docs/performance.md``). The property test
+    ``tests/laws/test_batch.py::test_one_token_fields_are_the_array_rules`` holds the two
+    paths equal on every one-token batch it draws, refusals included.
 
     Returns:
         ``(seq_id, pos, seq_pos, seq_cpl)`` as [`fill_fields`][] returns them.

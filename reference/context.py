@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.batch import Batch, BatchAllocr, BatchError, output_order
+from reference.batch import Batch, BatchAllocr, BatchError
 from reference.common import LLAMA_MAX_SEQ, LlamarefError
 from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
 from reference.memory import Memory, MemoryContext, MemoryStatus, create_memory, n_ctx_seq
@@ -271,6 +271,10 @@ class Context:
         >>> type(rctx.memory).__name__, rctx.memory.get_size()
         ('RecurrentMemory', 3)
     """
+
+    on_device = False
+    """No ``get_logits_ith_device``: the logits are NumPy rows on the host
+    ([`ContextLike.on_device`][reference.context_protocol.ContextLike.on_device])."""
 
     def __init__(
         self,
@@ -477,18 +481,27 @@ class Context:
         self._output_ids = np.full(n_tokens, -1, dtype=np.int64)  # (n_tokens,)
 
     def output_set(self, rows: list, out_ids: Sequence[int]) -> None:
-        """Keep the ubatches' logits rows in batch order, and map batch index to row.
+        """Map batch index to output row (``output_ids``), and put the ubatches' logits rows
+        where it says.
+
+        ``llama_context::decode``'s output mappings: the outputs are kept in batch order, so
+        ``output_ids[b]`` is the rank of batch token ``b`` among the output tokens (-1 for a
+        token without output). The ubatches computed their rows in split order, row ``i``
+        for batch token ``out_ids[i]``: it goes to row ``output_ids[out_ids[i]]``.
 
         Args:
             rows: what [`process_ubatch`][] returned, ubatch after ubatch.
             out_ids: the batch indices of the output tokens in that order
                 (`out_ids`).
 
-        The MLX twin keeps the rows on the device here and copies them to the host only
-        when they are read (llama.cpp too reorders them lazily, in ``output_reorder``).
+        The MLX twin keeps the rows on the device here and moves them only when they are
+        read (llama.cpp too reorders them lazily, in ``output_reorder``).
         """
-        self._logits = np.concatenate(rows)[output_order(out_ids)]  # (n_outputs, n_vocab)
-        self._output_ids[np.sort(np.asarray(out_ids, np.int64))] = np.arange(len(out_ids))
+        out_ids = np.asarray(out_ids, np.int64)  # (n_outputs,) batch indices, split order
+        self._output_ids[np.sort(out_ids)] = np.arange(len(out_ids))  # batch index -> row
+        split_rows = np.concatenate(rows)  # (n_outputs, n_vocab), split order
+        self._logits = np.empty_like(split_rows)
+        self._logits[self._output_ids[out_ids]] = split_rows  # (n_outputs, n_vocab), batch order
     # --8<-- [end:outputs]
 
     # --8<-- [start:decode_token]

@@ -55,10 +55,10 @@ Tensor data are not copied: F32 tensors are read-only views of a memory map, and
 type is a [`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor] over the raw bytes.
 
 This module is the container only: what a key means to a model (``llama.block_count`` is
-``n_layer``) is [`reference.hparams`][reference.hparams]' table, `reference.hparams.GGUF_KEYS`,
+``n_layer``) is [`reference.arch`][reference.arch]'s table, `reference.arch.GGUF_KEYS`,
 which reads the hyperparameters of a file
-([`reference.hparams.hparams_from_file`][reference.hparams.hparams_from_file]) and writes them as
-metadata ([`reference.hparams.llama_metadata`][reference.hparams.llama_metadata]).
+([`reference.arch.hparams_from_file`][reference.arch.hparams_from_file]) and writes them as
+metadata ([`reference.arch.llama_metadata`][reference.arch.llama_metadata]).
 """
 
 from __future__ import annotations

@@ -385,7 +385,7 @@ def gemma_hparams_from_hf(config: dict) -> LlamaHParams:
     - ``query_pre_attn_scalar`` $s$ (Gemma 2/3) gives ``f_attention_scale`` $= s^{-1/2}$,
       as HF computes. A GGUF cannot store it: llama.cpp derives it from the layer count
       ([`reference.hparams.gemma_attention_scale`][reference.hparams.gemma_attention_scale]),
-      so [`reference.hparams.llama_metadata`][reference.hparams.llama_metadata] refuses to
+      so [`reference.arch.llama_metadata`][reference.arch.llama_metadata] refuses to
       write a model whose $s$ gives another value;
     - ``layer_types`` (or ``sliding_window_pattern``) gives ``swa_layers``,
       ``sliding_window`` the window; Gemma 3 without a window or without a sliding layer
@@ -526,8 +526,14 @@ def load_hf(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise HFLoadError(f"no config.json in {path}")
-    config = json.loads((path / "config.json").read_text())
-    hp = hparams_from_hf(config)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise HFLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    try:
+        hp = hparams_from_hf(config)
+    except KeyError as e:
+        raise HFLoadError(f"{path / 'config.json'} has no {e.args[0]!r}") from e
     if isinstance(hp, MambaHParams):
         return load_mamba_hf(path, hp, dtype)
     weights: dict[str, np.ndarray] = {}

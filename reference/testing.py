@@ -9,7 +9,7 @@ in memory, seeded, in a few milliseconds:
   [`tiny_mamba_hparams`][] / [`random_mamba_weights`][]: a Mamba or Mamba-2;
 - [`write_tiny_gguf`][] / [`write_tiny_mamba_gguf`][]: the same written as a float32
   GGUF that llama.cpp can load (with the dummy vocabulary of
-  [`reference.hparams.spm_dummy_vocab`][reference.hparams.spm_dummy_vocab]);
+  [`reference.arch.spm_dummy_vocab`][reference.arch.spm_dummy_vocab]);
 - [`reference_logits`][] / [`mamba_reference_logits`][]: every token's logits through
   the simple caches of [`reference.models`][reference.models], the baseline the Context is held to;
 - [`nmse`][] and [`nmse_check`][]: test-backend-ops' verdict on a twin's output,
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import ArrayLike
 
+from reference.arch import llama_metadata, mamba_metadata
 from reference.gguf import write_gguf
 from reference.hparams import (
     GEMMA_ARCHS,
@@ -42,8 +43,6 @@ from reference.hparams import (
     LlamaHParams,
     MambaHParams,
     gemma_attention_scale,
-    llama_metadata,
-    mamba_metadata,
     swa_pattern,
 )
 from reference.models.gemma import GEMMA_LAYER_TENSORS, gemma_forward
@@ -119,7 +118,7 @@ def tiny_gemma_hparams(
     Every field llama.cpp derives is set as its loader sets it (NeoX RoPE, the attention scale
     of [`reference.hparams.gemma_attention_scale`][reference.hparams.gemma_attention_scale], the
     SWA RoPE scale, tied output for gemma/gemma2), so
-    [`reference.hparams.llama_metadata`][reference.hparams.llama_metadata] writes it and
+    [`reference.arch.llama_metadata`][reference.arch.llama_metadata] writes it and
     reading the file gives it back.
 
     Args:

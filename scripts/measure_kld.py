@@ -28,19 +28,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from accelerated.context import Context as AContext  # noqa: E402
+from accelerated.models.llama import prepare_weights  # noqa: E402
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
+from llamaref.perplexity import read_logits_file, run_kl_divergence, run_perplexity  # noqa: E402
+from reference.arch import hparams_from_file  # noqa: E402
 from reference.context import Context  # noqa: E402
 from reference.gguf import read_gguf, write_gguf  # noqa: E402
-from reference.hparams import hparams_from_file  # noqa: E402
 from reference.model_loader import default_model_path  # noqa: E402
-from reference.tools.perplexity import (  # noqa: E402
-    context_params,
-    kl_divergence,
-    percentile,
-    perplexity,
-    read_logits_file,
-)
 from reference.quants import QuantizedTensor  # noqa: E402
 from reference.tokenizer import load_tokenizer  # noqa: E402
+from reference.tools.perplexity import context_params, percentile  # noqa: E402
 
 MODULES = ("argparse", "json", "collections", "typing", "unittest", "logging")
 
@@ -86,20 +84,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="measure_kld_"))
     base_path = work / "base.bin"
     log(f"{len(tokens)} tokens: Python {sys.version.split()[0]}'s docstrings of {MODULES}")
-    base_run = perplexity(Context(hp, exact, **context_params(n_ctx, n_batch)), tokens, n_ctx,
-                          n_batch, args.chunks, bos=bos, base_path=base_path, info=log)
+    base_run = run_perplexity(Context(hp, exact, **context_params(n_ctx, n_batch)), tokens,
+                              n_ctx, n_batch, args.chunks, bos=bos, base_path=base_path,
+                              info=log)
     base = read_logits_file(base_path, hp.n_vocab)
     rows = []
-
-    from accelerated.context import Context as AContext
-    from accelerated.models.llama import prepare_weights
 
     mlx = AContext(hp, prepare_weights(gguf.tensors, "quantized"), matmul="quantized",
                    **context_params(n_ctx, n_batch))
     rows.append(row("MLX twin, Q4_1 as MLX 4-bit (`quantized_matmul`)",
-                    kl_divergence(mlx, base, n_batch, bos, info=log)))
-
-    from tests.support.llamacpp_lowlevel import LlamaCppContext
+                    run_kl_divergence(mlx, base_path, n_batch, bos, info=log)))
 
     def llamacpp(file: Path):
         return LlamaCppContext(file, n_ctx=n_batch, n_batch=n_batch, n_ubatch=n_batch,
@@ -107,12 +101,12 @@ def main() -> None:
 
     with llamacpp(path) as lc:
         rows.append(row("llama.cpp, Q4_1 (activations in Q8_1)",
-                        kl_divergence(lc, base, n_batch, bos, info=log)))
+                        run_kl_divergence(lc, base_path, n_batch, bos, info=log)))
     f32 = work / "smollm2-f32.gguf"
     write_gguf(f32, {**gguf.metadata, "general.file_type": 0}, exact)
     with llamacpp(f32) as lc:
         rows.append(row("llama.cpp, the float32 rewrite (control)",
-                        kl_divergence(lc, base, n_batch, bos, info=log)))
+                        run_kl_divergence(lc, base_path, n_batch, bos, info=log)))
     f32.unlink()
     print(f"Base: the reference on the exact dequantization, PPL = {base_run.ppl:.4f} ± "
           f"{base_run.uncertainty:.4f}; {base.n_chunk} chunks of {n_ctx}, "

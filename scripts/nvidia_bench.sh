@@ -52,9 +52,12 @@ dt = (time.perf_counter() - t) / 10
 print(f"4096^3 float32 product: {dt * 1e3:.2f} ms, {2 * 4096**3 / dt / 1e12:.1f} TFLOP/s")
 EOF
 
-step "where a token's time goes, ours and mlx-lm's (scripts/token_phases.py)"
-for m in tiny tiny-mamba; do timeout 60 python3 scripts/token_phases.py --model $m; done
-MLX_USE_CUDA_GRAPHS=0 timeout 60 python3 scripts/token_phases.py  # without MLX's CUDA graphs
+step "where a token's time goes, ours and mlx-lm's (llamaref bench --profile phases)"
+for m in tiny tiny-mamba; do
+  timeout 60 $LLAMAREF bench -m $m --profile phases -n 400 --vs mlx-lm
+done
+# and without MLX's CUDA graphs
+MLX_USE_CUDA_GRAPHS=0 timeout 60 $LLAMAREF bench -m tiny --profile phases -n 400 --vs mlx-lm
 
 step "a generation step's mask from two integers, against the cells' form (scripts/prefix_mask_ab.py)"
 timeout 90 python3 scripts/prefix_mask_ab.py --depths 0 16000 --runs 5 \
@@ -97,7 +100,7 @@ step "the twin's tests on the GPU (float32 products in float32: MLX_ENABLE_TF32=
 MLX_ENABLE_TF32=0 HYPOTHESIS_PROFILE=ci timeout 300 python3 -m pytest -o addopts= \
   -p no:cacheprovider -p no:benchmark -n 8 -v --tb=line -rfE \
   -k "(mlx or twin or accelerated) and not smollm2" tests/twin/ \
-  tests/laws/test_decode.py tests/laws/test_state.py tests/laws/test_context_mamba.py \
+  tests/laws/test_decode.py tests/laws/test_state.py tests/laws/test_memory.py \
   > "$OUTDIR/tests.log" 2>&1
 grep -E "FAILED|passed|failed" "$OUTDIR/tests.log" | tail -40
 step done

@@ -12,7 +12,7 @@ Q4_1, ``n_batch`` 2048, so the grouped block is 2048 tokens):
 
 - **ours**: the reference Context (the GGUF dequantized to float32), our ``seq_div``;
 - **llama.cpp**: the same loop driving llama.cpp's own context through llama-cpp-python
-  (``tests/support/llamacpp_lowlevel.py``: f32 KV cache, no flash attention), so its ``seq_div`` sign
+  (``llamaref/llamacpp.py``: f32 KV cache, no flash attention), so its ``seq_div`` sign
   does what it does.
 
 ``G = 1`` runs with a cache that holds the whole prompt at its own positions (positions past
@@ -33,9 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
+from reference.context import Context  # noqa: E402
 from reference.model_loader import default_model_path, load_model  # noqa: E402
-from reference.tools.passkey import passkey_n_ctx, passkey_prompt, run_passkey  # noqa: E402
 from reference.tokenizer import load_tokenizer  # noqa: E402
+from reference.tools.passkey import passkey_n_ctx, passkey_prompt, run_passkey  # noqa: E402
 
 OUT = REPO / "docs" / "assets" / "self-extend"
 N_KEEP, N_BATCH = 32, 2048
@@ -71,11 +73,7 @@ def run_one(impl: str, hp, weights, tok, path, n_junk: int, i_pos: int, g: int) 
 
     def new_context(n_ctx: int, n_batch: int):
         if impl == "ours":
-            from reference.context import Context
-
             return Context(hp, weights, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512)
-        from tests.support.llamacpp_lowlevel import LlamaCppContext
-
         ctx = LlamaCppContext(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=2)
         opened.append(ctx)
         return ctx

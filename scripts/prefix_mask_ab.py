@@ -22,9 +22,22 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from cache_writes_ab import tiny_pair  # scripts/ (run from the repository root)
-
+import accelerated.context as mlx_context
+from llamaref.bench import ContextRunner, random_tokens
+from llamaref.bench.peers import MLXLMRunner, mlx_lm_model
 from llamaref.bench.tiny import tiny_model
+
+
+def tiny_pair(hp, w, depth: int) -> tuple[ContextRunner, MLXLMRunner]:
+    """The MLX Context (a 16384-cell cache) and mlx-lm on the same weights, the same
+    ``depth`` random tokens in both caches (not timed)."""
+    ours = ContextRunner(mlx_context.Context, hp, w, n_ctx=16384, n_batch=512)
+    peer = MLXLMRunner(mlx_lm_model(hp, w))
+    if depth:
+        tokens = random_tokens(depth, hp.n_vocab)
+        ours.set_depth(tokens)
+        peer.set_depth(tokens)
+    return ours, peer
 
 
 def main() -> None:

@@ -33,12 +33,12 @@ sys.path.insert(0, str(REPO))
 import reference.memory.kv_cells as kv_cells  # noqa: E402
 from reference.batch import Batch  # noqa: E402
 from reference.context import Context  # noqa: E402
-from reference.tools.generate import Generator  # noqa: E402
 from reference.model_loader import default_model_path, load_model  # noqa: E402
-from reference.tools.passkey import passkey_prompt  # noqa: E402
-from reference.tools.self_extend import self_extend_forward  # noqa: E402
 from reference.testing import nmse  # noqa: E402
 from reference.tokenizer import load_tokenizer  # noqa: E402
+from reference.tools.generate import Generator  # noqa: E402
+from reference.tools.passkey import passkey_prompt  # noqa: E402
+from reference.tools.self_extend import self_extend_forward  # noqa: E402
 
 OUT = REPO / "docs" / "assets" / "self-extend"
 

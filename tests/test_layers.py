@@ -8,6 +8,8 @@ only itself and the layers below it:
 - ``accelerated/``: its MLX twin. It imports ``reference/`` (the bookkeeping, the host-side
   pieces) and itself.
 - ``llamaref/``: the application (cli, backends, bench, verify). It imports both.
+- ``scripts/``: measurements and chores run from the repository root. They import any of the
+  three, and nothing imports them.
 - ``tests/`` sits on top, and nothing imports it: the tiny models that docstrings and docs
   pages need live in :mod:`reference.testing`.
 
@@ -38,8 +40,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The layers, bottom to top: a module may import its own layer and the layers before it.
-LAYERS = ("reference", "accelerated", "llamaref", "tests")
-PACKAGES = LAYERS[:-1]  # the layers that ship
+#: ``scripts/`` (measurements and chores, run from the repository root) sits on the three that
+#: ship: it may import any of them, and none of them imports it.
+LAYERS = ("reference", "accelerated", "llamaref", "scripts", "tests")
+PACKAGES = LAYERS[:-1]  # the layers read here: the three that ship, and scripts/
 
 #: ``(module, imported module) -> why`` for our imports that stay inside a function.
 #: Keep it tiny: each entry is a dependency the module graph does not show.
@@ -379,5 +383,41 @@ def test_the_server_scheduler_owns_no_runtime():
             [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
         )
         if name.split(".")[0] in runtime
+    ]
+    assert not violations, report(violations)
+
+
+# ---------------------------------------------------------------------------------------------
+# Private names stay in their module
+# ---------------------------------------------------------------------------------------------
+
+
+def private_imports(tree: ast.Module) -> list[tuple[int, str, str]]:
+    """``(line, module, name)`` of every ``from <one of ours> import _name`` in a module (a
+    ``__dunder__`` is not private)."""
+    return [
+        (node.lineno, node.module or ".", alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.level or layer(node.module or "") in LAYERS)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.endswith("__")
+    ]
+
+
+def test_no_private_imports_across_modules():
+    """A name with a leading underscore is its module's own business: another module of
+    ``reference/`` or ``accelerated/`` that needs it (a validator the twin shares, a helper
+    two modules use) gets it public, with a docstring that states its contract."""
+    assert private_imports(ast.parse("from reference.ops.rows import _check, get_rows\n"
+                                     "from llamaref import __version__\n")) == [
+        (1, "reference.ops.rows", "_check")]  # the check can fail
+    violations = [
+        f"{path.relative_to(ROOT)}:{line}: imports {name} from {source}, a private name of "
+        "another module. Make it public there (drop the underscore, give it a docstring "
+        "contract) or move the code that needs it into that module."
+        for module, path in sources().items()
+        if layer(module) in ("reference", "accelerated")
+        for line, source, name in private_imports(syntax_tree(path))
     ]
     assert not violations, report(violations)

@@ -42,7 +42,7 @@ def create_memory(hparams, n_ctx_seq: int, n_seq_max: int = 1, kv_unified: bool 
     The recurrent rows are float16 for a float16 ``dtype``, float32 otherwise (MLX's CPU
     float64 support is partial); the KV cache keeps ``dtype`` for its bookkeeping and
     stores float64 as float32
-    ([`accelerated.memory.kv_cache.mx_dtype`][accelerated.memory.kv_cache.mx_dtype]). A model
+    ([`accelerated.ops.convert.mx_dtype`][accelerated.ops.convert.mx_dtype]). A model
     with a sliding window gets the MLX
     [`KVCacheISWA`][accelerated.memory.kv_cache_iswa.KVCacheISWA] (the MLX Context's compiled
     graph reads one cache only: see that module for what a graph over two reads).

@@ -16,10 +16,11 @@ is the array steps they call:
   [`to_cell_major`][] convert whole tensors, [`head_rows`][] says where a cell's heads go).
   MLX arrays are values, so a write replaces the list entry (``k_l[il] = ...``) instead of
   writing through a NumPy view;
-- the KQ mask is built on the device ([`kq_mask_device`][]): the host gathers what the
+- the KQ mask is built on the device
+  ([`kq_mask_device`][accelerated.memory.kq_mask.kq_mask_device]): the host gathers what the
   formula reads, the positions of the cells in view and whether each holds the token's
   sequence ([`KVCacheAttnInput.kq_mask_inputs`][]), and MLX evaluates the formula of
-  [`reference.memory.kv_cache.set_input_kq_mask`][reference.memory.kv_cache.set_input_kq_mask] on
+  [`reference.memory.kq_mask.set_input_kq_mask`][reference.memory.kq_mask.set_input_kq_mask] on
   them, inside the Context's compiled graph; ``get_k``/``get_v`` slice the MLX tensors;
 - [`GraphAttnInput`][] is the same input as a *value*: it holds its own list of K/V
   tensors (graph placeholders when the forward is traced), so a compiled forward takes the
@@ -43,9 +44,12 @@ import mlx.core as mx
 import numpy as np
 from numpy.typing import DTypeLike
 
+from accelerated.memory.kq_mask import kq_mask_device
 from accelerated.ops import rope_ext, set_rows
-from reference.hparams import LlamaHParams, is_masked_swa
+from accelerated.ops.convert import mx_dtype
+from reference.hparams import LlamaHParams
 from reference.memory import kv_cache as ref
+from reference.memory.kq_mask import holds_every_used_cell, visible_prefix
 from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     FIND_CHUNK,
     POS_INF,
@@ -53,13 +57,9 @@ from reference.memory.kv_cache import (  # bookkeeping, imported as it is
     SlotInfo,
     cache_layers,
     ggml_pad,
-    holds_every_used_cell,
     k_shift_rope_params,
     kv_size_swa,
     n_ctx_seq,
-    set_input_kq_mask,
-    set_input_kq_mask_per_cell,
-    visible_prefix,
 )
 
 __all__ = [
@@ -76,38 +76,12 @@ __all__ = [
     "head_major_blocks",
     "head_major_view",
     "head_rows",
-    "holds_every_used_cell",
-    "kq_mask_device",
-    "prefix_inputs_device",
     "k_shift_rope_params",
     "kv_size_swa",
-    "mx_dtype",
     "n_ctx_seq",
-    "set_input_kq_mask",
-    "set_input_kq_mask_per_cell",
     "to_cell_major",
     "to_head_major",
-    "visible_prefix",
 ]
-
-_MX_DTYPES = {
-    np.dtype(np.float16): mx.float16,
-    np.dtype(np.float32): mx.float32,
-    np.dtype(np.float64): mx.float32,
-}
-
-
-# --8<-- [start:mx_dtype]
-def mx_dtype(dtype: DTypeLike) -> mx.Dtype:
-    """The MLX dtype of the cache tensors for a NumPy ``dtype`` (float64 -> float32).
-
-    Examples:
-        >>> mx_dtype(np.float64)
-        mlx.core.float32
-    """
-    return _MX_DTYPES.get(np.dtype(dtype), mx.float32)
-# --8<-- [end:mx_dtype]
-
 
 # --8<-- [start:head_major]
 def to_head_major(t: np.ndarray | mx.array, n_head_kv: int, dtype: mx.Dtype) -> mx.array:
@@ -231,100 +205,15 @@ def build_rope_shift(
         >>> from reference.hparams import rope_cparams
         >>> hp = tiny_hparams(n_embd=8, n_head=2, n_head_kv=1)
         >>> k = np.random.default_rng(0).normal(size=(1, 1, 4)).astype(np.float32)
-        >>> kp = rope_ext(k, np.array([3]), **rope_cparams(hp))
-        >>> k5 = rope_ext(k, np.array([5]), **rope_cparams(hp))
+        >>> kp = rope_ext(k, np.array([3]), rope_cparams(hp))
+        >>> k5 = rope_ext(k, np.array([5]), rope_cparams(hp))
         >>> bool(mx.allclose(build_rope_shift(kp, np.array([2]), hp), k5, atol=1e-6))
         True
     """
-    params = k_shift_rope_params(hparams, il)
     if rope_factors is not None:
         rope_factors = mx.array(rope_factors)
-    return rope_ext(k, np.asarray(shift), freq_factors=rope_factors, **params)
+    return rope_ext(k, np.asarray(shift), k_shift_rope_params(hparams, il), rope_factors)
 # --8<-- [end:build_rope_shift]
-
-
-# --8<-- [start:kq_mask_device]
-def kq_mask_device(p_cell: mx.array, member: mx.array, pos: mx.array, n_swa: int,
-                   swa_type: int) -> mx.array:
-    r"""The KQ mask of
-    [`reference.memory.kv_cache.set_input_kq_mask`][reference.memory.kv_cache.set_input_kq_mask],
-    computed by MLX.
-
-    The same formula, term for term, on what the host gathered
-    ([`KVCacheAttnInput.kq_mask_inputs`][]):
-
-    $$
-    \mathrm{visible}_{ij} = member_{ij} \;\wedge\; pos_j \ne -1 \;\wedge\; pos_j \le p_i
-    \;\wedge\; \neg\,\mathrm{is\_masked\_swa}(pos_j, p_i),
-    $$
-
-    where $member_{ij}$ says that column $j$'s cell is in token $i$'s stream and holds its
-    (first) sequence. Its inputs are placeholders of the Context's compiled graph: on a GPU
-    the mask never exists on the host. Positions are int32 here (llama.cpp's
-    ``llama_pos``). A test holds it equal to the reference's mask on random cell states.
-
-    Args:
-        p_cell: ``(n_cols,)`` int32, the position of each column's cell (-1: empty).
-        member: ``(n_tokens, n_cols)`` bool.
-        pos: ``(n_tokens,)`` int32, the tokens' positions.
-        n_swa: sliding window (0: none).
-        swa_type: one of ``SWA_TYPE_*``.
-
-    Returns:
-        ``(n_tokens, n_cols)`` float32: 0 where visible, $-\infty$ elsewhere.
-
-    Examples:
-        >>> p_cell = mx.array([0, 0, 1, -1])
-        >>> member = mx.array([[True, False, True, False]])
-        >>> kq_mask_device(p_cell, member, mx.array([1]), 0, 0).tolist()
-        [[0.0, -inf, 0.0, -inf]]
-    """
-    p_c = p_cell[None, :]  # (1, n_cols)
-    p_t = pos[:, None]  # (n_tokens, 1)
-    swa = mx.array(is_masked_swa(n_swa, swa_type, p_c, p_t))  # (n_tokens, n_cols) or ()
-    visible = member & (p_c != -1) & (p_c <= p_t) & mx.logical_not(swa)
-    return mx.where(visible, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
-# --8<-- [end:kq_mask_device]
-
-
-# --8<-- [start:prefix_inputs_device]
-def prefix_inputs_device(slot: mx.array, n_cols: int, kv_size: int,
-                         n_head_kv: int) -> tuple[mx.array, mx.array]:
-    r"""A one-token ubatch's cache rows and KQ mask, from two integers, when its mask is a
-    prefix.
-
-    ``slot`` is $[r_0, u]$: the row of the token's first head in a cache tensor seen as rows
-    of $d$ (``head_rows(k_idxs, ...)[0, 0]``) and the number of first cells it sees, when it
-    sees exactly those ([`visible_prefix`][reference.memory.kv_cache.visible_prefix]: a
-    generation step in one conversation). Head $h$'s row is [`head_rows`][]'s
-    $(s \cdot n\_head\_kv + h) \cdot kv\_size + c = r_0 + h \cdot kv\_size$, and the mask is
-    $\mathrm{visible}_j = j < u$: the values [`kq_mask_device`][] makes from the cells, made
-    in the graph from the two integers. So a generation step hands the device one array of
-    two integers where the cells' form hands it the position of every cell in view, their
-    membership and the token's rows.
-
-    Args:
-        slot: ``(2,)`` int32, $[r_0, u]$.
-        n_cols: cells in view (one stream).
-        kv_size: cells per stream.
-        n_head_kv: KV heads.
-
-    Returns:
-        ``k_rows`` ``(1, n_head_kv)`` int32 and ``kq_mask`` ``(1, n_cols)`` float32.
-
-    Examples:
-        >>> rows, mask = prefix_inputs_device(mx.array([10, 3]), 5, kv_size=4, n_head_kv=2)
-        >>> rows.tolist(), mask.tolist()  # stream 1, cell 2: head_rows gives [[10, 14]]
-        ([[10, 14]], [[0.0, 0.0, 0.0, -inf, -inf]])
-    """
-    # the offsets of the heads and the column indices are constants of a traced graph
-    # (NumPy-made, so no node computes them at each step); slices, not an index (a gather)
-    heads = mx.array(np.arange(n_head_kv, dtype=np.int32) * kv_size)  # (n_head_kv,) h * kv_size
-    k_rows = (slot[:1] + heads)[None, :]  # (1, n_head_kv)
-    visible = mx.array(np.arange(n_cols, dtype=np.int32)) < slot[1:]  # (n_cols,)
-    kq_mask = mx.where(visible, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
-    return k_rows, kq_mask[None, :]  # (1, n_cols)
-# --8<-- [end:prefix_inputs_device]
 
 
 # --8<-- [start:KVCacheAttnInput]
@@ -334,7 +223,8 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
     MLX tensors.
 
     ``n_kv`` and ``k_idxs`` are the reference's (host bookkeeping). The mask is built on the
-    device ([`kq_mask_device`][]) from [`kq_mask_inputs`][], when it is first asked for:
+    device ([`kq_mask_device`][accelerated.memory.kq_mask.kq_mask_device]) from
+    [`kq_mask_inputs`][], when it is first asked for:
     the Context's graph builds its own from those inputs for the narrower view it reads
     ([`accelerated.context.kv_view`][accelerated.context.kv_view]), so then the full-width mask is
     never made. ``cpy_k``/``cpy_v`` scatter into the flattened ``(n_stream * kv_size, n_embd_gqa)``
@@ -359,14 +249,15 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
         self._kq_mask: mx.array | None = None
 
     def kq_mask_inputs(self, n_cols: int) -> tuple[np.ndarray, np.ndarray]:
-        """What [`kq_mask_device`][] reads, for the first ``n_cols`` cells of each stream.
+        """What [`kq_mask_device`][accelerated.memory.kq_mask.kq_mask_device] reads, for the
+        first ``n_cols`` cells of each stream.
 
         When the slot is one stream and each token's sequence holds every used cell of it
-        ([`holds_every_used_cell`][reference.memory.kv_cache.holds_every_used_cell]: one
+        ([`holds_every_used_cell`][reference.memory.kq_mask.holds_every_used_cell]: one
         conversation, the common case), ``member`` is the test that a cell is not empty,
         which the mask's formula makes anyway: it is returned as a ``(n_tokens, 1)``
-        column of True, and the host reads no column of the membership matrix (about
-        20 µs a token at 8000 cells).
+        column of True, and the host reads no column of the membership matrix (the slowest
+        part of the inputs at depth; ``docs/performance.md``).
 
         Returns:
             ``p_cell`` ``(ns * n_cols,)`` int32 and ``member`` ``(n_tokens, ns * n_cols)``
@@ -391,7 +282,7 @@ class KVCacheAttnInput(ref.KVCacheAttnInput):
 
     def kq_mask_prefix(self) -> int | None:
         """$u$ when every token of the ubatch sees exactly the first $u$ cells of the slot's
-        one stream ([`visible_prefix`][reference.memory.kv_cache.visible_prefix]); None for
+        one stream ([`visible_prefix`][reference.memory.kq_mask.visible_prefix]); None for
         any other mask, or a slot over several streams. O(1)."""
         if len(self.sinfo.strm) != 1:
             return None
@@ -536,7 +427,8 @@ class KVCache(ref.KVCache):
 
     Constructor arguments are the reference's; ``k_l``/``v_l`` become ``mx.array`` zeros
     laid out head by head, ``(n_stream, n_head_kv, kv_size, d)`` (the module docstring says
-    why; dtype by [`mx_dtype`][]). Every bookkeeping method is inherited.
+    why; dtype by [`mx_dtype`][accelerated.ops.convert.mx_dtype]). Every bookkeeping method
+    is inherited.
 
     Examples:
         >>> from reference.testing import tiny_hparams

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from accelerated.ops.convert import as_mx
+from accelerated.ops.convert import as_mx, to_mx_dtype
 from reference.batch import Ubatch
 from reference.memory import recurrent as ref
 from reference.memory.recurrent import (
@@ -64,7 +64,8 @@ __all__ = [
     "state_write",
 ]
 
-_MX_DTYPES = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16}
+#: the dtypes the recurrent state rows can have on the device
+_STATE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def _put_rows(t: mx.array, start: int, rows: mx.array) -> mx.array:
@@ -139,10 +140,10 @@ class RecurrentMemory(ref.RecurrentMemory):
 
     def __init__(self, hparams: RecurrentHParams, mem_size: int, n_seq_max: int = 1,
                  dtype: DTypeLike = np.float32):
-        if np.dtype(dtype) not in _MX_DTYPES:
+        if np.dtype(dtype) not in _STATE_DTYPES:
             raise RecurrentMemoryError(f"dtype {np.dtype(dtype)} is not float32 or float16")
         super().__init__(hparams, mem_size, n_seq_max, dtype)
-        mx_dtype = _MX_DTYPES[self.dtype]
+        mx_dtype = to_mx_dtype(self.dtype)
         self.r_l = [mx.zeros((mem_size, hparams.n_embd_r()), mx_dtype)
                     for _ in range(hparams.n_layer)]  # (mem_size, n_embd_r) per layer
         self.s_l = [mx.zeros((mem_size, hparams.n_embd_s()), mx_dtype)
@@ -270,7 +271,7 @@ def state_read(memory: RecurrentMemory, hparams: RecurrentHParams, data: bytes,
     """Twin of [`reference.memory.recurrent.state_read`][reference.memory.recurrent.state_read].
     ``memory.state_read``.
 
-    A refused blob raises [`reference.memory.state.StateError`][reference.memory.state.StateError]
+    A refused blob raises [`reference.memory.blob.StateError`][reference.memory.blob.StateError]
     and changes nothing.
     """
     memory.state_read(hparams, data, dest_seq_id)

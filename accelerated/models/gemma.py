@@ -39,13 +39,13 @@ from accelerated.device import gpu_paths
 from accelerated.models.llama import (
     AttnInput,
     Weight,
-    _index,
-    _kqv_out,
     attn_grouped,
     build_inp_embd,
     build_norm,
     build_qkv,
     get_weight,
+    index_array,
+    kqv_out,
     linear,
     model_dtype,
     prepare_weights,
@@ -58,7 +58,7 @@ from reference.models.gemma import (  # host-side pieces, imported as they are
     GEMMA_LAYER_TENSORS,
     gemma_kq_scale,
 )
-from reference.models.llama import LlamaForwardError, _check_ubatch_inputs
+from reference.models.llama import LlamaForwardError, check_ubatch_inputs
 
 __all__ = [
     "GEMMA_ARCHS",
@@ -124,7 +124,7 @@ def build_attn_gemma(
     mha = build_attn_mha if gpu_paths() else attn_grouped
     cur = mha(q_cur, k, v, kq_mask, 1.0, softcap=attn_softcap,
               n_stream=inp.n_stream)  # (n_tokens, n_head * d_v)
-    _kqv_out(inp, il, cur)
+    kqv_out(inp, il, cur)
     return linear(wo, cur)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn_gemma]
 
@@ -158,8 +158,8 @@ def _attention(
         k = build_norm(k, layer["attn_k_norm"], eps)  # (n_tokens, n_head_kv, d)
     # gemma: the context's base and scale on every layer; gemma2/3: the SWA ones on SWA layers
     rope = rope_cparams(hparams, None if hparams.arch == "gemma" else il)
-    q = rope_in_graph(q, pos, **rope)  # (n_tokens, n_head, d)
-    k = rope_in_graph(k, pos, **rope)  # (n_tokens, n_head_kv, d)
+    q = rope_in_graph(q, pos, rope)  # (n_tokens, n_head, d)
+    k = rope_in_graph(k, pos, rope)  # (n_tokens, n_head_kv, d)
     q = scale(q, gemma_kq_scale(hparams))  # ggml_scale(Qcur, f_attention_scale)
     return build_attn_gemma(inp_attn, layer["wo"], q, k, v, hparams.f_attn_logit_softcapping, il)
 
@@ -189,8 +189,8 @@ def llm_build_gemma(
     dtype = model_dtype(weights)
     arch, eps = hparams.arch, hparams.f_norm_rms_eps
     post_norms = arch in ("gemma2", "gemma3")
-    pos = _index(pos)  # (n_tokens,)
-    out_ids = None if out_ids is None else _index(out_ids)  # (n_outputs,)
+    pos = index_array(pos)  # (n_tokens,)
+    out_ids = None if out_ids is None else index_array(out_ids)  # (n_outputs,)
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     # Gemma 3 does not scale embeddings given as input (e.g. an image encoder's)
     embd_scale = 1.0 if arch == "gemma3" and tokens is None else math.sqrt(hparams.n_embd)
@@ -256,7 +256,7 @@ def check_gemma_inputs(
     """
     if hparams.arch not in GEMMA_ARCHS:
         raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {GEMMA_ARCHS}")
-    return _check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
+    return check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
 # --8<-- [end:check_gemma_inputs]
 
 

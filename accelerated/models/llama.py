@@ -13,7 +13,7 @@ The same graph, function for function, on ``accelerated.ops``. What differs:
 - on the CPU device the matmul weights are dequantized once and stored *transposed*,
   ``(n_in, n_out)`` ([`TransposedWeight`][], ``matmul="dense"``): MLX's Linux CPU backend
   calls a reference BLAS, and ``x @ W^T`` with ``W^T`` contiguous is its fastest product
-  (25-35% faster than ``mx.quantized_matmul`` or a transposed view, measured in
+  (ahead of ``mx.quantized_matmul`` and of a transposed view at every size measured in
   ``docs/mlx.md``); the values are the same (dequantization is exact), only the summation
   order of the float32 products changes;
 - the graph is a pure function of MLX arrays ([`llm_build_llama`][]): positions, output
@@ -45,18 +45,12 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from accelerated.device import gpu_paths
-from accelerated.memory.kv_cache import KVCache, mx_dtype
+from accelerated.memory.kv_cache import KVCache
 from accelerated.ops import add, mul, mul_mat, rms_norm, swiglu
 from accelerated.ops import softcap as softcap_op
 from accelerated.ops.attention import build_attn_mha_heads, stream_blocks, stream_mask
-from accelerated.ops.convert import as_mx
-from accelerated.ops.rope import (
-    ROPE_TYPE_NORM,
-    fast_rope_fits,
-    rope_cache_init,
-    rope_fused,
-    rotate_pairs,
-)
+from accelerated.ops.convert import as_mx, mx_dtype
+from accelerated.ops.rope import fast_rope_fits, rope_cache, rope_fused, rotate_pairs
 from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
 from reference.batch import Batch, BatchAllocr
 from reference.hparams import LlamaHParams
@@ -66,10 +60,11 @@ from reference.models.llama import (  # host-side pieces, imported as they are
     AttnInput,
     LlamaForwardError,
     check_forward_inputs,
+    check_ubatch_inputs,
     model_dtype,
     rope_cparams,
 )
-from reference.ops.rope import rope_yarn_corr_dims
+from reference.ops.rope import RopeParams
 
 __all__ = [
     "LINEAR_TENSORS",
@@ -83,6 +78,7 @@ __all__ = [
     "build_inp_embd",
     "build_norm",
     "build_qkv",
+    "check_ubatch_inputs",
     "get_weight",
     "greedy",
     "layer_weights",
@@ -133,8 +129,8 @@ def default_matmul() -> str:
     ([`gpu_paths`][accelerated.device.gpu_paths]).
 
     On Linux MLX's CPU backend multiplies with a reference BLAS, where float32 ``x @ W^T``
-    with ``W^T`` stored contiguous beats ``mx.quantized_matmul`` by 25-35% at every size
-    measured (``docs/mlx.md``); on Metal the quantized kernels read 4-8x less memory.
+    with ``W^T`` stored contiguous beats ``mx.quantized_matmul`` at every size measured
+    (``docs/mlx.md``); on Metal the quantized kernels read 4-8x less memory.
 
     Examples:
         >>> default_matmul() in ("dense", "quantized")
@@ -200,7 +196,7 @@ def _is_linear(name: str) -> bool:
 
 def _transposed(w: mx.array | MLXQuantized) -> TransposedWeight:
     """``w`` dense float32, stored transposed and contiguous (evaluated now, once)."""
-    wt = mx.contiguous(_dense(w).T)  # (n_in, n_out)
+    wt = mx.contiguous(weight_values(w).T)  # (n_in, n_out)
     mx.eval(wt)
     return TransposedWeight(wt)
 
@@ -276,8 +272,18 @@ def _bias(cur: mx.array, b: Weight | None) -> mx.array:
     return cur if b is None else add(cur, b)
 
 
-def _dense(w: Weight) -> mx.array:
-    """The float32 values of a prepared weight, in its logical shape."""
+def weight_values(w: Weight) -> mx.array:
+    """The float32 values of a prepared weight, in its logical shape.
+
+    A [`MLXQuantized`][] weight dequantized, a [`TransposedWeight`][] transposed back, a plain
+    array as it is: the form elementwise operands (norm gains, ``rope_freqs``) and gathers
+    need. Shared with the Mamba graph.
+
+    Examples:
+        >>> w = mx.arange(6, dtype=mx.float32).reshape(2, 3)
+        >>> weight_values(TransposedWeight(w.T)).tolist() == w.tolist()
+        True
+    """
     if isinstance(w, MLXQuantized):
         return dequantize_mlx(w)
     if isinstance(w, TransposedWeight):
@@ -294,7 +300,7 @@ def build_norm(cur: mx.array, mw: Weight, eps: float) -> mx.array:
         ...  .tolist()[0]]
         [0.8485, 2.2627]
     """
-    return mul(rms_norm(cur, eps), _dense(mw))
+    return mul(rms_norm(cur, eps), weight_values(mw))
 # --8<-- [end:build_norm]
 
 
@@ -457,14 +463,16 @@ def build_attn(
         cur = build_attn_mha_heads(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)
     else:
         cur = attn_grouped_heads(q_cur, k, v, kq_mask, kq_scale, n_stream=inp.n_stream)
-    _kqv_out(inp, il, cur)
+    kqv_out(inp, il, cur)
     return _bias(linear(wo, cur), wo_b)  # (n_tokens, n_embd)
 # --8<-- [end:build_attn]
 
 
 # --8<-- [start:kqv_out]
-def _kqv_out(inp: AttnInput, il: int, kqv: mx.array) -> None:
+def kqv_out(inp: AttnInput, il: int, kqv: mx.array) -> None:
     """Show layer ``il``'s attention output (llama.cpp's ``kqv_out``) to an input that asks.
+
+    Shared with the Gemma graphs.
 
     Only the Context's graph input asks (it has a ``kqv_out`` method). Every cache write
     of the forward is an input of the last layer's, so the Context launches the writes by
@@ -514,18 +522,26 @@ def build_inp_embd(
     if embd is not None:
         return as_mx(embd).astype(mx_dtype(dtype))  # (n_tokens, n_embd)
     tok_embd = get_weight(weights, "token_embd.weight", dtype)
-    idx = _index(tokens)  # (n_tokens,)
+    idx = index_array(tokens)  # (n_tokens,)
     if isinstance(tok_embd, MLXQuantized):
         m = tok_embd
         return mx.dequantize(
             m.w_q[idx], m.scales[idx], m.biases[idx], group_size=m.group_size, bits=m.bits
         )  # (n_tokens, n_embd)
-    return mx.take(_dense(tok_embd), idx, axis=0)  # (n_tokens, n_embd)
+    return mx.take(weight_values(tok_embd), idx, axis=0)  # (n_tokens, n_embd)
 # --8<-- [end:build_inp_embd]
 
 
-def _index(ids) -> mx.array:
-    """Host ids (NumPy, list) or a graph placeholder, as an int32 ``mx.array``."""
+def index_array(ids) -> mx.array:
+    """Host ids (NumPy, list) or a graph placeholder, as an int32 ``mx.array``.
+
+    Positions, token ids and output rows enter a (possibly traced) graph through it; shared
+    with the Gemma graphs.
+
+    Examples:
+        >>> index_array([3, 1]).dtype, index_array(mx.array([2], dtype=mx.int64)).dtype
+        (mlx.core.int32, mlx.core.int32)
+    """
     if isinstance(ids, mx.array):
         return ids.astype(mx.int32)
     return mx.array(np.asarray(ids, dtype=np.int32))
@@ -533,18 +549,7 @@ def _index(ids) -> mx.array:
 
 # --8<-- [start:rope_in_graph]
 def rope_in_graph(
-    x: mx.array,
-    pos: mx.array,
-    n_dims: int,
-    mode: int = ROPE_TYPE_NORM,
-    n_ctx_orig: int = 0,
-    freq_base: float = 10000.0,
-    freq_scale: float = 1.0,
-    ext_factor: float = 0.0,
-    attn_factor: float = 1.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    freq_factors: mx.array | None = None,
+    x: mx.array, pos: mx.array, params: RopeParams, freq_factors: mx.array | None = None
 ) -> mx.array:
     r"""[`accelerated.ops.rope_ext`][accelerated.ops.rope.rope_ext] without its host-side checks,
     for a traced graph.
@@ -557,41 +562,26 @@ def rope_in_graph(
     Examples:
         >>> from accelerated.ops import rope_ext
         >>> x = mx.random.normal((3, 2, 8), key=mx.random.key(0))
-        >>> pos = np.array([0, 5, 9])
-        >>> mx.array_equal(rope_in_graph(x, mx.array(pos), 8), rope_ext(x, pos, 8)).item()
+        >>> pos, p = np.array([0, 5, 9]), RopeParams(8)
+        >>> mx.array_equal(rope_in_graph(x, mx.array(pos), p), rope_ext(x, pos, p)).item()
         True
     """
-    pos = _index(pos)  # (n_tokens,)
-    if n_dims == 0:
+    pos = index_array(pos)  # (n_tokens,)
+    if params.n_dims == 0:
         return x
     n_tokens, n_head, head_dim = x.shape
-    if ext_factor == 0.0:
-        y = rope_fused(x.reshape(n_tokens, n_head, 1, head_dim), pos, n_dims, mode, freq_base,
-                       freq_scale, attn_factor, freq_factors)  # (n_tokens, n_head, 1, head_dim)
+    if params.ext_factor == 0.0:
+        y = rope_fused(x.reshape(n_tokens, n_head, 1, head_dim), pos, params,
+                       freq_factors)  # (n_tokens, n_head, 1, head_dim)
         return y.reshape(n_tokens, n_head, head_dim)
-    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
-                                    np.float32)
-    cos_theta, sin_theta = rope_cache_init(
-        pos, n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor, attn_factor,
-        np.float32,
-    )  # (n_tokens, n_dims/2) each
-    return rotate_pairs(x, cos_theta, sin_theta, n_dims, mode)
+    cos_theta, sin_theta = rope_cache(pos, params, freq_factors)  # (n_tokens, n_dims/2) each
+    return rotate_pairs(x, cos_theta, sin_theta, params.n_dims, params.mode)
 # --8<-- [end:rope_in_graph]
 
 
 # --8<-- [start:graph_rope]
 def graph_rope(
-    pos: mx.array,
-    n_dims: int,
-    mode: int = ROPE_TYPE_NORM,
-    n_ctx_orig: int = 0,
-    freq_base: float = 10000.0,
-    freq_scale: float = 1.0,
-    ext_factor: float = 0.0,
-    attn_factor: float = 1.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    freq_factors: mx.array | None = None,
+    pos: mx.array, params: RopeParams, freq_factors: mx.array | None = None
 ) -> Callable[[mx.array], mx.array]:
     r"""Twin of [`reference.models.llama.graph_rope`][reference.models.llama.graph_rope].
     The RoPE of one graph's tokens, as the function that turns each ``q`` and ``k``.
@@ -616,23 +606,16 @@ def graph_rope(
 
     Examples:
         >>> x = mx.random.normal((3, 4, 8), key=mx.random.key(0))  # (n_tokens, n_head, d)
-        >>> pos = mx.array([0, 5, 9])
-        >>> mx.array_equal(graph_rope(pos, 8)(x), rope_in_graph(x, pos, 8)).item()
+        >>> pos, p = mx.array([0, 5, 9]), RopeParams(8)
+        >>> mx.array_equal(graph_rope(pos, p)(x), rope_in_graph(x, pos, p)).item()
         True
     """
-    if n_dims == 0 or (ext_factor == 0.0 and gpu_paths() and fast_rope_fits(n_dims)):
-        return partial(rope_in_graph, pos=pos, n_dims=n_dims, mode=mode, n_ctx_orig=n_ctx_orig,
-                       freq_base=freq_base, freq_scale=freq_scale, ext_factor=ext_factor,
-                       attn_factor=attn_factor, beta_fast=beta_fast, beta_slow=beta_slow,
-                       freq_factors=freq_factors)
-    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
-                                    np.float32)
-    cos_theta, sin_theta = rope_cache_init(
-        _index(pos), n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor,
-        attn_factor, np.float32,
-    )  # (n_tokens, n_dims/2) each
+    n_dims = params.n_dims
+    if n_dims == 0 or (params.ext_factor == 0.0 and gpu_paths() and fast_rope_fits(n_dims)):
+        return partial(rope_in_graph, pos=pos, params=params, freq_factors=freq_factors)
+    cos_theta, sin_theta = rope_cache(index_array(pos), params, freq_factors)  # (n_tokens, n/2)
     return partial(rotate_pairs, cos_theta=cos_theta, sin_theta=sin_theta, n_dims=n_dims,
-                   mode=mode)
+                   mode=params.mode)
 # --8<-- [end:graph_rope]
 
 
@@ -669,12 +652,12 @@ def llm_build_llama(
     rope = rope_cparams(hparams)
     rope_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
     if rope_factors is not None:
-        rope_factors = _dense(rope_factors)
+        rope_factors = weight_values(rope_factors)
     eps = hparams.f_norm_rms_eps
-    pos = _index(pos)  # (n_tokens,)
-    out_ids = None if out_ids is None else _index(out_ids)  # (n_outputs,)
+    pos = index_array(pos)  # (n_tokens,)
+    out_ids = None if out_ids is None else index_array(out_ids)  # (n_outputs,)
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
-    turn = graph_rope(pos, freq_factors=rope_factors, **rope)  # RoPE for every q and k
+    turn = graph_rope(pos, rope, rope_factors)  # RoPE for every q and k
     for il in range(hparams.n_layer):
         layer = layer_weights(weights, il, dtype)
         inpSA = inpL

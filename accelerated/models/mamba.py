@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from accelerated.models.llama import _dense, build_norm, get_weight, linear, prepare_weights
+from accelerated.models.llama import build_norm, get_weight, linear, prepare_weights, weight_values
 from accelerated.ops import add, get_rows, mul, rms_norm, silu, ssm_conv, ssm_scan, swiglu
 from accelerated.ops.convert import as_mx
 from accelerated.quants import MLXQuantized
@@ -75,7 +75,7 @@ def mamba_layer_weights(weights: dict, il: int, hparams: MambaHParams, dtype: ob
     for field in ("attn_norm", "ssm_conv1d", "ssm_conv1d_b", "ssm_dt_b", "ssm_a", "ssm_d",
                   "ssm_norm"):
         if layer[field] is not None:
-            layer[field] = _dense(layer[field])  # elementwise operands: plain arrays
+            layer[field] = weight_values(layer[field])  # elementwise operands: plain arrays
     if mamba2:
         layer["ssm_x"] = layer["ssm_dt"] = None  # Mamba-2 projects dt, B, C with ssm_in
     return layer
@@ -262,7 +262,7 @@ def llm_build_mamba(
     rows = _take if isinstance(tokens, mx.array) else get_rows
 
     token_embd = get_weight(weights, "token_embd.weight", np.float32)
-    inpL = rows(_dense(token_embd), tokens)  # (n_tokens, n_embd)
+    inpL = rows(weight_values(token_embd), tokens)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
         layer = mamba_layer_weights(weights, il, hparams, mx.float32)
         cur = build_norm(inpL, layer["attn_norm"], hparams.f_norm_rms_eps)

@@ -1,5 +1,5 @@
-r"""Twin of [`reference.ops.attention`][reference.ops.attention]: ``ggml_soft_max_ext`` and
-``build_attn_mha`` on MLX.
+r"""Twin of [`reference.ops.attention`][reference.ops.attention]: ``ggml_soft_max_ext`` (and its
+backward) and ``build_attn_mha`` on MLX.
 
 ``soft_max_ext`` is written with MLX ops (``mx.softmax(..., precise=True)``, which
 accumulates in float32 where ggml and the reference sum in double). ``build_attn_mha`` uses
@@ -22,14 +22,15 @@ import numpy as np
 from accelerated.ops.convert import as_mx
 from accelerated.ops.softcap import softcap as softcap_op
 from reference.ops.attention import FEW_CELLS as FEW_CELLS  # the reference's rule
-from reference.ops.attention import (
-    _check_attn_args,
-    _check_soft_max_args,
-    _check_visible_args,
-    _tile_reps,
-    _visible_block,
-)
 from reference.ops.attention import alibi_slopes as _alibi_slopes_ref
+from reference.ops.attention import (
+    check_attn_args,
+    check_soft_max_args,
+    check_soft_max_back_args,
+    check_visible_args,
+    tile_reps,
+    visible_block,
+)
 from reference.ops.attention import sees_few_cells as sees_few_cells  # host-side, as it is
 from reference.ops.attention import visible_cells as visible_cells  # host-side, as it is
 
@@ -70,13 +71,13 @@ def soft_max_ext(
     """
     x = as_mx(x)
     mask = None if mask is None else as_mx(mask)
-    _check_soft_max_args(x, mask, max_bias)
+    check_soft_max_args(x, mask, max_bias)
     w = x * scale  # (..., n_head, n_tokens, n_kv)
     if mask is not None:
         n_head = x.shape[-3] if x.ndim >= 3 else 1  # a 2-D x is head 0 of 1
         slope = alibi_slopes(n_head, max_bias).astype(x.dtype)  # (n_head,)
         slope = slope.reshape((n_head, 1, 1)[3 - min(x.ndim, 3):])  # (n_head, 1, 1)
-        m = mx.tile(mask[..., : x.shape[-2], :], list(_tile_reps(mask.shape, x.shape)))
+        m = mx.tile(mask[..., : x.shape[-2], :], list(tile_reps(mask.shape, x.shape)))
         w = w + slope * m.astype(x.dtype)  # (..., n_head, n_tokens, n_kv)
     visible = mx.max(w, axis=-1, keepdims=True) > -mx.inf  # (..., n_tokens, 1)
     p = mx.softmax(w, axis=-1, precise=True)  # NaN in a fully masked row
@@ -84,6 +85,29 @@ def soft_max_ext(
 
 
 # --8<-- [end:soft_max_ext]
+
+
+# --8<-- [start:soft_max_ext_back]
+def soft_max_ext_back(
+    grad: mx.array, y: mx.array, scale: float = 1.0, max_bias: float = 0.0
+) -> mx.array:
+    r"""Twin of
+    [`reference.ops.attention.soft_max_ext_back`][reference.ops.attention.soft_max_ext_back].
+
+    Lazy MLX ops, the row's dot product summed in float32.
+
+    Examples:
+        >>> import numpy as np
+        >>> soft_max_ext_back(np.array([1.0, 0.0]), np.array([0.5, 0.5]), scale=2.0).tolist()
+        [0.5, -0.5]
+    """
+    grad, y = as_mx(grad), as_mx(y)
+    check_soft_max_back_args(grad.shape, y.shape, max_bias)
+    dot = mx.sum(y * grad, axis=-1, keepdims=True)  # (..., 1)
+    return ((grad - dot) * y * scale).astype(y.dtype)  # (..., n_kv)
+
+
+# --8<-- [end:soft_max_ext_back]
 
 
 # --8<-- [start:stream_blocks]
@@ -149,7 +173,7 @@ def build_attn_mha(
         ((2, 12), True)
     """
     q, k, v, kq_mask = as_mx(q), as_mx(k), as_mx(v), as_mx(kq_mask)
-    _check_attn_args(q, k, v, kq_mask, n_stream)
+    check_attn_args(q, k, v, kq_mask, n_stream)
     if softcap > 0.0:
         return _attn_softcapped(q, k, v, kq_mask, kq_scale, max_bias, softcap, n_stream)
     ns = n_stream
@@ -244,13 +268,13 @@ def attend_visible(
         True
     """
     q, k, v, kq_mask = as_mx(q), as_mx(k), as_mx(v), as_mx(kq_mask)
-    _check_visible_args(q, k, v, kq_mask)
+    check_visible_args(q, k, v, kq_mask)
     n_tokens, n_head, d_k = q.shape
     n_head_kv = k.shape[1]
     r = n_head // n_head_kv  # query heads per KV head
     idx, mask = visible_cells(np.asarray(kq_mask[:n_tokens]))  # host: (n_tokens, n_vis)
     n_vis = idx.shape[1]
-    per_block = _visible_block(k.shape[0], n_vis)  # the reference's blocks and memory bound
+    per_block = visible_block(k.shape[0], n_vis)  # the reference's blocks and memory bound
     if n_tokens > per_block:
         return mx.concatenate([
             attend_visible(q[i:i + per_block], k, v, kq_mask[i:i + per_block], kq_scale,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from accelerated.ops.convert import as_mx
-from reference.ops.elementwise import _repeat_reps
+from reference.ops.elementwise import repeat_reps
 
 
 def _repeat_like(b: mx.array, a: mx.array, op: str) -> mx.array:
@@ -20,7 +20,7 @@ def _repeat_like(b: mx.array, a: mx.array, op: str) -> mx.array:
     own broadcasting in the elementwise op is that repeat: ``b`` is returned as it is, and the
     graph gets no reshape or tile node for it.
     """
-    b_shape, reps = _repeat_reps(a.shape, b.shape, op)
+    b_shape, reps = repeat_reps(a.shape, b.shape, op)
     if all(r == 1 or nb == 1 for r, nb in zip(reps, b_shape, strict=True)):
         return b if b.dtype == a.dtype else b.astype(a.dtype)  # broadcast by the op
     return mx.tile(b.reshape(b_shape), list(reps)).astype(a.dtype)  # a.shape

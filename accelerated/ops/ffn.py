@@ -13,7 +13,7 @@ import math
 import mlx.core as mx
 
 from accelerated.ops.convert import as_mx
-from reference.ops.ffn import _check_same_shape
+from reference.ops.ffn import check_same_shape
 
 
 # --8<-- [start:silu]
@@ -61,7 +61,7 @@ def swiglu(a: mx.array, b: mx.array) -> mx.array:
         [0.0, 1.462117]
     """
     a, b = as_mx(a), as_mx(b)
-    _check_same_shape(a, b, "swiglu")
+    check_same_shape(a, b, "swiglu")
     return silu(a) * b
 
 
@@ -78,7 +78,7 @@ def geglu(a: mx.array, b: mx.array) -> mx.array:
         [1.68238]
     """
     a, b = as_mx(a), as_mx(b)
-    _check_same_shape(a, b, "geglu")
+    check_same_shape(a, b, "geglu")
     return gelu(a) * b
 
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 from accelerated.ops.convert import as_mx
 from reference.ops.matmul import FEW_ROWS as FEW_ROWS  # the reference's rule, not used here
 from reference.ops.matmul import TALL_BLOCK as TALL_BLOCK  # the reference's rule, not used here
-from reference.ops.matmul import _mul_mat_leading
+from reference.ops.matmul import mul_mat_leading
 
 
 # --8<-- [start:mul_mat]
@@ -33,7 +33,7 @@ def mul_mat(a: mx.array, b: mx.array) -> mx.array:
         array([[1, 4, 3]], dtype=float32)
     """
     a, b = as_mx(a), as_mx(b)
-    a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
+    a_lead, b_lead = mul_mat_leading(a.shape, b.shape)
     a = a.reshape(a_lead + a.shape[-2:])  # (..., M, K) with as many dims as b
     for axis, (da, db) in enumerate(zip(a_lead, b_lead, strict=True)):
         if da and db != da:

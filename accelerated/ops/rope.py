@@ -37,13 +37,14 @@ import mlx.core as mx
 import numpy as np
 
 from accelerated.device import gpu_paths, on_cuda
-from accelerated.ops.convert import as_mx
+from accelerated.ops.convert import as_mx, to_mx_dtype
 from reference.ops.rope import (
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
     RopeError,
-    _check_rope_args,
-    _libm,
+    RopeParams,
+    check_rope_args,
+    libm,
     rope_yarn_corr_dims,
 )
 
@@ -52,8 +53,14 @@ __all__ = [
     "ROPE_TYPE_NORM",
     "CUDA_ROPE_MIN_DIMS",
     "RopeError",
+    "RopeParams",
+    "check_rope_args",
     "fast_rope_fits",
+    "libm",
+    "rope_back",
+    "rope_cache",
     "rope_cache_init",
+    "rope_dtype",
     "rope_ext",
     "rope_theta",
     "rope_yarn",
@@ -61,13 +68,6 @@ __all__ = [
     "rope_yarn_ramp",
     "rotate_pairs",
 ]
-
-
-def _mx_dtype(dtype) -> mx.Dtype:
-    """The MLX dtype of a NumPy dtype (``np.float32`` -> ``mx.float32``), or an MLX dtype as is."""
-    if isinstance(dtype, mx.Dtype):
-        return dtype
-    return getattr(mx, np.dtype(dtype).name)
 
 
 # --8<-- [start:rope_yarn_ramp]
@@ -78,7 +78,7 @@ def rope_yarn_ramp(low: float, high: float, i0: mx.array, dtype: type = np.float
         >>> rope_yarn_ramp(1.0, 3.0, mx.arange(0, 10, 2)).tolist()
         [1.0, 1.0, 0.5, 0.0, 0.0]
     """
-    dt = _mx_dtype(dtype)
+    dt = to_mx_dtype(dtype)
     j = (as_mx(i0) // 2).astype(dt)
     y = (j - mx.array(low, dt)) / mx.maximum(mx.array(0.001, dt), mx.array(high - low, dt))
     return 1 - mx.minimum(1, mx.maximum(0, y))
@@ -140,12 +140,12 @@ def rope_theta(
         >>> rope_theta(mx.array([0, 1, 2]), 4, 100.0).tolist()
         [[0.0, 0.0], [1.0, 0.10000000149011612], [2.0, 0.20000000298023224]]
     """
-    dt = _mx_dtype(dtype)
+    dt = to_mx_dtype(dtype)
     pos = as_mx(pos)
     if n_dims < 2:
         return mx.zeros((pos.shape[0], 0), dtype=dt)  # (n_tokens, 0)
     nt = np.float64 if dt == mx.float64 else np.float32
-    theta_scale = mx.array(float(_libm(np.power, nt(freq_base), nt(-2.0) / nt(n_dims))), dt)
+    theta_scale = mx.array(float(libm(np.power, nt(freq_base), nt(-2.0) / nt(n_dims))), dt)
     steps = mx.broadcast_to(theta_scale, (pos.shape[0], n_dims // 2 - 1))  # (n_tokens, n/2 - 1)
     row = mx.concatenate([pos.astype(dt)[:, None], steps], axis=1)  # (n_tokens, n_dims/2)
     return mx.cumprod(row, axis=1)  # theta_j = fl(theta_{j-1} * s)
@@ -173,7 +173,7 @@ def rope_cache_init(
         >>> c.shape, s.dtype
         ((2, 1), mlx.core.float32)
     """
-    dt = _mx_dtype(dtype)
+    dt = to_mx_dtype(dtype)
     theta_extrap = rope_theta(pos, n_dims, freq_base, dt)  # (n_tokens, n_dims/2)
     if freq_factors is not None:
         ff = as_mx(freq_factors)[: n_dims // 2].astype(dt)  # (n_dims/2,)
@@ -276,12 +276,8 @@ def fast_rope_fits(n_dims: int, cuda: bool | None = None) -> bool:
 def rope_fused(
     xt: mx.array,
     offset: mx.array,
-    n_dims: int,
-    mode: int,
-    freq_base: float,
-    freq_scale: float,
-    attn_factor: float,
-    freq_factors: mx.array | None,
+    params: RopeParams,
+    freq_factors: mx.array | None = None,
 ) -> mx.array:
     """The ``ext_factor == 0`` path: ``mx.fast.rope`` on a GPU, the cos/sin cache on the CPU.
 
@@ -292,7 +288,8 @@ def rope_fused(
     there ``mx.fast.rope`` is a fallback of plain ops (19 graph nodes per call, which compute
     the angles in closed form), so the CPU device takes the path of YaRN with
     ``ext_factor = 0``: [`rope_cache_init`][] (ggml's float32 recurrence for the angles, the
-    reference's values) and [`rotate_pairs`][].
+    reference's values) and [`rotate_pairs`][]. Of ``params`` this path reads ``n_dims``,
+    ``mode``, ``freq_base``, ``freq_scale`` and ``attn_factor``.
 
     No checks and no host reads (``offset`` may be a traced placeholder), so a compiled
     graph can call it; [`rope_ext`][] checks its arguments first.
@@ -300,23 +297,26 @@ def rope_fused(
     Args:
         xt: ``(n_tokens, B, 1, head_dim)``: batch = token, sequence length 1.
         offset: ``(n_tokens,)`` int32 positions.
+        params: the [`RopeParams`][reference.ops.rope.RopeParams], ``ext_factor == 0``.
+        freq_factors: per-pair frequency divisors, or None.
 
     Returns:
         ``xt`` rotated, then ``attn_factor`` on the rotated dims (same shape).
 
     Examples:
         >>> x = mx.random.normal((3, 2, 8), key=mx.random.key(0))  # (n_tokens, n_head, d)
-        >>> pos = np.array([0, 5, 9])
-        >>> y = rope_fused(x.reshape(3, 2, 1, 8), mx.array(pos), 8, ROPE_TYPE_NORM,
-        ...                10000.0, 1.0, 1.0, None)  # (n_tokens, n_head, 1, d)
-        >>> mx.array_equal(y.reshape(3, 2, 8), rope_ext(x, pos, 8)).item()
+        >>> pos, p = np.array([0, 5, 9]), RopeParams(8)
+        >>> y = rope_fused(x.reshape(3, 2, 1, 8), mx.array(pos), p)  # (n_tokens, n_head, 1, d)
+        >>> mx.array_equal(y.reshape(3, 2, 8), rope_ext(x, pos, p)).item()
         True
     """
+    n_dims, mode = params.n_dims, params.mode
     if not gpu_paths() or not fast_rope_fits(n_dims):
         n_tokens, b, _, head_dim = xt.shape
         dt = np.float64 if xt.dtype == mx.float64 else np.float32
         cos_theta, sin_theta = rope_cache_init(
-            offset, n_dims, freq_base, freq_scale, freq_factors, (0.0, 0.0), 0.0, attn_factor, dt
+            offset, n_dims, params.freq_base, params.freq_scale, freq_factors, (0.0, 0.0), 0.0,
+            params.attn_factor, dt,
         )  # (n_tokens, n_dims/2) each
         y = rotate_pairs(xt.reshape(n_tokens, b, head_dim), cos_theta, sin_theta, n_dims, mode)
         return y.reshape(xt.shape)  # (n_tokens, B, 1, head_dim)
@@ -324,31 +324,61 @@ def rope_fused(
     if freq_factors is not None:
         j = mx.arange(n_dims // 2, dtype=mx.float32)
         ff = as_mx(freq_factors)[: n_dims // 2].astype(mx.float32)
-        freqs = mx.power(mx.array(freq_base, mx.float32), 2 * j / n_dims) * ff  # (n_dims/2,)
+        freqs = mx.power(mx.array(params.freq_base, mx.float32), 2 * j / n_dims) * ff  # (n/2,)
     y = mx.fast.rope(
         xt, n_dims, traditional=(mode == ROPE_TYPE_NORM),
-        base=None if freqs is not None else freq_base, scale=freq_scale,
+        base=None if freqs is not None else params.freq_base, scale=params.freq_scale,
         offset=offset, freqs=freqs,
     )  # (n_tokens, B, 1, head_dim)
-    if attn_factor != 1.0:
-        y = mx.concatenate([y[..., :n_dims] * attn_factor, y[..., n_dims:]], axis=-1)
+    if params.attn_factor != 1.0:
+        y = mx.concatenate([y[..., :n_dims] * params.attn_factor, y[..., n_dims:]], axis=-1)
     return y
 # --8<-- [end:rope_fused]
+
+
+# --8<-- [start:rope_cache]
+def rope_cache(
+    pos: mx.array,
+    params: RopeParams,
+    freq_factors: mx.array | None = None,
+    dtype: type = np.float32,
+) -> tuple[mx.array, mx.array]:
+    r"""Twin of [`reference.ops.rope.rope_cache`][reference.ops.rope.rope_cache].
+
+    The correction dims are the reference's host scalars; the cache is [`rope_cache_init`][]'s.
+
+    Examples:
+        >>> c, s = rope_cache(mx.array([0, 1]), RopeParams(2))
+        >>> c.shape, s.dtype
+        ((2, 1), mlx.core.float32)
+    """
+    p = params
+    nt = np.float64 if to_mx_dtype(dtype) == mx.float64 else np.float32
+    corr_dims = rope_yarn_corr_dims(p.n_dims, p.n_ctx_orig, p.freq_base, p.beta_fast,
+                                    p.beta_slow, nt)
+    return rope_cache_init(pos, p.n_dims, p.freq_base, p.freq_scale, freq_factors, corr_dims,
+                           p.ext_factor, p.attn_factor, dtype)  # (n_tokens, n_dims/2) each
+
+
+# --8<-- [end:rope_cache]
+
+
+def rope_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """Twin of [`reference.ops.rope.rope_dtype`][reference.ops.rope.rope_dtype]. The MLX dtype:
+    float32, except that float64 stays float64 (MLX's CPU has it).
+
+    Examples:
+        >>> rope_dtype(mx.float16), rope_dtype(mx.float64)
+        (mlx.core.float32, mlx.core.float64)
+    """
+    return mx.float64 if dtype == mx.float64 else mx.float32
 
 
 # --8<-- [start:rope_ext]
 def rope_ext(
     x: mx.array,
     pos: mx.array,
-    n_dims: int,
-    mode: int = ROPE_TYPE_NORM,
-    n_ctx_orig: int = 0,
-    freq_base: float = 10000.0,
-    freq_scale: float = 1.0,
-    ext_factor: float = 0.0,
-    attn_factor: float = 1.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
+    params: RopeParams,
     freq_factors: mx.array | None = None,
 ) -> mx.array:
     r"""Twin of [`reference.ops.rope.rope_ext`][reference.ops.rope.rope_ext].
@@ -364,7 +394,7 @@ def rope_ext(
 
     Examples:
         >>> import numpy as np
-        >>> y = rope_ext(np.ones((2, 1, 4), dtype=np.float32), np.array([0, 1]), n_dims=2)
+        >>> y = rope_ext(np.ones((2, 1, 4), dtype=np.float32), np.array([0, 1]), RopeParams(2))
         >>> y[0].tolist(), y[1, 0, 2:].tolist()
         ([[1.0, 1.0, 1.0, 1.0]], [1.0, 1.0])
         >>> np.allclose(y[1, 0, :2], [np.cos(1) - np.sin(1), np.sin(1) + np.cos(1)])
@@ -372,29 +402,60 @@ def rope_ext(
     """
     x = as_mx(x)
     pos_np = np.asarray(pos)
-    _check_rope_args(x, pos_np, n_dims, mode, freq_factors)
+    check_rope_args(x, pos_np, params, freq_factors)
     in_dtype = x.dtype
-    dt = mx.float64 if in_dtype == mx.float64 else mx.float32
+    dt = rope_dtype(in_dtype)
     xc = x.astype(dt)
-    if n_dims == 0:
+    if params.n_dims == 0:
         return x
-    if ext_factor == 0.0 and not (pos_np < 0).any():
+    if params.ext_factor == 0.0 and not (pos_np < 0).any():
         lead = x.shape[:-3]
         n_tokens, n_head, head_dim = x.shape[-3:]
         # (n_tokens, n_head, head_dim) per leading index -> batch = token, T = 1
         xt = mx.moveaxis(xc.reshape(-1, n_tokens, n_head, head_dim), 1, 0)  # (n_t, L, H, D)
         xt = xt.reshape(n_tokens, -1, 1, head_dim)  # (n_tokens, L*n_head, 1, head_dim)
-        y = rope_fused(xt, mx.array(pos_np.astype(np.int32)), n_dims, mode, freq_base,
-                       freq_scale, attn_factor, freq_factors)  # (n_tokens, L*n_head, 1, head_dim)
+        y = rope_fused(xt, mx.array(pos_np.astype(np.int32)), params,
+                       freq_factors)  # (n_tokens, L*n_head, 1, head_dim)
         y = mx.moveaxis(y.reshape(n_tokens, -1, n_head, head_dim), 0, 1)  # (L, n_t, H, D)
         return y.reshape(*lead, n_tokens, n_head, head_dim).astype(in_dtype)
-    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow,
-                                    np.float64 if dt == mx.float64 else np.float32)
-    cos_theta, sin_theta = rope_cache_init(
-        as_mx(pos_np), n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor,
-        attn_factor, dt,
+    cos_theta, sin_theta = rope_cache(
+        as_mx(pos_np), params, freq_factors, np.float64 if dt == mx.float64 else np.float32
     )  # (n_tokens, n_dims/2) each
-    return rotate_pairs(xc, cos_theta, sin_theta, n_dims, mode).astype(in_dtype)
+    return rotate_pairs(xc, cos_theta, sin_theta, params.n_dims, params.mode).astype(in_dtype)
 
 
 # --8<-- [end:rope_ext]
+
+
+# --8<-- [start:rope_back]
+def rope_back(
+    grad: mx.array,
+    pos: mx.array,
+    params: RopeParams,
+    freq_factors: mx.array | None = None,
+) -> mx.array:
+    r"""Twin of [`reference.ops.rope.rope_back`][reference.ops.rope.rope_back].
+
+    Always the plain-MLX cos/sin cache ([`rope_cache`][]) and [`rotate_pairs`][] with the
+    sine negated, $R(-\theta)$: ``mx.fast.rope`` has no backward form, and a negated position
+    is what its GPU kernel turns wrong. ``pos`` is read on the host to be validated.
+
+    Examples:
+        >>> x = mx.random.normal((3, 2, 4), key=mx.random.key(0))
+        >>> pos, p = np.array([0, 5, 9]), RopeParams(4)
+        >>> mx.allclose(rope_back(rope_ext(x, pos, p), pos, p), x, atol=1e-6).item()
+        True
+    """
+    grad = as_mx(grad)
+    pos_np = np.asarray(pos)
+    check_rope_args(grad, pos_np, params, freq_factors)
+    in_dtype = grad.dtype
+    dt = rope_dtype(in_dtype)
+    cos_theta, sin_theta = rope_cache(
+        as_mx(pos_np), params, freq_factors, np.float64 if dt == mx.float64 else np.float32
+    )  # (n_tokens, n_dims/2) each
+    out = rotate_pairs(grad.astype(dt), cos_theta, -sin_theta, params.n_dims, params.mode)
+    return out.astype(in_dtype)  # R(-theta)
+
+
+# --8<-- [end:rope_back]

@@ -1,9 +1,9 @@
-r"""Twin of [`reference.ops.rows`][reference.ops.rows]: ``ggml_get_rows`` and ``ggml_set_rows`` on
-MLX.
+r"""Twin of [`reference.ops.rows`][reference.ops.rows]: ``ggml_get_rows``, ``ggml_set_rows`` and
+``ggml_get_rows_back`` on MLX.
 
 The row indices are bookkeeping (token ids, KV cell indices): they are validated on the host,
 with the reference's own checks, before anything is gathered or written. The gather and the
-scatter are MLX ops (``mx.take_along_axis``, indexed assignment).
+scatters are MLX ops (``mx.take_along_axis``, indexed assignment, ``.at[].add``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from accelerated.ops.convert import as_mx
-from reference.ops.rows import _check_get_rows, _set_rows_targets
+from reference.ops.rows import check_get_rows, check_get_rows_back, set_rows_targets
 
 
 # --8<-- [start:get_rows]
@@ -29,7 +29,7 @@ def get_rows(a: mx.array, rows: mx.array) -> mx.array:
     """
     a = as_mx(a)
     rows = np.asarray(rows)
-    _check_get_rows(a.shape, rows)
+    check_get_rows(a.shape, rows)
     if a.dtype in (mx.float16, mx.bfloat16):
         a = a.astype(mx.float32)  # ggml's get_rows returns F32
     idx = mx.array(rows.astype(np.int32))[..., None]  # (..., n, 1)
@@ -37,6 +37,29 @@ def get_rows(a: mx.array, rows: mx.array) -> mx.array:
 
 
 # --8<-- [end:get_rows]
+
+
+# --8<-- [start:get_rows_back]
+def get_rows_back(grad: mx.array, rows: mx.array, n_rows: int) -> mx.array:
+    """Twin of [`reference.ops.rows.get_rows_back`][reference.ops.rows.get_rows_back].
+
+    ``rows`` is read on the host to be validated; the scatter-add is MLX's ``.at[rows].add``,
+    which adds the gradients of a row gathered twice.
+
+    Examples:
+        >>> import numpy as np
+        >>> g = np.array([[1.0, 2.0], [10.0, 20.0], [5.0, 5.0]])
+        >>> get_rows_back(g, np.array([2, 0, 2]), 4).tolist()
+        [[10.0, 20.0], [0.0, 0.0], [6.0, 7.0], [0.0, 0.0]]
+    """
+    grad = as_mx(grad)
+    rows = np.asarray(rows)
+    check_get_rows_back(grad.shape, rows, n_rows)
+    out = mx.zeros((n_rows, grad.shape[1]), dtype=grad.dtype)  # (n_rows, n_cols)
+    return out.at[mx.array(rows.astype(np.int32))].add(grad)  # repeated rows add up
+
+
+# --8<-- [end:get_rows_back]
 
 
 # --8<-- [start:set_rows]
@@ -58,7 +81,7 @@ def set_rows(dst: mx.array, src: mx.array, rows: mx.array) -> mx.array:
     if not isinstance(dst, mx.array):
         dst = mx.array(dst)
     src = as_mx(src)
-    rows = _set_rows_targets(dst, src, np.asarray(rows))  # (..., n)
+    rows = set_rows_targets(dst, src, np.asarray(rows))  # (..., n)
     lead = src.shape[:-2]
     # one scatter: the leading indices broadcast against the row indices
     n = rows.shape[-1]

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from accelerated.ops.convert import as_mx
-from reference.ops.ssm import SOFTPLUS_THRESHOLD, _check_scan_args, _ssm_conv_sizes
+from reference.ops.ssm import SOFTPLUS_THRESHOLD, check_scan_args, ssm_conv_sizes
 
 __all__ = ["SOFTPLUS_THRESHOLD", "compute_softplus", "ssm_conv", "ssm_scan"]
 
@@ -50,7 +50,7 @@ def ssm_conv(sx: mx.array, c: mx.array) -> mx.array:
         [[[1.0, 10.0], [2.0, 30.0], [3.0, 60.0]]]
     """
     sx, c = as_mx(sx), as_mx(c)
-    n_seqs, conv_dim, n_seq_tokens, d_conv = _ssm_conv_sizes(sx.shape, c.shape)
+    n_seqs, conv_dim, n_seq_tokens, d_conv = ssm_conv_sizes(sx.shape, c.shape)
     dtype = _result_dtype(sx, c)
     if n_seq_tokens == 0:
         return mx.zeros((n_seqs, 0, conv_dim), dtype=dtype)
@@ -111,7 +111,7 @@ def ssm_scan(
     """
     ids_np = np.asarray(ids)
     s, x, dt, A, B, C = (as_mx(a) for a in (s, x, dt, A, B, C))
-    _check_scan_args(s, x, dt, A, B, C, ids_np)
+    check_scan_args(s, x, dt, A, B, C, ids_np)
     n_seqs, n_seq_tokens, n_head, head_dim = x.shape
     dtype = _result_dtype(s, x, dt, A, B, C)
     delta = compute_softplus(dt.astype(dtype))  # (n_seqs, n_seq_tokens, n_head)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from accelerated.training.llama_grad import _cross_entropy, loss_and_grads, train_forward
+from accelerated.ops.loss import cross_entropy_loss_ids
+from accelerated.training.llama_grad import loss_and_grads, train_forward
 from accelerated.training.opt import OptContext
 from reference.hparams import LlamaHParams
 from reference.training.epoch import (  # the callback type and the loop, imported as they are
@@ -31,7 +32,7 @@ def _eval_datapoint(weights: dict, hparams: LlamaHParams, tokens, labels, opt_pe
     """The forward graph of ggml-opt (``backward = false``): loss and logits, no gradient."""
     logits, _ = train_forward(weights, hparams, tokens)
     label_ids = mx.array(np.asarray(labels, dtype=np.int32))
-    loss = _cross_entropy(logits, label_ids) * (1.0 / opt_period)
+    loss = cross_entropy_loss_ids(logits, label_ids) * (1.0 / opt_period)
     return float(loss.item()), logits
 
 

@@ -35,13 +35,15 @@ from accelerated.models.llama import (
     rope_in_graph,
 )
 from accelerated.ops import build_attn_mha, swiglu
+from accelerated.ops.loss import cross_entropy_loss_ids
 from reference.hparams import LlamaHParams, rope_cparams
 from reference.models.llama import LLAMA_LAYER_TENSORS, check_forward_inputs, model_dtype
+from reference.ops.rope import RopeParams
 from reference.training.llama_grad import (  # the tapes and the checks, imported as they are
     LayerTape,
     TrainTape,
-    _kq_masks,
     check_train_inputs,
+    kq_masks,
 )
 
 __all__ = [
@@ -79,7 +81,8 @@ def layer_forward(
     hparams: LlamaHParams,
     pos: np.ndarray,
     kq_mask: mx.array,
-    rope: dict,
+    rope: RopeParams,
+    freq_factors: mx.array | None = None,
 ) -> tuple[mx.array, LayerTape]:
     """Twin of
     [`reference.training.llama_grad.layer_forward`][reference.training.llama_grad.layer_forward].
@@ -95,7 +98,7 @@ def layer_forward(
         >>> hp = tiny_hparams(n_layer=1)
         >>> layer = layer_weights(random_weights(hp), 0, np.float32)
         >>> pos = np.arange(3)
-        >>> rope = dict(rope_cparams(hp), freq_factors=None)
+        >>> rope = rope_cparams(hp)
         >>> x, tape = layer_forward(mx.ones((3, 16)), layer, hp, pos,
         ...                         mx.array(build_kq_mask(pos, pos)), rope)
         >>> x.shape, tape.q.shape, tape.act.shape
@@ -109,8 +112,8 @@ def layer_forward(
     q = _linear(layer["wq"], layer["bq"], attn_in).reshape(n_tokens, hparams.n_head, d)
     k = _linear(layer["wk"], layer["bk"], attn_in).reshape(n_tokens, hparams.n_head_kv, d)
     v = _linear(layer["wv"], layer["bv"], attn_in).reshape(n_tokens, hparams.n_head_kv, -1)
-    q = rope_in_graph(q, pos, **rope)  # (n_tokens, n_head, d)
-    k = rope_in_graph(k, pos, **rope)  # (n_tokens, n_head_kv, d)
+    q = rope_in_graph(q, pos, rope, freq_factors)  # (n_tokens, n_head, d)
+    k = rope_in_graph(k, pos, rope, freq_factors)  # (n_tokens, n_head_kv, d)
     mha = build_attn_mha if gpu_paths() else attn_grouped
     kqv = mha(q, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
     ffn_inp = _linear(layer["wo"], layer["bo"], kqv) + x  # (n_tokens, n_embd)
@@ -119,7 +122,8 @@ def layer_forward(
     up = _linear(layer["ffn_up"], layer["ffn_up_b"], ffn_in)  # (n_tokens, n_ff)
     act = swiglu(gate, up)  # (n_tokens, n_ff)
     x_next = _linear(layer["ffn_down"], layer["ffn_down_b"], act) + ffn_inp
-    tape = LayerTape(x, pos, rope, attn_in, q, k, v, kq_mask, kqv, ffn_inp, ffn_in, gate, up, act)
+    tape = LayerTape(x, pos, rope, freq_factors, attn_in, q, k, v, kq_mask, kqv, ffn_inp, ffn_in,
+                     gate, up, act)
     return x_next, tape
 # --8<-- [end:layer_forward]
 
@@ -143,14 +147,15 @@ def train_forward(
     pos = np.arange(len(np.asarray(tokens)))
     tokens, pos, _, _ = check_forward_inputs(hparams, tokens, pos, None, None)
     dtype = model_dtype(weights)
-    causal, windowed = (mx.array(m) for m in _kq_masks(hparams, pos, np.float32))
+    causal, windowed = (mx.array(m) for m in kq_masks(hparams, pos, np.float32))
     freq_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
-    rope = dict(rope_cparams(hparams), freq_factors=freq_factors)
+    rope = rope_cparams(hparams)
     x = build_inp_embd(weights, tokens, None, dtype)  # (n_tokens, n_embd)
     tapes = []
     for il in range(hparams.n_layer):
         mask = windowed if hparams.is_swa(il) else causal
-        x, tape = layer_forward(x, layer_weights(weights, il, dtype), hparams, pos, mask, rope)
+        x, tape = layer_forward(x, layer_weights(weights, il, dtype), hparams, pos, mask, rope,
+                                freq_factors)
         tapes.append(tape)
     out_norm = get_weight(weights, "output_norm.weight", dtype)
     out_in = build_norm(x, out_norm, hparams.f_norm_rms_eps)  # (n_tokens, n_embd)
@@ -272,8 +277,8 @@ def self_attn_back(
         q = _linear(layer["wq"], layer["bq"], attn_in).reshape(n, hparams.n_head, d)
         k = _linear(layer["wk"], layer["bk"], attn_in).reshape(n, hparams.n_head_kv, d)
         v = _linear(layer["wv"], layer["bv"], attn_in).reshape(n, hparams.n_head_kv, -1)
-        q = rope_in_graph(q, tape.pos, **tape.rope)  # (n_tokens, n_head, d)
-        k = rope_in_graph(k, tape.pos, **tape.rope)  # (n_tokens, n_head_kv, d)
+        q = rope_in_graph(q, tape.pos, tape.rope, tape.freq_factors)  # (n_tokens, n_head, d)
+        k = rope_in_graph(k, tape.pos, tape.rope, tape.freq_factors)  # (n_tokens, n_head_kv, d)
         kqv = mha(q, k, v, tape.kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
         return _linear(layer["wo"], layer["bo"], kqv)  # (n_tokens, n_embd)
 
@@ -342,13 +347,6 @@ def train_backward(
 # --8<-- [end:train_backward]
 
 
-def _cross_entropy(logits: mx.array, labels: mx.array) -> mx.array:
-    r"""``cross_entropy_loss`` with one-hot labels: $\frac{1}{n}\sum_t (\log\sum_c e^{z_{t,c}}
-    - z_{t,\ell_t})$."""
-    picked = mx.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]  # (n_tokens,)
-    return mx.mean(mx.logsumexp(logits, axis=-1) - picked)
-
-
 # --8<-- [start:loss_and_grads]
 def loss_and_grads(
     weights: dict,
@@ -382,7 +380,7 @@ def loss_and_grads(
 
     def loss_fn(params: dict):
         logits, _ = train_forward({**weights, **params}, hparams, tokens)
-        return _cross_entropy(logits, label_ids) * (1.0 / opt_period), logits
+        return cross_entropy_loss_ids(logits, label_ids) * (1.0 / opt_period), logits
 
     (loss, logits), grads = mx.value_and_grad(loss_fn)(params)
     mx.eval(loss, grads, logits)

@@ -30,7 +30,7 @@ import svgfig as sf  # noqa: E402
 from reference.batch import Batch  # noqa: E402
 from reference.context import Context  # noqa: E402
 from reference.hparams import SWA_TYPE_NONE  # noqa: E402
-from reference.memory.kv_cache import set_input_kq_mask  # noqa: E402
+from reference.memory.kq_mask import set_input_kq_mask  # noqa: E402
 from reference.testing import random_gemma_weights, tiny_gemma_hparams  # noqa: E402
 
 OUT = sf.OUT_DIR / "iswa.svg"

@@ -17,17 +17,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "assets" / "figures" / "layers.svg"
 
-# From the top of the picture down: (package, what it is, one line saying so, main modules).
+# From the top of the picture down: (package, what it is, one line saying so, groups of main
+# modules). A group is (label, modules); the label (or "") opens its first line.
 LAYERS = [
-    ("llamaref/", "the application", "what the user runs: flags, backend choice, printing",
-     ["cli.py", "backends.py", "bench/", "verify.py", "common.py"]),
+    ("llamaref/", "the application", "what the user runs: flags, threads, files, HTTP",
+     [("", ["cli.py", "backends.py", "server/", "bench/", "verify.py", "llamacpp.py"])]),
     ("accelerated/", "the MLX twin", "the array work again in MLX: same paths, names, shapes",
-     ["ops/", "quants.py", "models/", "memory/", "context.py", "sampling.py"]),
+     [("", ["ops/", "quants.py", "models/", "memory/", "context.py", "sampling.py"])]),
     ("reference/", "the specification",
-     "NumPy: ops, memory, decoding semantics; what the chapters show",
-     ["ops/", "models/", "memory/", "batch.py", "context.py", "sampling.py",
-      "quants.py", "gguf.py", "hf.py", "hparams.py", "tokenizer.py", "common.py",
-      "testing.py", "tools/"]),
+     "NumPy: what the chapters show; the library never imports tools/",
+     [("library", ["ops/", "models/", "memory/", "batch.py", "context.py", "sampling.py",
+                   "quants.py", "gguf.py", "hf.py", "hparams.py", "arch.py", "tokenizer/",
+                   "model_loader.py", "common.py", "testing.py"]),
+      ("tools/", ["generate", "batched", "batched_bench", "parallel", "speculative",
+                  "lookup", "self_extend", "passkey", "perplexity", "server/"])]),
 ]
 FILL = {"llamaref/": "#fbe3c8", "accelerated/": "#d9eed8", "reference/": "#d6e4f5"}
 EDGE = {"llamaref/": "#b86b1b", "accelerated/": "#3f7f3c", "reference/": "#34629c"}
@@ -40,19 +43,33 @@ GAP = 0.75  # between two boxes: room for an arrow and its label
 MAX_CHARS = 64  # monospace characters per line of module names
 
 
-def module_lines(package: str, modules: list[str]) -> list[str]:
-    """Wrap the module names into lines of at most ``MAX_CHARS``; each must exist."""
-    for name in modules:
-        if not (ROOT / package / name).exists():
-            raise SystemExit(f"layers.py: {package}{name} does not exist; update LAYERS")
-    lines, line = [], ""
-    for name in modules:  # SVG collapses runs of spaces: a dot keeps the names apart
-        candidate = f"{line} \u00b7 {name}" if line else name
-        if len(candidate) > MAX_CHARS:
-            lines.append(line)
-            candidate = name
-        line = candidate
-    return lines + [line]
+def _exists(package: str, name: str) -> bool:
+    """A module of the picture exists: ``name`` as written, or under ``tools/`` (``.py`` added
+    to a name without one)."""
+    tools = ROOT / package / "tools"
+    return any(path.exists() for path in (ROOT / package / name, tools / name,
+                                          tools / f"{name}.py"))
+
+
+def module_lines(package: str, groups: list[tuple[str, list[str]]]) -> list[str]:
+    """Wrap each group's module names into lines of at most ``MAX_CHARS``, its label first;
+    every module must exist."""
+    lines = []
+    for label, modules in groups:
+        for name in modules:
+            if not _exists(package, name):
+                raise SystemExit(f"layers.py: {package}{name} does not exist; update LAYERS")
+        line = f"{label}:" if label else ""
+        for name in modules:  # SVG collapses runs of spaces: a dot keeps the names apart
+            sep = " " if line.endswith(":") else " \u00b7 "
+            candidate = f"{line}{sep}{name}" if line else name
+            if len(candidate) > MAX_CHARS:
+                lines.append(line)
+                # no-break spaces (SVG collapses plain ones) line the names up under the first
+                candidate = "\u00a0" * (len(label) + 2) + name if label else name
+            line = candidate
+        lines.append(line)
+    return lines
 
 
 def box_height(n_lines: int) -> float:
@@ -135,7 +152,7 @@ def draw(out: Path = OUT) -> Path:
 
     # reference imports nothing of ours: said under its box
     ax.text((BOX_X0 + BOX_X1) / 2, ref_bottom - 0.3,
-            "reference/ imports nothing of ours",
+            "reference/ imports nothing of ours; its library imports none of its tools/",
             fontsize=11.5, fontweight="bold", color=EDGE["reference/"], ha="center",
             va="center")
 

@@ -31,6 +31,7 @@ import svgfig as sf  # noqa: E402
 from reference.ops.rope import (  # noqa: E402
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
+    RopeParams,
     rope_ext,
     rope_theta,
     rotate_pairs,
@@ -71,7 +72,7 @@ def turns(a: int, b: int) -> np.ndarray:
     position ``0 .. N_POS - 1`` (normal layout)."""
     x = np.zeros((N_POS, 1, N_DIMS))
     x[:, 0, a] = 1.0
-    y = rope_ext(x, np.arange(N_POS), N_DIMS, ROPE_TYPE_NORM, freq_base=FREQ_BASE)
+    y = rope_ext(x, np.arange(N_POS), RopeParams(N_DIMS, ROPE_TYPE_NORM, freq_base=FREQ_BASE))
     return y[:, 0, [a, b]]
 
 

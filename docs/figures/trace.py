@@ -278,8 +278,8 @@ def trace() -> tuple[dict[str, str], str]:
             log("Qcur", "mul_mat", q)
             log("Kcur", "mul_mat", k)
             log("Vcur", "mul_mat", v)
-            q = rope_ext(q, ub.pos, **rope)
-            k = rope_ext(k, ub.pos, **rope)
+            q = rope_ext(q, ub.pos, rope)
+            k = rope_ext(k, ub.pos, rope)
             log("Qcur", "rope_ext", q)
             log("Kcur", "rope_ext", k)
             # build_attn: store K, V of ' France', ' is' in cells 3, 4

@@ -7,9 +7,10 @@ Three tests, named as llama-bench and llama-batched-bench name them:
   so the lm_head runs once.
 - ``tg{n}``: ``n`` one-token decodes into a growing cache, each next token the greedy argmax
   of the last logits (llama-bench's ``test_gen``). Ours run the generation loop of
-  ``llamaref generate`` ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) with a
-  greedy sampler: on the MLX twin the argmax stays on the device and the loop runs ahead (token $t +
-  1$ launched before token $t$ is read back), as mlx-lm's ``generate_step`` does.
+  ``llamaref generate``
+  ([`reference.tools.generate.Generator`][reference.tools.generate.Generator]) with a greedy
+  sampler: on the MLX twin the argmax stays on the device and the loop runs ahead (token
+  $t + 1$ launched before token $t$ is read back), as mlx-lm's ``generate_step`` does.
 - ``pl{n}`` (``--parallel``): ``n`` sequences decoded together, one token each per step, in
   one batch of ``n`` tokens, after a short prompt per sequence (not timed). The row reports
   the aggregate speed $n \cdot n_{\text{steps}} / t$.
@@ -41,7 +42,10 @@ measured around the calls by `time.perf_counter`, whatever the context reports i
 then also gives the ratio ours / peer of the medians. Only that ratio means something across
 machines: absolute numbers depend on the machine and on the BLAS that MLX was built with.
 
-``--profile`` says where the accelerated forward spends its time ([`profile_ops`][]).
+``--profile`` says where the time goes instead of how fast (``--profile ops``, the bare
+``--profile``: the twin's forward op by op; ``phases``, ``steps``, ``overlap``, ``nodes`` and
+``depth``: the host's work around it), with the instruments of
+[`llamaref.bench.profile`][llamaref.bench.profile].
 """
 
 from __future__ import annotations
@@ -53,20 +57,15 @@ import inspect
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-import accelerated.ops as accelerated_ops
-import accelerated.quants as quants
 from accelerated.context import Context as AccContext
-from accelerated.models import llama as accelerated_llama
 from accelerated.sampling import PendingToken
 from llamaref.bench.peers import (
     LlamaCppRunner,
@@ -75,14 +74,15 @@ from llamaref.bench.peers import (
     check_mlx_lm_model,
     mlx_lm_model,
 )
+from llamaref.bench.profile import MODES, ProfileError, profile_ops, run_mode, run_profile
 from llamaref.bench.tiny import TINY_MODELS, tiny_model
 from llamaref.common import CLIError
 from reference.batch import Batch
 from reference.context import Context
-from reference.tools.generate import Generator
 from reference.hparams import LlamaHParams
 from reference.model_loader import default_model_path, load_model
 from reference.testing import write_tiny_gguf, write_tiny_mamba_gguf
+from reference.tools.generate import Generator
 
 __all__ = [
     "BACKENDS", "PEERS", "Backend", "BenchRow", "ContextRunner", "LlamaCppRunner",
@@ -241,8 +241,8 @@ class GreedyDevice(GreedyHost):
     """The greedy sampler on the MLX device: ``mx.argmax``, and only the token comes back.
 
     It can sample ahead (`sample_async`), so
-    [`reference.tools.generate.Generator`][reference.tools.generate.Generator] runs its pipelined loop with it,
-    as mlx-lm's ``generate_step`` with its greedy sampler.
+    [`reference.tools.generate.Generator`][reference.tools.generate.Generator] runs its
+    pipelined loop with it, as mlx-lm's ``generate_step`` with its greedy sampler.
 
     Examples:
         >>> import mlx.core as mx
@@ -278,8 +278,9 @@ class ContextRunner:
     """Times a [`reference.context.Context`][reference.context.Context] (or its MLX twin) on the
     three tests.
 
-    ``tg`` runs [`reference.tools.generate.Generator`][reference.tools.generate.Generator] with a greedy sampler
-    ([`GreedyHost`][]; on the twin [`GreedyDevice`][], pipelined).
+    ``tg`` runs [`reference.tools.generate.Generator`][reference.tools.generate.Generator]
+    with a greedy sampler ([`GreedyHost`][]; on the twin [`GreedyDevice`][], pipelined), the
+    runner's ``sampler``.
 
     Args:
         context_cls: ``reference.context.Context`` or ``accelerated.context.Context``.
@@ -311,10 +312,12 @@ class ContextRunner:
         n_batch = max(N_BATCH_MIN, n_batch)
         self.ctx = context_cls(hparams, weights, n_ctx=max(n_ctx, n_batch), n_batch=n_batch,
                                n_ubatch=n_batch, **context_kwargs)
-        self.on_device = hasattr(self.ctx, "get_logits_ith_device")
+        self.on_device = self.ctx.on_device
         self.depth_tokens: list[int] = []
         self._depth_state: bytes | None = None  # a recurrent memory's state at the depth
         self.last_tokens: list[int] = []  # what the last tg run generated
+        # tg's greedy sampler (stateless: one serves every run)
+        self.sampler = GreedyDevice() if self.on_device else GreedyHost()
 
     def _decode(self, ctx, batch: Batch) -> None:
         rc = ctx.decode(batch)
@@ -368,8 +371,7 @@ class ContextRunner:
         ``tg`` and mlx-lm's ``generate_step`` count them.
         """
         self._rewind()
-        sampler = GreedyDevice() if self.on_device else GreedyHost()
-        gen = Generator(self.ctx, sampler, shift=False, on_device=self.on_device)
+        gen = Generator(self.ctx, self.sampler, shift=False, on_device=self.on_device)
         gen.tokens = list(self.depth_tokens)  # what the cache holds
         t0 = time.perf_counter()
         gen.eval_prompt([int(first_token)])
@@ -588,131 +590,6 @@ def run_bench(info: ModelInfo, hparams: LlamaHParams, backends: list[Backend], n
 
 
 # ---------------------------------------------------------------------------------------------
-# Profile: where the accelerated forward spends its time
-# ---------------------------------------------------------------------------------------------
-
-
-def _profile_targets() -> dict[str, Callable]:
-    """The functions to time: every public op of [`accelerated.ops`][accelerated.ops], the quantized
-    matmul and dequantization of [`accelerated.quants`][accelerated.quants], the model's ``linear``
-    (a matmul with a weight: quantized, dense or pre-transposed) and its in-graph attention and
-    RoPE."""
-    targets = {name: getattr(accelerated_ops, name) for name in accelerated_ops.__all__
-               if callable(getattr(accelerated_ops, name))}
-    for name in ("quantized_matmul", "dequantize_mlx"):
-        if hasattr(quants, name):
-            targets[name] = getattr(quants, name)
-    if hasattr(accelerated_llama, "linear"):  # every matmul with a weight, in any form
-        targets["linear (matmul)"] = accelerated_llama.linear
-    # the graph's own attention and RoPE (no host-side checks, so a traced graph can call them)
-    for name in ("attn_grouped", "rope_in_graph"):
-        if hasattr(accelerated_llama, name):
-            targets[name] = getattr(accelerated_llama, name)
-    return targets
-
-
-# --8<-- [start:profile_ops]
-@contextmanager
-def profile_ops(stats: dict[str, list[float]]) -> Iterator[None]:
-    """Time every accelerated op while inside: ``stats[op] = [calls, seconds]``.
-
-    Each target (`_profile_targets`) is replaced, in every ``accelerated.*`` module
-    that holds it, by a wrapper that first evaluates the op's pending inputs (their time
-    goes to ``"(inputs: unwrapped work)"``: embedding rows, cache writes, reshapes), then
-    calls the op and ``mx.eval``'s its result. An op called inside another (``soft_max_ext``
-    inside ``build_attn_mha``) counts in the outer one. ``mx.compile`` is disabled inside
-    (a compiled function then runs op by op, through the wrappers). The originals are put
-    back on exit. Evaluating op by op removes MLX's overlap and fusion across ops: the shares
-    say where the work is, the sum is slower than a normal run.
-    """
-    import os
-
-    import mlx.core as mx
-
-    targets = _profile_targets()
-    originals = {id(f): name for name, f in targets.items()}
-    depth = [0]
-
-    def arrays(values):
-        return [v for v in values if isinstance(v, mx.array)]
-
-    def wrap(name, fn):
-        def timed(*args, **kwargs):
-            if depth[0]:
-                return fn(*args, **kwargs)
-            t0 = time.perf_counter()
-            mx.eval(arrays(args) + arrays(kwargs.values()))
-            t1 = time.perf_counter()
-            depth[0] += 1
-            try:
-                out = fn(*args, **kwargs)
-                mx.eval(out)
-            finally:
-                depth[0] -= 1
-            t2 = time.perf_counter()
-            for key, dt in (("(inputs: unwrapped work)", t1 - t0), (name, t2 - t1)):
-                entry = stats.setdefault(key, [0, 0.0])
-                entry[0] += key == name
-                entry[1] += dt
-            return out
-        return timed
-
-    patched = []
-    for module in [m for n, m in list(sys.modules.items()) if n.startswith("accelerated")]:
-        for attr, value in list(vars(module).items()):
-            name = originals.get(id(value))
-            if name is not None and callable(value):
-                patched.append((module, attr, value))
-                setattr(module, attr, wrap(name, value))
-    mx.disable_compile()
-    try:
-        yield
-    finally:
-        for module, attr, value in patched:
-            setattr(module, attr, value)
-        if not os.environ.get("MLX_DISABLE_COMPILE"):
-            mx.enable_compile()
-# --8<-- [end:profile_ops]
-
-
-def profile_table(stats: dict[str, list[float]], total: float, title: str) -> str:
-    """A Markdown table ``op | calls | ms | share`` of [`profile_ops`][]' stats.
-
-    The row ``(outside the ops)`` is the rest of the measured ``total``: host bookkeeping
-    (batch validation, slot search, masks), graph building and the logits' copy.
-
-    Examples:
-        >>> print(profile_table({"mul_mat": [2, 0.003]}, 0.004, "tg"))
-        | tg: op | calls | ms | share |
-        |---|---:|---:|---:|
-        | mul_mat | 2 | 3.00 | 75.0 % |
-        | (outside the ops) |  | 1.00 | 25.0 % |
-        | total |  | 4.00 | 100.0 % |
-    """
-    lines = [f"| {title}: op | calls | ms | share |", "|---|---:|---:|---:|"]
-    rest = total - sum(s for _, s in stats.values())
-    for name, (calls, s) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| {name} | {calls or ''} | {1e3 * s:.2f} | {100 * s / total:.1f} % |")
-    lines.append(f"| (outside the ops) |  | {1e3 * rest:.2f} | {100 * rest / total:.1f} % |")
-    lines.append(f"| total |  | {1e3 * total:.2f} | 100.0 % |")
-    return "\n".join(lines)
-
-
-def run_profile(runner: ContextRunner, tokens: np.ndarray, n_gen: int) -> str:
-    """Profile one ``pp`` run and ``n_gen`` tg steps (after a warm-up of each)."""
-    runner.pp(tokens)
-    runner.tg(int(tokens[0]), min(n_gen, 2))
-    tables = []
-    for title, run in ((f"pp{len(tokens)}", lambda: runner.pp(tokens)),
-                       (f"tg{n_gen}", lambda: runner.tg(int(tokens[0]), n_gen))):
-        stats: dict[str, list[float]] = {}
-        with profile_ops(stats):
-            total = run()
-        tables.append(profile_table(stats, total, title))
-    return "\n\n".join(tables)
-
-
-# ---------------------------------------------------------------------------------------------
 # Plot
 # ---------------------------------------------------------------------------------------------
 
@@ -827,8 +704,15 @@ def add_bench_command(subparsers) -> None:
                        help="also time, for ours, a decode that finds no slot in a full cache")
     bench.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     bench.add_argument("--plot", help="write a PNG here (and the Markdown table as .md)")
-    bench.add_argument("--profile", action="store_true",
-                       help="where the accelerated forward spends its time")
+    bench.add_argument("--profile", nargs="?", const="ops", choices=tuple(MODES),
+                       metavar="MODE",
+                       help="where the time goes, instead of how fast: "
+                            + "; ".join(f"{m}: {what}" for m, what in MODES.items())
+                            + " (bare --profile: ops, after the table; the others run "
+                              "instead of the tests)")
+    bench.add_argument("--spins", default="0,500,1000,2000,0",
+                       help="--profile overlap: comma-separated µs of busy wait added to "
+                            "each token's host work, one row each")
     bench.set_defaults(func=cmd_bench)
 
 
@@ -842,6 +726,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             threads=args.threads)
     except PeerError as e:
         raise CLIError(str(e)) from e
+    if args.profile not in (None, "ops"):  # an instrument: its own loop, its own table
+        _cmd_instrument(args, hparams, backends, depths)
+        return 0
     streaming = args.output == "md" and not args.plot
     if streaming:
         print(HEADER, flush=True)
@@ -866,7 +753,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot_rows(rows, plot, title=f"{info.name}: llamaref bench")
         plot.with_suffix(".md").write_text("\n\n".join([format_rows(rows, "md"), *extra])
                                            + "\n")
-    if args.profile:
+    if args.profile == "ops":
         _cmd_profile(args, hparams, weights, backends)
     return 0
 # --8<-- [end:command]
@@ -903,14 +790,37 @@ def _check_args(args):
                        f"{max(args.n_prompt, args.n_gen)} more")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise CLIError("--plot needs matplotlib: pip install 'llamaref[bench]'")
-    if args.profile and "accelerated" not in backends:
-        raise CLIError("--profile profiles the accelerated backend: add it to --backend")
+    _check_profile(args, backends)
     if args.model in TINY_MODELS:
         return args.model, backends, parallel, depths
     path = Path(args.model) if args.model else default_model_path()
     if not path.exists():
         raise CLIError(f"model not found: {path}")
     return path, backends, parallel, depths
+
+
+def _check_profile(args, backends: list[str]) -> None:
+    """Validate ``--profile`` and ``--spins`` against the other flags (a one-line CLIError)."""
+    mode = args.profile
+    if mode is None:
+        return
+    if mode in ("ops", "phases", "nodes") and "accelerated" not in backends:
+        raise CLIError(f"--profile profiles the accelerated backend ({mode}): add it to "
+                       "--backend")
+    if mode == "ops":
+        return
+    if args.output != "md" or args.plot or args.parallel or args.failed_decode:
+        raise CLIError(f"--profile {mode} runs instead of the tests and prints Markdown: leave "
+                       "out -o, --plot, --parallel and --failed-decode")
+    if args.vs is not None and (mode not in ("phases", "overlap") or args.vs != "mlx-lm"):
+        raise CLIError(f"--vs {args.vs}: --profile {mode} "
+                       + ("compares with mlx-lm only" if mode in ("phases", "overlap")
+                          else "measures ours only"))
+    if mode != "nodes" and args.n_gen < 1:
+        raise CLIError(f"--profile {mode} times -n generated tokens: give -n >= 1")
+    if mode == "overlap" and any(us < 0 for us in _counts("--spins", args.spins,
+                                                          "waits in µs like 0,500,1000")):
+        raise CLIError(f"--spins {args.spins}: waits must be >= 0 µs")
 
 
 def _counts(flag: str, text: str, example: str) -> tuple[int, ...]:
@@ -1062,7 +972,7 @@ def _mlx_size(ctx) -> int:
     import mlx.core as mx
 
     total = 0
-    for w in getattr(ctx, "mlx_weights", {}).values():
+    for w in ctx.mlx_weights.values():
         arrays = [w] if isinstance(w, mx.array) else [v for v in vars(w).values()
                                                       if isinstance(v, mx.array)]
         total += sum(a.nbytes for a in arrays)
@@ -1073,6 +983,24 @@ def _mlx_lm_size(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+def _cmd_instrument(args, hparams, backends: list[Backend], depths: tuple[int, ...]) -> None:
+    """Run ``--profile MODE`` (every mode but ``ops``) on the backends built; print its tables.
+
+    The depth tokens are the bench's (the same seed as ``run_bench``'s depths).
+    """
+    ours = {b.name: b.runner for b in backends if not b.peer}
+    peer = next(((b.name, b.runner) for b in backends if b.peer), None)
+    n_ctx = args.n_ctx or max(depths) + max(args.n_prompt, args.n_gen, 1)
+    try:
+        text = run_mode(args.profile, ours, peer,
+                        lambda d: random_tokens(d, hparams.n_vocab, seed=SEED + 2), depths,
+                        n_tokens=args.n_gen, runs=args.repetitions, n_ctx=n_ctx,
+                        spins=_counts("--spins", args.spins, "waits in µs"))
+    except ProfileError as e:
+        raise CLIError(str(e)) from e
+    print(text)
 
 
 def _cmd_profile(args, hparams, weights, backends: list[Backend]) -> None:

@@ -5,10 +5,10 @@ r"""The peers of ``llamaref bench --vs``: mlx-lm and llama.cpp, on the same weig
   generation loop (``generate_step``, greedy), built from *our* tensors at the same precision
   ([`mlx_lm_model`][]). Only the ratio ours / mlx-lm means something across machines.
 - **llama.cpp** (``--vs llama.cpp``), the reference's natural rival on a CPU: llama.cpp
-  through llama-cpp-python's low-level API on the same GGUF file ([`LlamaCppRunner`][]),
-  with its defaults (f16 KV cache, its own quantized matmuls), the same ``n_ctx`` and
-  ``n_batch`` as our contexts, and ``--threads`` CPU threads (default: every core, as
-  OpenBLAS, which the reference's matmuls call, uses).
+  through llama-cpp-python's low-level API ([`llamaref.llamacpp`][llamaref.llamacpp]) on the
+  same GGUF file ([`LlamaCppRunner`][]), with its defaults (f16 KV cache, its own quantized
+  matmuls), the same ``n_ctx`` and ``n_batch`` as our contexts, and ``--threads`` CPU threads
+  (default: every core, as OpenBLAS, which the reference's matmuls call, uses).
 
 Every runner answers the same calls: ``set_depth(tokens)`` (fill the cache, not timed),
 ``pp(tokens)`` and ``tg(first, n_gen)`` after that depth, ``parallel_context`` and ``pl``;
@@ -17,7 +17,6 @@ each timed call returns seconds.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from accelerated.quants import MLXQuantized, load_weight
+from llamaref.llamacpp import LlamaCppContext
+from reference.batch import Batch
 from reference.common import LlamarefError
 from reference.hparams import MAMBA_ARCHS, LlamaHParams, MambaHParams
 
@@ -35,6 +36,8 @@ MLX_LM_PREFILL = 2048
 """Tokens per forward when mlx-lm fills a cache to a depth (its ``prefill_step_size``)."""
 
 
+#: the error of a run that needs mlx-lm where it is not installed
+MLX_LM_MISSING = "--vs mlx-lm needs mlx-lm: pip install 'llamaref[bench]'"
 
 
 class PeerError(LlamarefError, ValueError):
@@ -66,7 +69,7 @@ def check_mlx_lm_model(hparams) -> None:
         ...
         llamaref.bench.peers.PeerError: --vs mlx-lm: a Mamba-2 with 2 groups; ...
     """  # noqa: E501
-    arch = getattr(hparams, "arch", None)
+    arch = hparams.arch
     if arch in MAMBA_ARCHS:
         if arch == "mamba2" and hparams.ssm_n_group != 1:
             raise PeerError(f"--vs mlx-lm: a Mamba-2 with {hparams.ssm_n_group} groups; "
@@ -108,12 +111,16 @@ def mlx_lm_model(hparams: LlamaHParams | MambaHParams, weights: dict,
         ``mlx_lm.models.llama.Model`` (or ``mamba``/``mamba2``), parameters evaluated.
 
     Raises:
-        PeerError: see [`check_mlx_lm_model`][]; a weight with a bias.
+        PeerError: mlx-lm is not installed; see [`check_mlx_lm_model`][]; a weight with a
+            bias.
     """
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.models import llama
 
+    try:
+        from mlx_lm.models import llama
+    except ImportError:
+        raise PeerError(MLX_LM_MISSING) from None
     check_mlx_lm_model(hparams)
     if hparams.arch in MAMBA_ARCHS:
         return mlx_lm_mamba_model(hparams, weights)
@@ -185,11 +192,14 @@ def mlx_lm_mamba_model(hparams: MambaHParams, weights: dict) -> nn.Module:
     Every weight is dense float32.
 
     Raises:
-        PeerError: see [`check_mlx_lm_model`][].
+        PeerError: mlx-lm is not installed; see [`check_mlx_lm_model`][].
     """
     import mlx.core as mx
-    from mlx_lm.models import mamba, mamba2
 
+    try:
+        from mlx_lm.models import mamba, mamba2
+    except ImportError:
+        raise PeerError(MLX_LM_MISSING) from None
     check_mlx_lm_model(hparams)
     w = {name: np.asarray(load_weight(t, mx.float32), dtype=np.float32)
          for name, t in weights.items()}
@@ -366,126 +376,70 @@ class MLXLMRunner:
 # ---------------------------------------------------------------------------------------------
 
 
-def default_threads() -> int:
-    """llama.cpp's threads when ``--threads`` is not given: every core, as OpenBLAS uses.
-
-    Examples:
-        >>> default_threads() >= 1
-        True
-    """
-    return os.cpu_count() or 1
-
-
-class _LlamaCppContext:
-    """One ``llama_context`` of llama.cpp's defaults, freed with the object."""
-
-    def __init__(self, ll, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int):
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, n_batch
-        cparams.n_seq_max, cparams.kv_unified = n_seq_max, True
-        cparams.n_threads = cparams.n_threads_batch = n_threads
-        self._ll = ll
-        self.ctx = ll.llama_init_from_model(model, cparams)
-        if not self.ctx:
-            raise PeerError("llama.cpp could not create a context")
-        self.mem = ll.llama_get_memory(self.ctx)
-        self.n_batch = ll.llama_n_batch(self.ctx)
-
-    def __del__(self):
-        if getattr(self, "ctx", None):
-            self._ll.llama_free(self.ctx)
-            self.ctx = None
-
-
 # --8<-- [start:LlamaCppRunner]
 class LlamaCppRunner:
-    """Times llama.cpp on the three tests, through llama-cpp-python's low-level API.
+    """Times llama.cpp on the three tests, over the application's one llama.cpp context.
 
     The same GGUF file as ours, read by llama.cpp itself: its weights stay in their file
     type (Q4_1 is multiplied as Q4_1, the activations quantized to Q8_1 inside the matmul),
     its KV cache is f16, flash attention as it decides (``auto``); nothing of this is
-    changed, so this is llama.cpp as ``llama-bench`` runs it. The sizes are ours: the same
-    ``n_ctx`` (llama.cpp pads it to 256 too) and ``n_batch = n_ubatch``; ``n_threads`` CPU
-    threads for both prompt and generation. The greedy token is taken on the host with
-    NumPy from ``llama_get_logits_ith``, as the reference takes its own.
+    changed ([`LlamaCppContext`][llamaref.llamacpp.LlamaCppContext] with ``f32=False``), so
+    this is llama.cpp as ``llama-bench`` runs it. The sizes are ours: the same ``n_ctx``
+    (llama.cpp pads it to 256 too) and ``n_batch = n_ubatch``; ``n_threads`` CPU threads for
+    both prompt and generation. The greedy token is taken on the host with NumPy from
+    ``llama_get_logits_ith``, as the reference takes its own.
 
     Args:
         path: the GGUF file.
         n_ctx: cells for ``pp``/``tg``.
         n_batch: the largest batch (``n_ubatch`` is the same).
-        n_threads: CPU threads ([`default_threads`][]).
+        n_threads: CPU threads (None:
+            [`default_threads`][llamaref.llamacpp.default_threads]).
 
     Raises:
-        PeerError: llama-cpp-python is missing, or llama.cpp cannot load the file.
+        LlamaCppError: llama-cpp-python is missing, or llama.cpp cannot load the file.
     """
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, n_threads: int | None = None):
-        try:
-            import llama_cpp
-        except ImportError:
-            raise PeerError("--vs llama.cpp needs llama-cpp-python: pip install "
-                            "'llamaref[oracles]'") from None
-        self._ll = ll = llama_cpp
-        _silence(ll)
-        ll.llama_backend_init()
-        self.model = ll.llama_model_load_from_file(str(path).encode(),
-                                                   ll.llama_model_default_params())
-        if not self.model:
-            raise PeerError(f"llama.cpp could not load {path}")
-        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
-        self.n_threads = n_threads or default_threads()
-        self.main = _LlamaCppContext(ll, self.model, n_ctx, max(1, n_batch), 1, self.n_threads)
+        self.path = path
+        n_batch = max(1, n_batch)
+        self.main = _peer_context(path, n_ctx, n_batch, 1, n_threads)
+        self.n_threads = self.main.n_threads
         self.depth = 0
         self.last_tokens: list[int] = []
 
-    def __del__(self):
-        self.main = None
-        if getattr(self, "model", None):
-            self._ll.llama_model_free(self.model)
-            self.model = None
-
-    def _decode(self, c: _LlamaCppContext, tokens, pos0: int | list[int],
+    def _decode(self, c: LlamaCppContext, tokens, pos0: int | list[int],
                 seq_ids: list[int] | None = None, outputs: list[bool] | None = None) -> None:
         """``llama_decode`` of ``tokens`` at positions ``pos0, pos0 + 1, ...`` (or the list)."""
-        ll, n = self._ll, len(tokens)
-        b = ll.llama_batch_init(n, 0, 1)
-        try:
-            b.n_tokens = n
-            for i, t in enumerate(tokens):
-                b.token[i] = int(t)
-                b.pos[i] = pos0[i] if isinstance(pos0, list) else pos0 + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0 if seq_ids is None else seq_ids[i]
-                b.logits[i] = (i == n - 1) if outputs is None else outputs[i]
-            rc = ll.llama_decode(c.ctx, b)
-        finally:
-            ll.llama_batch_free(b)
+        n = len(tokens)
+        pos = pos0 if isinstance(pos0, list) else list(range(pos0, pos0 + n))
+        seq_id = [[0]] * n if seq_ids is None else [[s] for s in seq_ids]
+        logits = [i == n - 1 for i in range(n)] if outputs is None else outputs
+        rc = c.decode(Batch(token=tokens, pos=pos, seq_id=seq_id, logits=logits))
         if rc != 0:
             raise RuntimeError(f"llama.cpp's decode returned {rc}")
 
-    def _argmax(self, c: _LlamaCppContext, i: int) -> int:
-        row = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(c.ctx, i),
-                                    shape=(self.n_vocab,))
-        return int(np.argmax(row))
+    def _argmax(self, c: LlamaCppContext, i: int) -> int:
+        return int(np.argmax(c.get_logits_ith(i)))
 
     def set_depth(self, tokens: np.ndarray) -> None:
         """Fill the cache with ``tokens`` (not timed): ``pp`` and ``tg`` then start there."""
         c = self.main
-        self._ll.llama_memory_clear(c.mem, True)
+        c.memory.clear(data=True)
         for i in range(0, len(tokens), c.n_batch):
             self._decode(c, tokens[i:i + c.n_batch], i)
-        self._ll.llama_synchronize(c.ctx)
+        c.synchronize()
         self.depth = len(tokens)
 
     def _rewind(self) -> None:
-        self._ll.llama_memory_seq_rm(self.main.mem, 0, self.depth, -1)
+        self.main.memory.seq_rm(0, self.depth, -1)
 
     def pp(self, tokens: np.ndarray) -> float:
         """Seconds to decode ``tokens`` in one batch after the depth (last logits only)."""
         self._rewind()
         t0 = time.perf_counter()
         self._decode(self.main, tokens, self.depth)
-        self._ll.llama_synchronize(self.main.ctx)
+        self.main.synchronize()
         return time.perf_counter() - t0
 
     def tg(self, first_token: int, n_gen: int) -> float:
@@ -501,15 +455,15 @@ class LlamaCppRunner:
         self.last_tokens = out
         return seconds
 
-    def parallel_context(self, n_seq: int, n_prompt: int, n_steps: int) -> _LlamaCppContext:
+    def parallel_context(self, n_seq: int, n_prompt: int, n_steps: int) -> LlamaCppContext:
         """A context for ``pl{n_seq}``: ``n_seq`` sequences in one unified cache."""
-        return _LlamaCppContext(self._ll, self.model, n_seq * (n_prompt + n_steps),
-                                max(n_seq * n_prompt, n_seq), n_seq, self.n_threads)
+        return _peer_context(self.path, n_seq * (n_prompt + n_steps),
+                             max(n_seq * n_prompt, n_seq), n_seq, self.n_threads)
 
-    def pl(self, c: _LlamaCppContext, prompts: np.ndarray, n_steps: int) -> float:
+    def pl(self, c: LlamaCppContext, prompts: np.ndarray, n_steps: int) -> float:
         """Seconds of ``n_steps`` steps of one token per sequence, after the prompts."""
         n_seq, n_prompt = prompts.shape
-        self._ll.llama_memory_clear(c.mem, True)
+        c.memory.clear(data=True)
         seq = [s for s in range(n_seq) for _ in range(n_prompt)]
         last = [i % n_prompt == n_prompt - 1 for i in range(n_seq * n_prompt)]
         self._decode(c, prompts.reshape(-1), [i % n_prompt for i in range(len(seq))], seq, last)
@@ -523,114 +477,9 @@ class LlamaCppRunner:
 # --8<-- [end:LlamaCppRunner]
 
 
-_LOG_CALLBACK = None  # keeps llama.cpp's no-op logger alive
-
-
-# --8<-- [start:LlamaCppBatchContext]
-class LlamaCppBatchContext:
-    """llama.cpp's own ``llama_context`` behind the names batched-bench and parallel call.
-
-    [`reference.tools.batched_bench.batched_bench`][reference.tools.batched_bench.batched_bench] and
-    [`reference.tools.parallel.ParallelRun`][reference.tools.parallel.ParallelRun] are written against the
-    Context protocol, so ``llamaref batched-bench --vs llama.cpp`` and ``llamaref parallel
-    --vs llama.cpp`` run the same code over llama.cpp: ``decode`` (one ``llama_batch`` per
-    call), ``get_logits_ith`` (for our samplers), ``synchronize``, ``memory.clear / seq_cp /
-    seq_rm`` and the sizes. llama.cpp keeps its defaults (f16 KV
-    cache, the file's quantized matmuls, flash attention ``auto``) with ``n_threads`` threads;
-    the sizes are ours (``n_ctx``, ``n_batch``, ``n_ubatch``, ``n_seq_max``, ``kv_unified``).
-
-    Raises:
-        PeerError: llama-cpp-python is missing, or llama.cpp cannot load the file or make
-            the context.
-    """
-
-    recurrent = False
-
-    def __init__(self, path: Path, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
-                 kv_unified: bool, n_threads: int | None = None):
-        try:
-            import llama_cpp
-        except ImportError:
-            raise PeerError("--vs llama.cpp needs llama-cpp-python: pip install "
-                            "'llamaref[oracles]'") from None
-        self._ll = ll = llama_cpp
-        _silence(ll)
-        ll.llama_backend_init()
-        self._model = ll.llama_model_load_from_file(str(path).encode(),
-                                                    ll.llama_model_default_params())
-        if not self._model:
-            raise PeerError(f"llama.cpp could not load {path}")
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, n_ubatch
-        cparams.n_seq_max, cparams.kv_unified = n_seq_max, kv_unified
-        cparams.n_threads = cparams.n_threads_batch = n_threads or default_threads()
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise PeerError("llama.cpp could not create a context of these sizes")
-        self._mem = ll.llama_get_memory(self._ctx)
-        self.n_ctx = ll.llama_n_ctx(self._ctx)
-        self.n_batch = ll.llama_n_batch(self._ctx)
-        self.n_ubatch = ll.llama_n_ubatch(self._ctx)
-        self.n_seq_max = ll.llama_n_seq_max(self._ctx)
-        self.n_ctx_seq = self.n_ctx if kv_unified else self.n_ctx // self.n_seq_max
-        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
-        self.n_threads = cparams.n_threads
-        self.kv_unified = kv_unified
-        self.memory = self
-
-    def __del__(self):
-        if getattr(self, "_ctx", None):
-            self._ll.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            self._ll.llama_model_free(self._model)
-            self._model = None
-
-    def decode(self, batch) -> int:
-        """``llama_decode`` of a [`reference.batch.Batch`][reference.batch.Batch] (one id per
-        token, as batched-bench makes them)."""
-        ll, n = self._ll, batch.n_tokens
-        b = ll.llama_batch_init(n, 0, 1)
-        try:
-            b.n_tokens = n
-            for i in range(n):
-                b.token[i] = int(batch.token[i])
-                b.pos[i] = int(batch.pos[i])
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = int(batch.seq_id[i][0])
-                b.logits[i] = bool(batch.logits[i])
-            return int(ll.llama_decode(self._ctx, b))
-        finally:
-            ll.llama_batch_free(b)
-
-    def get_logits_ith(self, i: int) -> np.ndarray:
-        """``llama_get_logits_ith``: row ``i`` of the last decode, copied (``(n_vocab,)``)."""
-        row = self._ll.llama_get_logits_ith(self._ctx, i)
-        return np.ctypeslib.as_array(row, shape=(self.n_vocab,)).copy()
-
-    def synchronize(self) -> None:
-        """``llama_synchronize``."""
-        self._ll.llama_synchronize(self._ctx)
-
-    def clear(self, data: bool = True) -> None:
-        """``llama_memory_clear``."""
-        self._ll.llama_memory_clear(self._mem, data)
-
-    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """``llama_memory_seq_cp``."""
-        self._ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
-
-    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
-        """``llama_memory_seq_rm``."""
-        return bool(self._ll.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
-# --8<-- [end:LlamaCppBatchContext]
-
-
-def _silence(ll) -> None:
-    """Install a no-op ``llama_log_set`` callback (once per process)."""
-    import ctypes
-
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = ll.llama_log_callback(lambda level, text, user_data: None)
-        ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+def _peer_context(path: Path, n_ctx: int, n_batch: int, n_seq_max: int,
+                  n_threads: int | None) -> LlamaCppContext:
+    """llama.cpp's context with its own defaults (f16 KV cache, flash attention ``auto``),
+    one unified KV stream, ``n_ubatch = n_batch``."""
+    return LlamaCppContext(path, n_ctx, n_batch, n_batch, n_seq_max=n_seq_max,
+                           kv_unified=True, n_threads=n_threads, f32=False)

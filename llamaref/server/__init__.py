@@ -1,1 +1,2 @@
-"""``llamaref serve``: llama.cpp's server over HTTP (the engine is ``reference.tools.server``)."""
+"""``llamaref serve``: llama.cpp's server over HTTP; the scheduler is ``reference.tools.server``,
+the runtime that drives it (its thread, inbox and counters) is ``llamaref.server.engine``."""

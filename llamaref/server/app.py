@@ -8,13 +8,14 @@ the ASGI toolkit FastAPI is built on, without FastAPI's automatic pydantic valid
 [`llamaref.server.schema`][llamaref.server.schema]. uvicorn runs it; both are small pure-Python
 wheels. mlx-lm's server uses ``http.server`` threads, where a client that disconnects shows
 up as a ``BrokenPipeError`` in the middle of a write; under ASGI a disconnect cancels the
-response's task, and we mark its tasks cancelled so the engine frees their slots.
+response's task, and we cancel its tasks so the scheduler frees their slots.
 
-**Threads.** The engine ([`reference.tools.server.engine.Engine`][]) runs its decode loop on its
-own thread and owns the Context. A request handler parses the body, queues tasks, and awaits
-their results on an ``asyncio.Queue`` fed from the engine's thread with
-``loop.call_soon_threadsafe``. Slot actions and ``/metrics`` run on the engine's thread
-between two steps ([`Engine.call`][reference.tools.server.engine.Engine.call]).
+**Threads.** The engine ([`llamaref.server.engine.Engine`][]) runs the scheduler's steps on
+its own thread and owns the Context. A request handler parses the body, queues tasks, and
+awaits their results on an ``asyncio.Queue`` fed from the engine's thread with
+``loop.call_soon_threadsafe``. Slot actions, ``/slots`` and ``/metrics`` run on the engine's
+thread between two steps ([`Engine.call`][llamaref.server.engine.Engine.call]). A failed
+request's status and body come from [`llamaref.server.errors`][].
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from llamaref.server import formats, schema
-from reference.tools.server.engine import Engine
+from llamaref.server.engine import Engine, slots_json
+from llamaref.server.errors import BodyTooLarge, error_json, http_status
 from reference.tools.server.errors import (
     InvalidRequest,
     NotFound,
@@ -61,7 +63,7 @@ class ServerState:
     """What the handlers share.
 
     Attributes:
-        engine: the decode loop, once the model is loaded (None while loading: every
+        engine: the scheduler's thread, once the model is loaded (None while loading: every
             endpoint answers 503 "Loading model").
         tokenizer: the model's tokenizer.
         model_name: the ``model`` reported in responses (``--alias`` or the file name).
@@ -101,7 +103,7 @@ class ServerState:
 
 def error_response(e: ServerError) -> JSONResponse:
     """llama.cpp's error body with its HTTP status."""
-    return JSONResponse(e.to_json(), status_code=e.code)
+    return JSONResponse(error_json(e), status_code=http_status(e))
 
 
 def _engine(state: ServerState) -> Engine:
@@ -125,13 +127,13 @@ async def _body(state: ServerState, request: Request) -> dict:
     """The JSON body, refused beyond the body limit before it is all read."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > state.body_limit:
-        raise schema.BodyTooLarge(f"the request body ({declared} bytes) is over the limit of "
+        raise BodyTooLarge(f"the request body ({declared} bytes) is over the limit of "
                                   f"{state.body_limit} bytes (--body-limit)")
     chunks, n = [], 0
     async for chunk in request.stream():
         n += len(chunk)
         if n > state.body_limit:
-            raise schema.BodyTooLarge(f"the request body is over the limit of "
+            raise BodyTooLarge(f"the request body is over the limit of "
                                       f"{state.body_limit} bytes (--body-limit)")
         chunks.append(chunk)
     return schema.parse_json(b"".join(chunks), state.body_limit)
@@ -161,20 +163,21 @@ async def health(state: ServerState, request: Request) -> Response:
 async def models(state: ServerState, request: Request) -> Response:
     """``GET /v1/models``: the one model served (OpenAI's list format)."""
     engine = _engine(state)
+    n_ctx_train = engine.scheduler.ctx.hparams.n_ctx_train
     return JSONResponse({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": int(engine.t_start),
         "owned_by": "llamaref", "meta": {"n_vocab": state.n_vocab,
-                                         "n_ctx_train": engine.ctx.hparams.n_ctx_train}}]})
+                                         "n_ctx_train": n_ctx_train}}]})
 
 
 async def props(state: ServerState, request: Request) -> Response:
     """``GET /props``: the server's settings (server-context.cpp:4580-4626)."""
-    engine = _engine(state)
+    slots = _engine(state).scheduler.slots
     d = state.defaults
     return JSONResponse({
-        "default_generation_settings": {"n_ctx": engine.slots[0].n_ctx,
+        "default_generation_settings": {"n_ctx": slots[0].n_ctx,
                                         "params": formats.generation_settings(d)},
-        "total_slots": len(engine.slots), "model_alias": state.model_name,
+        "total_slots": len(slots), "model_alias": state.model_name,
         "model_path": state.model_path, "modalities": {"vision": False, "audio": False},
         **state.props})
 
@@ -206,7 +209,7 @@ async def slots_get(state: ServerState, request: Request) -> Response:
     engine = _engine(state)
     if not state.slots_enabled:
         raise NotSupported("This server does not support slots endpoint.")
-    info = await asyncio.to_thread(engine.call, engine.slots_json)
+    info = await asyncio.to_thread(engine.call, lambda: slots_json(engine.scheduler.slots))
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(
             s["is_processing"] for s in info):
         raise Unavailable("no slot available")
@@ -216,6 +219,7 @@ async def slots_get(state: ServerState, request: Request) -> Response:
 async def slots_action(state: ServerState, request: Request) -> Response:
     """``POST /slots/{id}?action=save|restore|erase``."""
     engine = _engine(state)
+    sched = engine.scheduler
     raw_id = request.path_params["id_slot"]
     try:
         id_slot = int(raw_id)
@@ -226,7 +230,7 @@ async def slots_action(state: ServerState, request: Request) -> Response:
         raise InvalidRequest(f"Invalid action: {action!r} (save, restore or erase)")
     if action == "erase":
         return JSONResponse(await asyncio.to_thread(engine.call,
-                                                    lambda: engine.slot_erase(id_slot)))
+                                                    lambda: sched.slot_erase(id_slot)))
     if state.slot_save_path is None:
         raise NotSupported("This server does not support slot save/restore: start it with "
                            "--slot-save-path")
@@ -234,11 +238,11 @@ async def slots_action(state: ServerState, request: Request) -> Response:
     name = schema.validate_filename(body.get("filename"))
     path = str(state.slot_save_path / name)
     if action == "save":
-        out = await asyncio.to_thread(engine.call, lambda: engine.slot_save(id_slot, path))
+        out = await asyncio.to_thread(engine.call, lambda: sched.slot_save(id_slot, path))
     else:
         if not os.path.isfile(path):
             raise NotFound(f"Unable to restore slot: no file named {name!r}")
-        out = await asyncio.to_thread(engine.call, lambda: engine.slot_restore(id_slot, path))
+        out = await asyncio.to_thread(engine.call, lambda: sched.slot_restore(id_slot, path))
     return JSONResponse({**out, "filename": name})
 
 
@@ -251,9 +255,7 @@ async def metrics(state: ServerState, request: Request) -> Response:
 
     def snapshot() -> str:
         text = prometheus(engine)
-        m = engine.metrics
-        m.n_prompt_tokens_processed = m.n_tokens_predicted = 0
-        m.t_prompt_processing = m.t_tokens_generation = 0.0
+        engine.metrics.reset_bucket()
         return text
     text = await asyncio.to_thread(engine.call, snapshot)
     return Response(text, media_type="text/plain; version=0.0.4")
@@ -263,8 +265,8 @@ async def metrics(state: ServerState, request: Request) -> Response:
 def prometheus(engine: Engine) -> str:
     """The ``/metrics`` text: llama.cpp's ``llamacpp:`` counters and gauges
     (server-context.cpp, ``handle_metrics``)."""
-    m = engine.metrics
-    busy = sum(s.is_processing for s in engine.slots)
+    m, sched = engine.metrics, engine.scheduler
+    busy = sum(s.is_processing for s in sched.slots)
     rows = [
         ("counter", "prompt_tokens_total", "Number of prompt tokens processed.",
          m.n_prompt_tokens_processed_total),
@@ -287,7 +289,7 @@ def prometheus(engine: Engine) -> str:
         ("gauge", "predicted_tokens_seconds", "Average generation throughput in tokens/s.",
          1e3 * m.n_tokens_predicted / m.t_tokens_generation if m.t_tokens_generation else 0.0),
         ("gauge", "requests_processing", "Number of requests processing.", busy),
-        ("gauge", "requests_deferred", "Number of requests deferred.", len(engine.waiting)),
+        ("gauge", "requests_deferred", "Number of requests deferred.", len(sched.waiting)),
         ("counter", "kv_cache_misses_total", "Decodes retried because the KV cache was full.",
          m.n_cache_misses),
     ]
@@ -314,7 +316,7 @@ def submit(state: ServerState, prompts: list[list[int]], params: SlotParams,
         Unavailable: the queue is full.
     """
     engine = _engine(state)
-    n_ctx = engine.slots[0].n_ctx
+    n_ctx = engine.scheduler.slots[0].n_ctx
     for tokens in prompts:
         if len(tokens) >= n_ctx:
             raise schema.ExceedContextSize(len(tokens), n_ctx)
@@ -336,22 +338,14 @@ def submit(state: ServerState, prompts: list[list[int]], params: SlotParams,
             engine.submit(t)
             submitted.append(t)
     except Unavailable:
-        for t in submitted:
-            cancel([t])
+        engine.cancel(submitted)
         raise
     return [t2 for t in tasks for t2 in (t, *t.children)]
 # --8<-- [end:submit]
 
 
-def cancel(tasks: list[Task]) -> None:
-    """Mark tasks cancelled (the engine frees their slots at its next step)."""
-    for t in tasks:
-        t.cancelled = True
-        for c in t.children:
-            c.cancelled = True
-
-
-async def _collect(request: Request, tasks: list[Task], results: asyncio.Queue) -> list:
+async def _collect(request: Request, engine: Engine, tasks: list[Task],
+                   results: asyncio.Queue) -> list:
     """Every task's final result, in choice order; a client that leaves cancels them.
 
     Raises:
@@ -363,11 +357,11 @@ async def _collect(request: Request, tasks: list[Task], results: asyncio.Queue) 
             r = await asyncio.wait_for(results.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                cancel(tasks)
+                engine.cancel(tasks)
                 raise asyncio.CancelledError() from None
             continue
         if isinstance(r, Failed):
-            cancel(tasks)
+            engine.cancel(tasks)
             raise r.error
         if isinstance(r, Final):
             finals[r.index] = r
@@ -388,7 +382,8 @@ NATIVE, OAI_CMPL, OAI_CHAT = Kind("native", False), Kind("oai_cmpl", True), Kind
 async def _complete(state: ServerState, request: Request, kind: Kind) -> Response:
     engine = _engine(state)
     body = await _body(state, request)
-    params = schema.parse_completion(body, state.defaults, n_parallel=len(engine.slots),
+    n_parallel = len(engine.scheduler.slots)
+    params = schema.parse_completion(body, state.defaults, n_parallel=n_parallel,
                                      n_vocab=state.n_vocab, tokenizer=state.tokenizer,
                                      oai_chat=kind is OAI_CHAT)
     if kind is OAI_CHAT:
@@ -404,13 +399,13 @@ async def _complete(state: ServerState, request: Request, kind: Kind) -> Respons
                 formats.gen_cmpl_id(chat=kind is OAI_CHAT), params,
                 {t.index: t.tokens for t in tasks}, state.tokenizer)
     if not params.stream:
-        finals = await _collect(request, tasks, results)
+        finals = await _collect(request, engine, tasks, results)
         return JSONResponse(meta.response(finals))
     first = await results.get()
     if isinstance(first, Failed):
-        cancel(tasks)
+        engine.cancel(tasks)
         return error_response(first.error)
-    return StreamingResponse(_stream(meta, tasks, first, results),
+    return StreamingResponse(_stream(meta, engine, tasks, first, results),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
@@ -498,10 +493,10 @@ class Meta:
 # --8<-- [end:Meta]
 
 
-async def _stream(meta: Meta, tasks: list[Task], first, results: asyncio.Queue
-                  ) -> AsyncIterator[bytes]:
+async def _stream(meta: Meta, engine: Engine, tasks: list[Task], first,
+                  results: asyncio.Queue) -> AsyncIterator[bytes]:
     """The SSE events of a streamed completion. A client that disconnects cancels this
-    generator (Starlette stops the response); its tasks are then marked cancelled."""
+    generator (Starlette stops the response); its tasks are then cancelled."""
     finals: list[Final] = []
     try:
         for chunk in meta.start(tasks):
@@ -509,8 +504,8 @@ async def _stream(meta: Meta, tasks: list[Task], first, results: asyncio.Queue
         r = first
         while True:
             if isinstance(r, Failed):
-                yield formats.sse(r.error.to_json())
-                cancel(tasks)
+                yield formats.sse(error_json(r.error))
+                engine.cancel(tasks)
                 return
             if isinstance(r, Final):
                 finals.append(r)
@@ -528,7 +523,7 @@ async def _stream(meta: Meta, tasks: list[Task], first, results: asyncio.Queue
             yield formats.SSE_DONE
     finally:
         if len(finals) < len(tasks):
-            cancel(tasks)
+            engine.cancel(tasks)
 
 
 async def completion(state: ServerState, request: Request) -> Response:
@@ -597,7 +592,8 @@ def build_app(state: ServerState) -> Starlette:
 
 # --8<-- [start:start_engine]
 def start_engine(state: ServerState, factory: Callable[[], Engine]) -> threading.Thread:
-    """Build the engine with ``factory`` on a new thread and run its decode loop there.
+    """Build the engine with ``factory`` on a new thread and run its loop there
+    ([`Engine.run`][llamaref.server.engine.Engine.run]).
 
     MLX keeps its streams per thread, and an array made lazily on one thread cannot be
     evaluated on another: the Context is made on the thread that will use it. Until

@@ -1,6 +1,7 @@
 r"""Results to llama.cpp's JSON: the native, OpenAI completion and OpenAI chat formats.
 
-Pure functions from the engine's result dataclasses ([`Partial`][reference.tools.server.results.Partial],
+Pure functions from the scheduler's result dataclasses
+([`Partial`][reference.tools.server.results.Partial],
 [`Final`][reference.tools.server.results.Final]) to the objects llama.cpp sends
 (``tools/server/server-task.cpp``):
 
@@ -34,7 +35,14 @@ import secrets
 import string
 
 from reference.tools.server.params import SlotParams
-from reference.tools.server.results import Final, Partial, TokenOutput, TokenProb, logarithm
+from reference.tools.server.results import (
+    Final,
+    Partial,
+    Timings,
+    TokenOutput,
+    TokenProb,
+    logarithm,
+)
 
 #: ``system_fingerprint`` (llama.cpp writes its build info there)
 SYSTEM_FINGERPRINT = "llamaref"
@@ -170,6 +178,25 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def timings_json(t: Timings) -> dict:
+    """llama.cpp's ``timings`` object (``result_timings::to_json``): the counts and times,
+    with the per-token ms and the tokens per second derived.
+
+    Examples:
+        >>> timings_json(Timings(prompt_n=4, prompt_ms=8.0))["prompt_per_second"]
+        500.0
+    """
+    def per(n, ms):
+        return (ms / n if n else 0.0), (1e3 * n / ms if ms > 0 else 0.0)
+    p_tok, p_sec = per(t.prompt_n, t.prompt_ms)
+    g_tok, g_sec = per(t.predicted_n, t.predicted_ms)
+    return {"cache_n": t.cache_n, "prompt_n": t.prompt_n,
+            "prompt_ms": t.prompt_ms, "prompt_per_token_ms": p_tok,
+            "prompt_per_second": p_sec, "predicted_n": t.predicted_n,
+            "predicted_ms": t.predicted_ms, "predicted_per_token_ms": g_tok,
+            "predicted_per_second": g_sec}
+
+
 def generation_settings(params: SlotParams) -> dict:
     """``task_params::to_json`` (``server-task.cpp:30-175``), the fields a [`SlotParams`][]
     holds.
@@ -230,7 +257,7 @@ def completion_final(res: Final, params: SlotParams, *, model: str, prompt: str)
         "tokens_evaluated": res.n_prompt, "generation_settings": generation_settings(params),
         "prompt": prompt, "has_new_line": res.has_new_line, "truncated": res.truncated,
         "stop_type": res.stop_type, "stopping_word": res.stopping_word,
-        "tokens_cached": res.n_tokens_cached, "timings": res.timings.to_json(),
+        "tokens_cached": res.n_tokens_cached, "timings": timings_json(res.timings),
     }
     if not params.stream and res.probs:
         out["completion_probabilities"] = probs_json(res.probs, params.post_sampling_probs)
@@ -250,7 +277,7 @@ def completion_partial(res: Partial, post_sampling: bool = False) -> dict:
            "stop": False, "id_slot": res.id_slot, "tokens_predicted": res.n_decoded,
            "tokens_evaluated": res.n_prompt}
     if res.timings is not None:
-        out["timings"] = res.timings.to_json()
+        out["timings"] = timings_json(res.timings)
     if res.probs:
         out["completion_probabilities"] = probs_json(res.probs, post_sampling)
     return out
@@ -312,7 +339,7 @@ def oai_completion_final(
     choice = {"text": res.content, "index": res.index, "logprobs": logprobs,
               "finish_reason": finish_reason(res.stop_type)}
     return {"choices": [choice], **_envelope("text_completion", model, cmpl_id, created),
-            "usage": usage(res), "timings": res.timings.to_json()}
+            "usage": usage(res), "timings": timings_json(res.timings)}
 
 
 def oai_completion_partial(
@@ -332,7 +359,7 @@ def oai_completion_partial(
               "finish_reason": None}
     out = {"choices": [choice], **_envelope("text_completion", model, cmpl_id, created)}
     if res.timings is not None:
-        out["timings"] = res.timings.to_json()
+        out["timings"] = timings_json(res.timings)
     return out
 
 
@@ -359,7 +386,7 @@ def oai_chat_final(
     if res.probs:
         choice["logprobs"] = {"content": probs_json(res.probs, post_sampling)}
     return {"choices": [choice], **_envelope("chat.completion", model, cmpl_id, created),
-            "usage": usage(res), "timings": res.timings.to_json()}
+            "usage": usage(res), "timings": timings_json(res.timings)}
 
 
 def _chunk(index: int, delta: dict, reason: str | None, head: dict) -> dict:
@@ -396,7 +423,7 @@ def oai_chat_partial(
     if chunks and res.probs:
         chunks[-1]["choices"][0]["logprobs"] = {"content": probs_json(res.probs, post_sampling)}
     if chunks and res.timings is not None:
-        chunks[-1]["timings"] = res.timings.to_json()
+        chunks[-1]["timings"] = timings_json(res.timings)
     return chunks
 
 
@@ -434,7 +461,7 @@ def oai_chat_final_chunks(
     chunks.append(_chunk(res.index, {}, finish_reason(res.stop_type), head))
     if include_usage:
         chunks.append({"choices": [], **head, "usage": usage(res)})
-    chunks[-1]["timings"] = res.timings.to_json()
+    chunks[-1]["timings"] = timings_json(res.timings)
     return chunks
 # --8<-- [end:oai_chat]
 

@@ -1,5 +1,6 @@
 r"""``llamaref serve``: the flags of ``llama-server``, the model loaded on a thread while the
-HTTP server already answers (503 "Loading model"), then the engine's decode loop.
+HTTP server already answers (503 "Loading model"), then the engine's loop over the
+scheduler's steps.
 
 Slots: with no ``-np`` the server runs 4 slots on one unified KV cache (``n_parallel = -1``
 means "auto": 4 and ``kv_unified``, server.cpp:156-161); an explicit ``-np N`` gives every
@@ -17,30 +18,31 @@ from typing import Any
 import uvicorn
 
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
-from llamaref.common import CLIError, add_sampling_flags, log, model_path
+from llamaref.common import CLIError, add_context_flags, add_sampling_flags, log, model_path
 from llamaref.server.app import DEFAULT_BODY_LIMIT, ServerState, build_app, start_engine
+from llamaref.server.engine import Engine
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.model_loader import load_model
 from reference.sampling import SamplerParams
-from reference.tools.server.engine import Engine, EngineConfig
-from reference.tools.server.params import SlotParams
-from reference.tools.server.spans import user_delimiter
 from reference.tokenizer import load_tokenizer
+from reference.tools.server.params import SlotParams
+from reference.tools.server.scheduler import Scheduler, SchedulerConfig
+from reference.tools.server.spans import user_delimiter
 
 DEFAULT_N_SLOTS = 4  # server.cpp:156-161: n_parallel = -1 ("auto") means 4 unified slots
 
 
-# --8<-- [start:engine_config]
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's settings from the flags."""
-    return EngineConfig(
+# --8<-- [start:scheduler_config]
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The scheduler's settings from the flags."""
+    return SchedulerConfig(
         n_slots=n_slots(args), ctx_shift=args.context_shift,
         slot_prompt_similarity=args.slot_prompt_similarity,
         n_ctx_checkpoints=args.ctx_checkpoints, checkpoint_min_step=args.checkpoint_min_step,
         swa_full=args.swa_full, cache_ram_mib=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots, n_cache_reuse=args.cache_reuse,
-        max_queue=args.max_queue, prompt_budget=args.prompt_budget)
-# --8<-- [end:engine_config]
+        prompt_budget=args.prompt_budget)
+# --8<-- [end:scheduler_config]
 
 
 def n_slots(args: argparse.Namespace) -> int:
@@ -92,7 +94,8 @@ def check_serve_flags(args: argparse.Namespace) -> None:
 
 # --8<-- [start:load_engine]
 def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
-    """Load the model and build the Context, the engine and the request defaults."""
+    """Load the model and build the Context, the scheduler, the engine that drives it and
+    the request defaults."""
     path = model_path(args)
     hparams, weights = load_model(path)
     tokenizer = load_tokenizer(path)
@@ -107,7 +110,7 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
     ctx = make_context(backend, hparams, weights, n_ctx=args.ctx_size,
                        n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_seq_max=slots,
                        kv_unified=kv_unified(args), swa_full=swa_full)
-    config = engine_config(args)
+    config = scheduler_config(args)
     config.swa_full = swa_full
     if config.ctx_shift and not ctx.memory.can_shift():
         log("llamaref serve: this memory cannot shift positions: context shift disabled")
@@ -115,7 +118,7 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
 
     def sampler_for(params: SamplerParams):
         return make_sampler(backend, params, hparams.n_vocab, tokenizer)
-    engine = Engine(ctx, tokenizer, sampler_for, config)
+    engine = Engine(Scheduler(ctx, tokenizer, sampler_for, config), max_queue=args.max_queue)
     state.tokenizer, state.n_vocab = tokenizer, hparams.n_vocab
     state.user_delimiter = user_delimiter(tokenizer)
     state.model_name = args.alias or Path(path).name
@@ -159,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log(f"llamaref serve: error: {type(e).__name__}: {e}")
             raise
         log(f"llamaref serve: model loaded in {time.perf_counter() - t0:.1f} s; "
-            f"{len(engine.slots)} slots of {engine.slots[0].n_ctx} tokens")
+            f"{len(engine.scheduler.slots)} slots of {engine.scheduler.slots[0].n_ctx} "
+            "tokens")
         return engine
     start_engine(state, load)
     log(f"llamaref serve: listening on http://{args.host}:{args.port}")
@@ -194,23 +198,19 @@ def add_serve_command(sub) -> None:
     net.add_argument("--slot-save-path", metavar="DIR",
                      help="directory of /slots/{id}?action=save|restore files")
     c = p.add_argument_group("slots and memory (llama-server's names and defaults)")
-    c.add_argument("-np", "--parallel", type=int, default=-1, metavar="N",
-                   help="slots (default: -1 = 4 slots on a unified KV cache)")
-    c.add_argument("-kvu", "--kv-unified", action="store_true",
-                   help="with -np N: one KV cache shared by all slots")
-    c.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
-                   help="context size of all slots together (default: 4096; 0 = the model's)")
-    c.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
-                   help="tokens per step, all slots together (default: 2048)")
-    c.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
-                   help="physical batch size (default: 512)")
+    add_context_flags(
+        c, ["parallel", "kv_unified", "ctx_size", "batch_size", "ubatch_size"],
+        parallel=dict(default=-1, help="slots (default: -1 = 4 slots on a unified KV cache)"),
+        kv_unified=dict(help="with -np N: one KV cache shared by all slots"),
+        ctx_size=dict(help="context size of all slots together (default: 4096; 0 = the "
+                           "model's)"),
+        batch_size=dict(help="tokens per step, all slots together (default: 2048)"))
     c.add_argument("--prompt-budget", type=int, default=0, metavar="N",
                    help="most prompt tokens per step while a slot generates (ours, not "
                         "llama.cpp's; default: 0 = what -b leaves)")
     c.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default n_predict of a request (default: -1 = no limit)")
-    c.add_argument("--keep", type=int, default=0, metavar="N",
-                   help="default n_keep of a request (default: 0)")
+    add_context_flags(c, ["keep"], keep=dict(help="default n_keep of a request (default: 0)"))
     c.add_argument("--context-shift", action="store_true",
                    help="shift a full slot's context instead of stopping (default: off)")
     c.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.10, metavar="F",
@@ -226,8 +226,8 @@ def add_serve_command(sub) -> None:
                    metavar="N", help="checkpoints per slot (SWA / recurrent; default: 32)")
     c.add_argument("-cms", "--checkpoint-min-step", type=int, default=8192, metavar="N",
                    help="tokens between checkpoints (default: 8192)")
-    c.add_argument("-swa-full", "--swa-full", action="store_true",
-                   help="full-size SWA cache: no checkpoints needed, context shift possible")
+    add_context_flags(c, ["swa_full"], swa_full=dict(
+        help="full-size SWA cache: no checkpoints needed, context shift possible"))
     s = add_sampling_flags(p, ["seed", "temp", "top_k", "top_p", "min_p", "repeat_last_n",
                                "repeat_penalty"])
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N")

@@ -38,21 +38,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llamaref.server.errors import BodyTooLarge
+from reference.tokenizer import TokenizerError
 from reference.tools.generate import chat_tokens
 from reference.tools.server.errors import ExceedContextSize as ExceedContextSize  # for the app
 from reference.tools.server.errors import InvalidRequest
 from reference.tools.server.params import SlotParams
-from reference.tokenizer import TokenizerError
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-
-
-class BodyTooLarge(InvalidRequest):
-    """A request body over the server's ``--body-limit`` (HTTP 413)."""
-
-    code = 413
-    type = "invalid_request_error"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,10 +80,11 @@ def parse_json(raw: bytes, limit: int) -> dict:
         Traceback (most recent call last):
         ...
         reference.tools.server.errors.InvalidRequest: Invalid JSON: the body must be a JSON object
+        >>> from llamaref.server.errors import http_status
         >>> try:
         ...     parse_json(b'{}' + b' ' * 2000, 1024)
         ... except BodyTooLarge as e:
-        ...     print(e.code, e)
+        ...     print(http_status(e), e)
         413 request body of 2002 bytes exceeds the limit of 1024 bytes (--body-limit)
     """
     if len(raw) > limit:
@@ -654,7 +649,7 @@ def parse_prompt(prompt: Any, tokenizer: Any, n_vocab: int | None = None) -> lis
         n_vocab: the bound of the ids (default: the tokenizer's).
 
     Returns:
-        The prompts' tokens (a prompt may be empty: the engine answers it with no text).
+        The prompts' tokens (a prompt may be empty: the scheduler answers it with no text).
 
     Raises:
         InvalidRequest: no prompt, an empty list of prompts, a malformed element or a token id

@@ -6,12 +6,15 @@ or the recurrent memory (``llama_memory_recurrent``), behind one interface (``ll
 - [`reference.memory.kv_cells`][reference.memory.kv_cells]: the metadata of the cells (positions,
   sequence sets, pending shifts);
 - [`reference.memory.kv_cache`][reference.memory.kv_cache]: the K/V tensors, streams, slot search,
-  the memory API, the K-shift, the KQ mask and the attention input of a ubatch;
+  the memory API, the K-shift and the attention input of a ubatch;
+- [`reference.memory.kq_mask`][reference.memory.kq_mask]: the KQ mask of a ubatch, the rule and
+  its fast path;
 - [`reference.memory.kv_cache_iswa`][reference.memory.kv_cache_iswa]: two KV caches, one for the
   full-attention layers and one for the sliding-window layers (``llama_kv_cache_iswa``);
 - [`reference.memory.recurrent`][reference.memory.recurrent]: one cell of state rows per sequence
   (Mamba);
 - [`reference.memory.state`][reference.memory.state]: save and restore;
+- [`reference.memory.blob`][reference.memory.blob]: the bytes every memory saves its state in;
 - [`create_memory`][]: which memory a model gets (``llama_model::create_memory``).
 """
 
@@ -20,6 +23,7 @@ from numpy.typing import DTypeLike
 
 from reference.hparams import MAMBA_ARCHS, SWA_TYPE_NONE, LlamaHParams, MambaHParams
 from reference.memory.interface import Memory, MemoryContext, MemoryStatus
+from reference.memory.kq_mask import set_input_kq_mask
 from reference.memory.kv_cache import (
     KVCache,
     KVCacheAttnInput,
@@ -29,7 +33,6 @@ from reference.memory.kv_cache import (
     k_shift_rope_params,
     kv_size_swa,
     n_ctx_seq,
-    set_input_kq_mask,
 )
 from reference.memory.kv_cache_iswa import ISWAPlacement, KVCacheISWA, KVCacheISWAAttnInput
 from reference.memory.kv_cells import KVCells, pos_div_shift, pos_div_shift_llamacpp

@@ -29,8 +29,9 @@ too:
    slot;
 3. [`KVCache.graph_input`][] ([`KVCache.attn_input`][]) gives the model its
    [`KVCacheAttnInput`][]: it writes the new K/V rows into the slot and reads the first
-   ``n_kv`` cells back with the KQ mask; [`KVCache.remove_ubatch`][] undoes a ubatch that
-   was applied but not computed;
+   ``n_kv`` cells back with the KQ mask
+   ([`reference.memory.kq_mask`][reference.memory.kq_mask]); [`KVCache.remove_ubatch`][]
+   undoes a ubatch that was applied but not computed;
 4. [`KVCache.update`][], before the next batch, re-ropes the keys of the cells whose
    position changed (``seq_add``/``seq_div``): the lazy K-shift.
 
@@ -52,9 +53,9 @@ where llama.cpp asserts, [`KVCacheError`][] is raised before anything changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,17 +66,22 @@ from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
 from reference.hparams import SWA_TYPE_NONE, LlamaHParams, is_masked_swa, rope_cparams
 from reference.memory import state as state_io
 from reference.memory.interface import MemoryContext, MemoryStatus, batch_context
+from reference.memory.kq_mask import set_input_kq_mask_fast
 from reference.memory.kv_cells import KVCells
 from reference.ops import rope_ext, set_rows
+from reference.ops.rope import RopeParams
 
-# How many cells the slot search of a decode reads at a time (KVCache._find_cells): it stops
-# at the first chunk where it has found its cells, so its cost does not grow with the cache.
+# How many cells the slot search of a decode reads at a time (KVCache._find_cells_fast): it
+# stops at the first chunk where it has found its cells, so its cost does not grow with the
+# cache.
 FIND_CHUNK = 256
 
 
 # --8<-- [start:KVCacheError]
 class KVCacheError(LlamarefError, ValueError):
-    """An invalid call to the KV cache (a sequence id out of range, ``d < 1``, ...).
+    """An invalid call to the KV cache (a sequence id out of range, ``d < 1``, ...), or a
+    ubatch the simple cache of [`reference.models.simple_cache`][reference.models.simple_cache]
+    cannot hold (positions that do not continue its sequence, out of cells).
 
     Raised before anything changes; llama.cpp aborts (``GGML_ASSERT``) in these cases.
     """
@@ -202,8 +208,8 @@ class SlotInfo:
 
 
 # --8<-- [start:k_shift_rope_params]
-def k_shift_rope_params(hparams: LlamaHParams, il: int | None = None) -> dict:
-    r"""The ``rope_ext`` arguments of the K-shift of layer ``il``: [`rope_cparams`][], magnitude 1.
+def k_shift_rope_params(hparams: LlamaHParams, il: int | None = None) -> RopeParams:
+    r"""The [`RopeParams`][] of the K-shift of layer ``il``: [`rope_cparams`][], magnitude 1.
 
     ``rope_cparams(hparams, il)``: a SWA layer may turn with its own base and scale
     (``llama_model::get_rope_freq_base(cparams, il)`` in ``build_graph_shift``); ``il = None``
@@ -217,13 +223,13 @@ def k_shift_rope_params(hparams: LlamaHParams, il: int | None = None) -> dict:
 
     Examples:
         >>> from reference.testing import tiny_hparams
-        >>> k_shift_rope_params(tiny_hparams())["attn_factor"]
+        >>> k_shift_rope_params(tiny_hparams()).attn_factor
         1.0
     """
     params = rope_cparams(hparams, il)
-    if params["ext_factor"] != 0.0:
-        mscale = 1.0 + 0.1 * np.log(1.0 / params["freq_scale"])
-        params["attn_factor"] = params["attn_factor"] / mscale
+    if params.ext_factor != 0.0:
+        mscale = 1.0 + 0.1 * np.log(1.0 / params.freq_scale)
+        params = replace(params, attn_factor=params.attn_factor / mscale)
     return params
 # --8<-- [end:k_shift_rope_params]
 
@@ -254,236 +260,13 @@ def build_rope_shift(
         >>> from reference.testing import tiny_hparams
         >>> hp = tiny_hparams(n_embd=8, n_head=2, n_head_kv=1)
         >>> k = np.random.default_rng(0).normal(size=(1, 1, 4))
-        >>> kp = rope_ext(k, np.array([3]), **rope_cparams(hp))
-        >>> k5 = rope_ext(k, np.array([5]), **rope_cparams(hp))
+        >>> kp = rope_ext(k, np.array([3]), rope_cparams(hp))
+        >>> k5 = rope_ext(k, np.array([5]), rope_cparams(hp))
         >>> bool(np.allclose(build_rope_shift(kp, np.array([2]), hp), k5, atol=1e-12))
         True
     """
-    params = k_shift_rope_params(hparams, il)
-    return rope_ext(k, shift, freq_factors=rope_factors, **params)
+    return rope_ext(k, shift, k_shift_rope_params(hparams, il), rope_factors)
 # --8<-- [end:build_rope_shift]
-
-
-# --8<-- [start:set_input_kq_mask]
-def set_input_kq_mask(
-    v_cells: list[KVCells],
-    seq_to_stream: list[int],
-    pos: np.ndarray,
-    seq_id: tuple[tuple[int, ...], ...],
-    strm: tuple[int, ...],
-    n_kv: int,
-    n_swa: int,
-    swa_type: int,
-    dtype: DTypeLike = np.float32,
-) -> np.ndarray:
-    r"""The KQ mask of a ubatch: 0 where token $i$ may attend to a cell, $-\infty$ elsewhere.
-
-    ``llama_kv_cache::set_input_kq_mask``. Token $i$ at position $p_i$, whose *first*
-    sequence id is $s_i$ (``seq_id[i][0]``, as llama.cpp), sees cell $j$ of its stream iff
-
-    $$
-    \mathrm{visible}_{ij} = pos_j \ne -1 \;\wedge\; seq_{j, s_i} \;\wedge\; pos_j \le p_i
-    \;\wedge\; \neg\,\mathrm{is\_masked\_swa}(pos_j, p_i).
-    $$
-
-    The columns are the first ``n_kv`` cells of each stream of ``strm``, block after block
-    (one block when unified); a token sees nothing in another stream's block. Each block is
-    the formula above over the arrays of its cells, for all tokens at once
-    ([`is_masked_swa`][] is written with operators that work elementwise on arrays);
-    [`set_input_kq_mask_per_cell`][] is the same rule one cell at a time, and a property
-    test holds the two equal. A term that is true for every cell is left out, since each
-    is a pass over the block (a one-token mask at 16000 cells is a few such passes): the
-    token's own stream when every token is in the block's stream (one stream: always);
-    $seq_{j, s_i}$ when each token's sequence holds every used cell of the stream
-    ([`holds_every_used_cell`][]: one conversation), where it is $pos_j \ne -1$; then also
-    $pos_j \le p_i$ when no token comes before the last position of its sequence (a
-    generation step: the cell's position is at most that last position, which
-    ``seq_pos_max`` gives in O(1)); the window when there is none. When all of those are
-    left out, the window hides no cell and no cell before the last used one is empty, the
-    block is $u$ zeros then $-\infty$ ([`visible_prefix`][]: a generation step in one
-    conversation), made with no pass over the cells at all.
-
-    Args:
-        v_cells: the cells of every stream.
-        seq_to_stream: stream of each sequence id.
-        pos: positions of the ubatch ``(n_tokens,)``.
-        seq_id: sequence ids of each token.
-        strm: the streams of the ubatch's slot (`SlotInfo.strm`).
-        n_kv: cells per stream in view ([`KVCache.get_n_kv`][]).
-        n_swa: sliding window (0: none).
-        swa_type: one of ``SWA_TYPE_*``.
-        dtype: mask dtype.
-
-    Returns:
-        The mask ``(n_tokens, len(strm) * n_kv)``.
-
-    Examples:
-        >>> cells = KVCells(3)
-        >>> for i, (p, s) in enumerate([(0, 0), (0, 1), (1, 0)]):
-        ...     cells.pos_set(i, p); cells.seq_add(i, s)
-        >>> set_input_kq_mask([cells], [0, 0], np.array([1, 1]), ((0,), (1,)), (0,), 3, 0, 0)
-        array([[  0., -inf,   0.],
-               [-inf,   0., -inf]], dtype=float32)
-    """
-    s_tok = np.array([ids[0] for ids in seq_id], dtype=np.int64)  # (n_tokens,)
-    p_tok = np.asarray(pos, dtype=np.int64)[:, None]  # (n_tokens, 1)
-    stream_tok = np.asarray(seq_to_stream)[s_tok]  # (n_tokens,)
-    zero, minus_inf = np.dtype(dtype).type(0), np.dtype(dtype).type(-np.inf)
-    blocks = []
-    for stream in strm:
-        cells = v_cells[stream]
-        own = stream_tok == stream  # (n_tokens,): the token is in this block's stream
-        u = visible_prefix(cells, s_tok, p_tok[:, 0], n_swa, swa_type) if own.all() else None
-        if u is not None:  # every token sees the first u cells: no pass over the cells
-            block = np.full((len(s_tok), n_kv), minus_inf, dtype=dtype)  # (n_tokens, n_kv)
-            block[:, :u] = zero
-            blocks.append(block)
-            continue
-        p_cell = cells.pos[None, :n_kv]  # (1, n_kv)
-        holds_all = holds_every_used_cell(cells, s_tok)  # s_i holds every non-empty cell
-        visible = p_cell != -1  # (1, n_kv)
-        last = max(cells.seq_pos_max(s) for s in set(s_tok.tolist()))  # the sequences' last
-        if not (holds_all and p_tok.min() >= last):  # else: every non-empty cell is at or before
-            visible = visible & (p_cell <= p_tok)  # (n_tokens, n_kv)
-        if not own.all():
-            visible = visible & own[:, None]
-        if not holds_all:  # else: the cell holds s_i iff it is not empty
-            visible = visible & cells.seq[:n_kv, s_tok].T  # the cell holds s_i
-        if swa_type != SWA_TYPE_NONE:
-            visible = visible & ~np.asarray(is_masked_swa(n_swa, swa_type, p_cell, p_tok))
-        visible = np.broadcast_to(visible, (len(s_tok), n_kv))  # (n_tokens, n_kv)
-        blocks.append(np.where(visible, zero, minus_inf))  # in dtype
-    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
-# --8<-- [end:set_input_kq_mask]
-
-
-# --8<-- [start:holds_every_used_cell]
-def holds_every_used_cell(cells: KVCells, seq_ids: Iterable[int]) -> bool:
-    """Whether each sequence of ``seq_ids`` holds every used cell of ``cells``.
-
-    Then, for those sequences, "cell $j$ holds $s$" is "cell $j$ is not empty", and the KQ
-    mask need not read $s$'s column of the membership matrix (the matrix is cells by
-    ``LLAMA_MAX_SEQ``: a column is one byte from each of ``n_kv`` rows, the slowest part
-    of a one-token mask at depth). O(1) per sequence: the count of its ``seq_pos`` pairs
-    against ``get_used()``.
-
-    Examples:
-        >>> cells = KVCells(4)
-        >>> for i in range(3):
-        ...     cells.pos_set(i, i); cells.seq_add(i, 0)
-        >>> cells.seq_add(1, 1)
-        >>> holds_every_used_cell(cells, [0]), holds_every_used_cell(cells, [0, 1])
-        (True, False)
-    """
-    n_used = cells.get_used()
-    return all(len(cells.seq_pos[s]) == n_used for s in set(np.asarray(seq_ids).tolist()))
-# --8<-- [end:holds_every_used_cell]
-
-
-# --8<-- [start:visible_prefix]
-def visible_prefix(cells: KVCells, s_tok: np.ndarray, p_tok: np.ndarray, n_swa: int,
-                   swa_type: int) -> int | None:
-    r"""$u$ when every token sees exactly the first $u$ cells of ``cells``; else None.
-
-    The mask of a generation step in one conversation, which is most of the masks a
-    program builds, has this form. Token $i$ of sequence $s_i$ at position $p_i$ (the
-    tokens of one stream) sees cell $j$ iff it is not empty, holds $s_i$, comes at or
-    before $p_i$ and is not hidden by the window ([`set_input_kq_mask`][]). When
-
-    1. each $s_i$ holds every used cell ([`holds_every_used_cell`][]), "holds $s_i$" is
-       "not empty";
-    2. no token comes before the last position of the sequences, every used cell is at or
-       before $p_i$;
-    3. the window of the last token keeps the sequences' first position, every window
-       keeps every used cell: each window type hides a cell by its distance $p_i - pos_j$
-       (one side of a bound: ``is_masked_swa``), and no distance is larger than that one;
-    4. no cell before the last used one is empty (``get_used() == used_max_p1()``: no hole
-       left by a removal), the non-empty cells are the first $u$ = ``used_max_p1``;
-
-    then $\mathrm{visible}_{ij} = j < u$ for every token: one integer says the whole mask.
-    O(1): each test reads counts that the cells keep.
-
-    Args:
-        cells: the cells of the tokens' stream.
-        s_tok: the first sequence id of each token ``(n_tokens,)``.
-        p_tok: the position of each token ``(n_tokens,)``.
-        n_swa: sliding window (0: none).
-        swa_type: one of ``SWA_TYPE_*``.
-
-    Returns:
-        $u$, or None when the visible cells are not the same first cells for every token.
-
-    Examples:
-        >>> cells = KVCells(8)
-        >>> for i in range(3):
-        ...     cells.pos_set(i, i); cells.seq_add(i, 0)
-        >>> visible_prefix(cells, np.array([0]), np.array([2]), 0, SWA_TYPE_NONE)
-        3
-        >>> visible_prefix(cells, np.array([0]), np.array([1]), 0, SWA_TYPE_NONE)  # before 2
-        >>> visible_prefix(cells, np.array([0]), np.array([2]), 2, 1)  # a window of 2 (standard)
-        >>> cells.rm(1)  # a hole
-        >>> visible_prefix(cells, np.array([0]), np.array([2]), 0, SWA_TYPE_NONE)
-    """
-    n_used = cells.get_used()
-    if n_used != cells.used_max_p1():  # 4
-        return None
-    seqs = set(np.asarray(s_tok).tolist())
-    if not holds_every_used_cell(cells, seqs):  # 1
-        return None
-    if n_used == 0:  # no cell: nothing to see
-        return 0
-    # every sequence holds the same cells (1), so the same first and last position
-    first, last = cells.seq_pos_min(min(seqs)), cells.seq_pos_max(min(seqs))
-    p = np.asarray(p_tok).tolist()
-    # 3: the last token is the farthest from the first position, so checked alone
-    if min(p) < last or is_masked_swa(n_swa, swa_type, first, max(p)):  # 2, 3
-        return None
-    return n_used
-# --8<-- [end:visible_prefix]
-
-
-# --8<-- [start:set_input_kq_mask_per_cell]
-def set_input_kq_mask_per_cell(
-    v_cells: list[KVCells],
-    seq_to_stream: list[int],
-    pos: np.ndarray,
-    seq_id: tuple[tuple[int, ...], ...],
-    strm: tuple[int, ...],
-    n_kv: int,
-    n_swa: int,
-    swa_type: int,
-    dtype: DTypeLike = np.float32,
-) -> np.ndarray:
-    """The rule of [`set_input_kq_mask`][], one token and one cell at a time.
-
-    The readable definition (llama.cpp's loop without its reuse of a sequence's previous
-    row); [`set_input_kq_mask`][] must equal it on every cell state. Same arguments.
-
-    Examples:
-        >>> cells = KVCells(3)
-        >>> for i, (p, s) in enumerate([(0, 0), (0, 1), (1, 0)]):
-        ...     cells.pos_set(i, p); cells.seq_add(i, s)
-        >>> set_input_kq_mask_per_cell([cells], [0, 0], np.array([1, 1]), ((0,), (1,)), (0,),
-        ...                            3, 0, 0)
-        array([[  0., -inf,   0.],
-               [-inf,   0., -inf]], dtype=float32)
-    """
-    n_tokens = len(pos)
-    mask = np.full((n_tokens, len(strm) * n_kv), -np.inf, dtype=dtype)  # (n_tokens, ns * n_kv)
-    for i in range(n_tokens):
-        s_i = seq_id[i][0]
-        p_i = int(pos[i])
-        block = strm.index(seq_to_stream[s_i])
-        cells = v_cells[seq_to_stream[s_i]]
-        for j in range(n_kv):
-            if cells.is_empty(j) or not cells.seq_has(j, s_i):
-                continue
-            p_j = cells.pos_get(j)
-            if p_j > p_i or is_masked_swa(n_swa, swa_type, p_j, p_i):
-                continue
-            mask[i, block * n_kv + j] = 0.0
-    return mask
-# --8<-- [end:set_input_kq_mask_per_cell]
 
 
 # --8<-- [start:KVCacheAttnInput]
@@ -497,8 +280,9 @@ class KVCacheAttnInput:
     - ``k_idxs``: the global row of each token, ``stream * kv_size + cell`` (``k_idxs``);
     - ``get_k``/``get_v``: the first ``n_kv`` cells of each stream of the slot, streams
       concatenated: ``(len(strm) * n_kv, n_head_kv, d)``;
-    - ``get_kq_mask``: [`set_input_kq_mask`][] with the cache's own window; the same for every
-      layer of the cache (all of them are SWA layers when its ``n_swa > 0``).
+    - ``get_kq_mask``: [`set_input_kq_mask`][reference.memory.kq_mask.set_input_kq_mask] with
+      the cache's own window, computed by its fast path; the same for every layer of the
+      cache (all of them are SWA layers when its ``n_swa > 0``).
 
     ``il`` is the model's layer index; the cache maps it to its own tensors
     ([`KVCache.layer_id`][]).
@@ -522,12 +306,15 @@ class KVCacheAttnInput:
         self.set_kq_mask()
 
     def set_kq_mask(self) -> None:
-        """Build the ubatch's KQ mask ([`set_input_kq_mask`][]): the array step of the input.
+        """Build the ubatch's KQ mask: the array step of the input.
 
-        The MLX twin replaces only this step (it builds the mask on the device, lazily).
+        The rule is [`set_input_kq_mask`][reference.memory.kq_mask.set_input_kq_mask]; the
+        cache computes it by its fast path,
+        [`set_input_kq_mask_fast`][reference.memory.kq_mask.set_input_kq_mask_fast]. The MLX
+        twin replaces only this step (it builds the mask on the device, lazily).
         """
         cache, ubatch, sinfo = self.cache, self.ubatch, self.sinfo
-        self.kq_mask = set_input_kq_mask(
+        self.kq_mask = set_input_kq_mask_fast(
             cache.v_cells, cache.seq_to_stream, np.asarray(ubatch.pos), ubatch.seq_id,
             sinfo.strm, self.n_kv, cache.n_swa, cache.swa_type, cache.dtype,
         )  # (n_tokens, n_stream_ubatch * n_kv)
@@ -912,7 +699,7 @@ class KVCache:
                 if any(ids != (seq_id,) for ids in set_ids):
                     raise KVCacheError(f"token set {s} is not all of sequence {seq_id} alone")
             stream = self.seq_to_stream[seq_id]
-            found = self._find_cells(stream, n_tokens, cont)
+            found = self._find_cells_fast(stream, n_tokens, cont)
             if found is None:
                 return None
             strm.append(stream)
@@ -922,22 +709,63 @@ class KVCache:
 
     # --8<-- [start:find_cells]
     def _find_cells(self, stream: int, n_tokens: int, cont: bool) -> list[int] | None:
-        r"""The search of ``find_slot`` in one stream, over the array of usable cells.
+        r"""The search of ``find_slot`` in one stream: llama.cpp's loop, a cell at a time.
 
-        llama.cpp tests the cells one at a time from the head, wrapping around once. Its
-        result is, with $u$ the usable cells (`_can_use`) and $h$ the head:
+        From the head $h$ (or 0, when there are more than ``2 n_tokens`` free cells before
+        it), a cell at a time, wrapping around once; a cell can be used when it is empty or
+        hidden from its only sequence's next position by the window ([`_is_usable`][]):
 
         - ``cont=False``: the first ``n_tokens`` usable cells in the order
           $h, h+1, \dots, size-1, 0, \dots, h-1$;
         - ``cont=True``: the first window $[a, a + n_{tokens})$ of usable cells (not
           wrapping past the end) with $a \ge h$, else the first one with $a < h$.
 
-        None when there are not enough usable cells (or ``n_tokens > size``).
+        None when there are not enough usable cells (or ``n_tokens > size``). Every decode
+        calls the fast path, [`_find_cells_fast`][].
+        """
+        cells = self.v_cells[stream]
+        size = cells.size()
+        head = self.v_heads[stream]
+        # enough free cells before the head: better to fill the cache from the start
+        if head > cells.get_used() + 2 * n_tokens:
+            head = 0
+        if n_tokens > size:
+            return None
+        if not cont:
+            order = [*range(head, size), *range(head)]  # from the head, wrapping around once
+            found = [i for i in order if self._is_usable(cells, i)]
+            return found[:n_tokens] if len(found) >= n_tokens else None
+        starts = [a for a in range(size - n_tokens + 1)
+                  if all(self._is_usable(cells, i) for i in range(a, a + n_tokens))]
+        if not starts:
+            return None
+        after = [a for a in starts if a >= head]
+        a = after[0] if after else starts[0]
+        return list(range(a, a + n_tokens))
 
-        ``cont=False`` (every decode) reads the cells in that order a chunk at a time
+    def _is_usable(self, cells: KVCells, i: int) -> bool:
+        r"""Whether cell ``i`` can take a token: it is empty, or its only sequence $s$ has
+        moved so far that the window hides the cell from $s$'s next position,
+        $\mathrm{is\_masked\_swa}(pos_i,\ \mathrm{seq\_pos\_max}(s) + 1)$; such a cell
+        is overwritten."""
+        if cells.is_empty(i):
+            return True
+        if cells.seq_count(i) != 1:
+            return False
+        p_next = cells.seq_pos_max(cells.seq_get(i)) + 1
+        return bool(is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(i), p_next))
+    # --8<-- [end:find_cells]
+
+    # --8<-- [start:find_cells_fast]
+    def _find_cells_fast(self, stream: int, n_tokens: int, cont: bool) -> list[int] | None:
+        r"""Fast path of [`_find_cells`][]: the same cells, from the array of usable cells.
+
+        ``cont=False`` (every decode) reads the cells in the rule's order a chunk at a time
         (``FIND_CHUNK`` cells, or ``2 n_tokens`` if more) and stops at the chunk where it
         has found enough: a decode whose head cell is free reads one chunk, not the whole
-        cache. The result is the same as testing every cell.
+        cache. ``cont=True`` counts the usable cells of every window at once (a cumulative
+        sum). ``tests/laws/test_kv_cache.py::test_the_slot_search_is_the_cell_by_cell_loop``
+        holds it to the rule for every chunk size, head, window kind and cell state.
         """
         cells = self.v_cells[stream]
         size = cells.size()
@@ -967,8 +795,8 @@ class KVCache:
         return list(range(a, a + n_tokens))
 
     def _can_use(self, cells: KVCells, lo: int, hi: int) -> np.ndarray:
-        r"""Per cell of ``lo .. hi``: empty, or held by one sequence whose sliding window no
-        longer reaches it.
+        r"""[`_is_usable`][] for every cell of ``lo .. hi``, as arrays: empty, or held by
+        one sequence whose sliding window no longer reaches it.
 
         $$ u_i = pos_i = -1 \;\vee\; \big(|seq_i| = 1 \wedge
            \mathrm{is\_masked\_swa}(pos_i,\ \mathrm{seq\_pos\_max}(s_i) + 1)\big) $$
@@ -988,7 +816,7 @@ class KVCache:
         s_only = np.argmax(held, axis=1)  # (hi - lo,) which one (among live)
         p_next = np.array([cells.seq_pos_max(s) + 1 for s in live.tolist()])[s_only]
         return usable | (alone & is_masked_swa(self.n_swa, self.swa_type, pos, p_next))
-    # --8<-- [end:find_cells]
+    # --8<-- [end:find_cells_fast]
 
     # --8<-- [start:apply_ubatch]
     def apply_ubatch(self, placement: SlotInfo, ubatch) -> None:

@@ -73,9 +73,9 @@ from numpy.typing import ArrayLike, DTypeLike
 from reference.batch import BatchAllocr, Ubatch
 from reference.hparams import SWA_TYPE_NONE, LlamaHParams
 from reference.memory import state as state_io
+from reference.memory.blob import BlobWriter, StateError, check_tokens, seal, unseal
 from reference.memory.interface import MemoryContext, MemoryStatus, batch_context
 from reference.memory.kv_cache import KVCache, KVCacheAttnInput, KVCacheError, SlotInfo, kv_size_swa
-from reference.memory.state import StateError
 
 # --8<-- [start:constants]
 ISWA_STATE_MAGIC = b"LRIS"  # an iSWA blob: the parts of the two caches
@@ -377,7 +377,7 @@ class KVCacheISWA:
             (b'LRIS', True)
         """
         parts = self.state_parts(flags)
-        body = state_io._Writer()
+        body = BlobWriter()
         body.write("II", flags, len(parts))
         for cache in parts:
             blob = cache.state_write(hparams, seq_id)
@@ -386,7 +386,7 @@ class KVCacheISWA:
                 body.write("i", il)
             body.write("Q", len(blob))
             body.write_bytes(blob)
-        return state_io._seal(ISWA_STATE_MAGIC, ISWA_STATE_VERSION, body.getvalue())
+        return seal(ISWA_STATE_MAGIC, ISWA_STATE_VERSION, body.getvalue())
 
     def state_read(self, hparams: LlamaHParams, data: bytes, dest_seq_id: int = -1,
                    flags: int = state_io.LLAMA_STATE_SEQ_FLAGS_NONE) -> None:
@@ -413,7 +413,7 @@ class KVCacheISWA:
         """Save to a file: [`state_write`][]'s blob in the file of
         [`reference.memory.state.state_file_write`][reference.memory.state.state_file_write]; its
         size."""
-        state_io._check_tokens(tokens)
+        check_tokens(tokens)
         return state_io.state_file_write(path, tokens, self.state_write(hparams, seq_id))
 
     def state_load_file(self, path: str | Path, hparams: LlamaHParams,
@@ -446,9 +446,9 @@ def parse_iswa_state(data: bytes, flags: int, layers: list[tuple[int, ...]]) -> 
         >>> parse_iswa_state(b"LRKV" + bytes(60), 0, [(0,), (1,)])
         Traceback (most recent call last):
         ...
-        reference.memory.state.StateError: bad magic b'LRKV': not a iSWA blob (expected b'LRIS')
+        reference.memory.blob.StateError: bad magic b'LRKV': not a iSWA blob (expected b'LRIS')
     """
-    io = state_io._unseal(data, ISWA_STATE_MAGIC, ISWA_STATE_VERSION, "iSWA blob")
+    io = unseal(data, ISWA_STATE_MAGIC, ISWA_STATE_VERSION, "iSWA blob")
     blob_flags, n_part = io.read("II")
     if blob_flags != flags:
         kinds = {0: "whole (NONE)", 1: "partial (PARTIAL_ONLY)"}

@@ -94,20 +94,22 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from reference.batch import BatchAllocr, Ubatch
-from reference.common import LLAMA_MAX_SEQ, POS_INF, LlamarefError
+from reference.common import DTYPE_OF_GGML_TYPE, LLAMA_MAX_SEQ, POS_INF, LlamarefError
+from reference.memory.blob import (
+    BlobWriter,
+    StateError,
+    check_tokens,
+    ggml_type_name,
+    ggml_type_of,
+    seal,
+    unseal,
+    write_atomic,
+)
 from reference.memory.interface import MemoryContext, MemoryStatus, batch_context
 from reference.memory.state import (
-    DTYPE_OF_GGML_TYPE,
     FILE_MAGIC,
     FILE_VERSION,
     LLAMA_STATE_SEQ_FLAGS_NONE,
-    StateError,
-    _ggml_type,
-    _seal,
-    _type_name,
-    _unseal,
-    _write_atomic,
-    _Writer,
     check_state_flags,
     hparams_fingerprint,
     read_layer_rows,
@@ -1005,8 +1007,8 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
         raise StateError(f"seq_id={seq_id} out of range [0, {memory.n_seq_max}) or -1")
     idxs = [i for i, c in enumerate(memory.cells)
             if (not c.is_empty() if seq_id == -1 else c.has_seq_id(seq_id))]
-    t = _ggml_type(memory.dtype)
-    io = _Writer()
+    t = ggml_type_of(memory.dtype)
+    io = BlobWriter()
     io.write_string(hparams.arch)
     io.write_bytes(hparams_fingerprint(hparams))
     io.write("iiiI", t, t, seq_id, len(idxs))
@@ -1020,7 +1022,7 @@ def state_write(memory: RecurrentMemory, hparams: RecurrentHParams, seq_id: int 
     for tensors in (memory.r_l, memory.s_l):
         for x in tensors:
             write_layer_rows(io, x[rows])  # (cell_count, n_embd_r or n_embd_s)
-    return _seal(RS_STATE_MAGIC, RS_STATE_VERSION, io.getvalue())
+    return seal(RS_STATE_MAGIC, RS_STATE_VERSION, io.getvalue())
 # --8<-- [end:state_write]
 
 
@@ -1033,13 +1035,13 @@ def state_parse(data: bytes) -> RecurrentState:
             long, checksum mismatch, an unknown row type, a layer block that disagrees with
             the header, bytes left over.
     """
-    io = _unseal(data, RS_STATE_MAGIC, RS_STATE_VERSION, "recurrent state blob")
+    io = unseal(data, RS_STATE_MAGIC, RS_STATE_VERSION, "recurrent state blob")
     arch = io.read_string()
     fingerprint = io.read_bytes(32)
     r_type, s_type, seq_id, cell_count = io.read("iiiI")
     for t in (r_type, s_type):
         if t not in DTYPE_OF_GGML_TYPE:
-            raise StateError(f"unsupported row type {_type_name(t)}")
+            raise StateError(f"unsupported row type {ggml_type_name(t)}")
     pos, seq_ids = [], []
     for _ in range(cell_count):
         p, n_seq_id = io.read("iI")
@@ -1078,10 +1080,10 @@ def state_check(memory: RecurrentMemory, hparams: RecurrentHParams, state: Recur
                          f"{hparams.arch!r}")
     if state.fingerprint != hparams_fingerprint(hparams):
         raise StateError("blob written for other hyperparameters: another model")
-    want = _ggml_type(memory.dtype)
+    want = ggml_type_of(memory.dtype)
     if (state.r_type, state.s_type) != (want, want):
-        raise StateError(f"dtype mismatch: blob {_type_name(state.r_type)}/"
-                         f"{_type_name(state.s_type)}, this memory {_type_name(want)}")
+        raise StateError(f"dtype mismatch: blob {ggml_type_name(state.r_type)}/"
+                         f"{ggml_type_name(state.s_type)}, this memory {ggml_type_name(want)}")
     if dest_seq_id != -1 and not 0 <= dest_seq_id < min(memory.n_seq_max, memory.size):
         raise StateError(f"dest_seq_id={dest_seq_id} out of range "
                          f"[0, {min(memory.n_seq_max, memory.size)}) or -1")
@@ -1187,15 +1189,13 @@ def state_save_file(path: str | Path, memory: RecurrentMemory, hparams: Recurren
     Raises:
         StateError: token ids beyond int32; as [`state_write`][].
     """
-    toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
-        raise StateError("token ids must fit an int32")
-    body = _Writer()
+    toks = check_tokens(tokens)
+    body = BlobWriter()
     body.write("I", toks.size)
     body.write_array(toks.astype(np.int32))
     body.write_bytes(state_write(memory, hparams, seq_id))
-    data = _seal(FILE_MAGIC, FILE_VERSION, body.getvalue())
-    _write_atomic(path, data)
+    data = seal(FILE_MAGIC, FILE_VERSION, body.getvalue())
+    write_atomic(path, data)
     return len(data)
 # --8<-- [end:state_save_file]
 
@@ -1208,7 +1208,7 @@ def state_load_file(path: str | Path, memory: RecurrentMemory, hparams: Recurren
     Raises:
         StateError: a refused file or blob (memory unchanged). OSError: unreadable file.
     """
-    io = _unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
+    io = unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
     tokens = io.read_array(np.dtype(np.int32), (io.read("I"),))
     state_read(memory, hparams, io.read_bytes(len(io.data) - io.off), dest_seq_id)
     return tokens

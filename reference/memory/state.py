@@ -67,9 +67,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,8 +76,19 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from reference.batch import Ubatch
-from reference.common import DTYPE_OF_GGML_TYPE, GGML_TYPE_OF_DTYPE, LlamarefError
+from reference.common import DTYPE_OF_GGML_TYPE
 from reference.hparams import LlamaHParams, is_masked_swa
+from reference.memory.blob import (
+    BlobReader,
+    BlobWriter,
+    StateError,
+    check_tokens,
+    ggml_type_name,
+    ggml_type_of,
+    seal,
+    unseal,
+    write_atomic,
+)
 from reference.memory.interface import Memory
 from reference.memory.kv_cells import KVCells
 
@@ -93,7 +102,6 @@ CONTEXT_MAGIC = b"LRCX"  # a context blob: outputs + a memory blob
 CONTEXT_VERSION = 1
 FILE_MAGIC = b"LRSF"  # a state file: tokens + a memory blob (llama.cpp: 'ggsn' / 'ggsq')
 FILE_VERSION = 1
-CHECKSUM_SIZE = 32  # SHA-256
 LLAMA_STATE_SEQ_FLAGS_NONE = 0  # llama.h: the whole state of a sequence
 LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY = 1  # only the partial state (the SWA cache of an iSWA pair)
 LLAMA_STATE_SEQ_FLAGS_SWA_ONLY = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY  # its older name
@@ -102,15 +110,6 @@ SEQ_STATE_MAGIC = 0xAF143CD8  # llama_context's io_magic, before a sequence blob
 # --8<-- [end:constants]
 
 
-# --8<-- [start:StateError]
-class StateError(LlamarefError, ValueError):
-    """A state blob or file that cannot be restored into this memory.
-
-    The message says what is wrong: bad magic, unknown version, truncated, checksum
-    mismatch, another architecture or hyperparameters, another cache dtype, a stream count,
-    a sequence id out of range, no room in the cache. Raised before the memory changes.
-    """
-# --8<-- [end:StateError]
 
 
 # --8<-- [start:check_state_flags]
@@ -130,69 +129,13 @@ def check_state_flags(flags: int) -> None:
         >>> check_state_flags(2)
         Traceback (most recent call last):
         ...
-        reference.memory.state.StateError: state flags 2 not supported: 0 (NONE) or 1 (PARTIAL_ONLY)
+        reference.memory.blob.StateError: state flags 2 not supported: 0 (NONE) or 1 (PARTIAL_ONLY)
     """
     if flags not in (LLAMA_STATE_SEQ_FLAGS_NONE, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY):
         raise StateError(f"state flags {flags} not supported: 0 (NONE) or 1 (PARTIAL_ONLY)")
 # --8<-- [end:check_state_flags]
 
 
-# ---------------------------------------------------------------------------------------------
-# bytes in and out (llama_io_write_i / llama_io_read_i)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Writer:
-    """``llama_io_write_buffer``: little-endian scalars, strings and arrays."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-
-    def write(self, fmt: str, *values) -> None:
-        self.parts.append(struct.pack("<" + fmt, *values))
-
-    def write_bytes(self, b: bytes) -> None:
-        self.parts.append(bytes(b))
-
-    def write_string(self, s: str) -> None:
-        b = s.encode("utf-8")
-        self.write("I", len(b))
-        self.write_bytes(b)
-
-    def write_array(self, a: np.ndarray) -> None:
-        self.parts.append(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes())
-
-    def getvalue(self) -> bytes:
-        return b"".join(self.parts)
-
-
-class _Reader:
-    """``llama_io_read_buffer``: reads past the end raise [`StateError`][]."""
-
-    def __init__(self, data: bytes, what: str) -> None:
-        self.data = memoryview(data)
-        self.off = 0
-        self.what = what
-
-    def read_bytes(self, n: int) -> bytes:
-        if n < 0 or self.off + n > len(self.data):
-            raise StateError(f"{self.what} truncated at byte {len(self.data)}: {n} bytes needed "
-                             f"at offset {self.off}")
-        b = bytes(self.data[self.off: self.off + n])
-        self.off += n
-        return b
-
-    def read(self, fmt: str):
-        values = struct.unpack("<" + fmt, self.read_bytes(struct.calcsize("<" + fmt)))
-        return values[0] if len(values) == 1 else values
-
-    def read_string(self) -> str:
-        return self.read_bytes(self.read("I")).decode("utf-8", errors="replace")
-
-    def read_array(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        n = int(np.prod(shape)) * dtype.itemsize
-        a = np.frombuffer(self.read_bytes(n), dtype.newbyteorder("<"))
-        return a.astype(dtype).reshape(shape)
 
 
 # --8<-- [start:hparams_fingerprint]
@@ -229,16 +172,6 @@ def hparams_fingerprint(hparams: LlamaHParams) -> bytes:
 # --8<-- [end:hparams_fingerprint]
 
 
-def _ggml_type(dtype: np.dtype) -> int:
-    dtype = np.dtype(dtype)
-    if dtype not in GGML_TYPE_OF_DTYPE:
-        raise StateError(f"cache dtype {dtype} has no ggml type here (float32, float16, float64)")
-    return GGML_TYPE_OF_DTYPE[dtype]
-
-
-def _type_name(t: int) -> str:
-    d = DTYPE_OF_GGML_TYPE.get(t)
-    return f"{d} (ggml type {t})" if d is not None else f"ggml type {t}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +278,7 @@ def state_cells(memory: KVCache, stream: int, seq_id: int) -> list[int]:
 
 
 # --8<-- [start:state_write_meta]
-def state_write_meta(io: _Writer, cells: KVCells, idxs: list[int], seq_id: int) -> None:
+def state_write_meta(io: BlobWriter, cells: KVCells, idxs: list[int], seq_id: int) -> None:
     """Per saved cell: ``pos``, ``n_seq_id``, ``shift``, then its sequence ids (ascending).
 
     For one sequence, only ``seq_id`` is written (``n_seq_id == 1``), as llama.cpp.
@@ -359,7 +292,7 @@ def state_write_meta(io: _Writer, cells: KVCells, idxs: list[int], seq_id: int) 
 
 
 # --8<-- [start:state_write_data]
-def state_write_data(io: _Writer, memory: KVCache, stream: int, idxs: list[int]) -> None:
+def state_write_data(io: BlobWriter, memory: KVCache, stream: int, idxs: list[int]) -> None:
     """``v_trans``, ``n_layer``, then per layer the key rows, then per layer the value rows.
 
     Each layer's block is its ggml type, its row size in bytes, then the rows of the saved
@@ -374,18 +307,18 @@ def state_write_data(io: _Writer, memory: KVCache, stream: int, idxs: list[int])
 
 
 # --8<-- [start:layer_rows]
-def write_layer_rows(io: _Writer, rows: np.ndarray) -> None:
+def write_layer_rows(io: BlobWriter, rows: np.ndarray) -> None:
     """One layer's block of rows: its ggml type (i32), its row size in bytes (u64), the rows.
 
     The same block carries K and V rows here and the conv and SSM state rows of the
     recurrent memory ([`reference.memory.recurrent`][reference.memory.recurrent]).
     """
-    io.write("iQ", _ggml_type(rows.dtype), rows.dtype.itemsize * rows.shape[-1])
+    io.write("iQ", ggml_type_of(rows.dtype), rows.dtype.itemsize * rows.shape[-1])
     io.write_array(rows)  # (cell_count, row_size)
 
 
 def read_layer_rows(
-    io: _Reader, kind: str, t_ref: int, n_layer: int, cell_count: int
+    io: BlobReader, kind: str, t_ref: int, n_layer: int, cell_count: int
 ) -> list[np.ndarray]:
     """Read ``n_layer`` blocks written by [`write_layer_rows`][], checking each type.
 
@@ -397,8 +330,8 @@ def read_layer_rows(
     for il in range(n_layer):
         t, size_row = io.read("iQ")
         if t != t_ref:
-            raise StateError(f"layer {il} {kind} rows are {_type_name(t)}, the header "
-                             f"says {_type_name(t_ref)}")
+            raise StateError(f"layer {il} {kind} rows are {ggml_type_name(t)}, the header "
+                             f"says {ggml_type_name(t_ref)}")
         dtype = DTYPE_OF_GGML_TYPE[t]
         if size_row % dtype.itemsize:
             raise StateError(f"layer {il} {kind} row size {size_row} is not a whole number "
@@ -456,10 +389,10 @@ def state_write(memory: KVCache, hparams: LlamaHParams, seq_id: int = -1) -> byt
     _check_memory_hparams(memory, hparams)
     if seq_id != -1 and not 0 <= seq_id < len(memory.seq_to_stream):
         raise StateError(f"seq_id={seq_id} out of range [0, {len(memory.seq_to_stream)}) or -1")
-    body = _Writer()
+    body = BlobWriter()
     body.write_string(hparams.arch)
     body.write_bytes(hparams_fingerprint(hparams))
-    body.write("iiIi", _ggml_type(memory.dtype), _ggml_type(memory.dtype),
+    body.write("iiIi", ggml_type_of(memory.dtype), ggml_type_of(memory.dtype),
                memory.get_n_stream(), seq_id)
     for s in range(memory.get_n_stream()):
         idxs = state_cells(memory, s, seq_id)
@@ -467,37 +400,10 @@ def state_write(memory: KVCache, hparams: LlamaHParams, seq_id: int = -1) -> byt
         if idxs:
             state_write_meta(body, memory.v_cells[s], idxs, seq_id)
             state_write_data(body, memory, s, idxs)
-    return _seal(STATE_MAGIC, STATE_VERSION, body.getvalue())
+    return seal(STATE_MAGIC, STATE_VERSION, body.getvalue())
 # --8<-- [end:state_write]
 
 
-def _seal(magic: bytes, version: int, body: bytes) -> bytes:
-    """``magic | version | total size | body | sha256(everything before)``."""
-    total = 4 + 4 + 8 + len(body) + CHECKSUM_SIZE
-    head = magic + struct.pack("<IQ", version, total) + body
-    return head + hashlib.sha256(head).digest()
-
-
-def _unseal(data: bytes, magic: bytes, version: int, what: str) -> _Reader:
-    """Check magic, version, size and checksum, in that order; a reader on the body."""
-    data = bytes(data)
-    if len(data) < 16:
-        raise StateError(f"{what} truncated at byte {len(data)}: the header needs 16 bytes")
-    if data[:4] != magic:
-        raise StateError(f"bad magic {data[:4]!r}: not a {what} (expected {magic!r})")
-    v, total = struct.unpack("<IQ", data[4:16])
-    if v != version:
-        newer = " (written by a newer llamaref)" if v > version else ""
-        raise StateError(f"{what} format version {v}{newer}: this reader knows version {version}")
-    if len(data) < total:
-        raise StateError(f"{what} truncated at byte {len(data)}: the header says {total} bytes")
-    if len(data) > total:
-        raise StateError(f"{what} has {len(data) - total} bytes after its end ({total} bytes)")
-    if total < 16 + CHECKSUM_SIZE:
-        raise StateError(f"{what} size {total} is smaller than its header and checksum")
-    if hashlib.sha256(data[:-CHECKSUM_SIZE]).digest() != data[-CHECKSUM_SIZE:]:
-        raise StateError(f"{what} checksum mismatch: the bytes are corrupted")
-    return _Reader(data[16:-CHECKSUM_SIZE], what)
 
 
 def _check_memory_hparams(memory: KVCache, hparams: LlamaHParams) -> None:
@@ -537,15 +443,15 @@ def state_parse(data: bytes) -> KVState:
         >>> state_parse(b"GGUF" + bytes(60))
         Traceback (most recent call last):
         ...
-        reference.memory.state.StateError: bad magic b'GGUF': not a state blob (expected b'LRKV')
+        reference.memory.blob.StateError: bad magic b'GGUF': not a state blob (expected b'LRKV')
     """
-    io = _unseal(data, STATE_MAGIC, STATE_VERSION, "state blob")
+    io = unseal(data, STATE_MAGIC, STATE_VERSION, "state blob")
     arch = io.read_string()
     fingerprint = io.read_bytes(32)
     k_type, v_type, n_stream, seq_id = io.read("iiIi")
     for t in (k_type, v_type):
         if t not in DTYPE_OF_GGML_TYPE:
-            raise StateError(f"unsupported row type {_type_name(t)}")
+            raise StateError(f"unsupported row type {ggml_type_name(t)}")
     streams = [state_read_stream(io, k_type, v_type) for _ in range(n_stream)]
     if io.off != len(io.data):
         raise StateError(f"state blob has {len(io.data) - io.off} unread bytes before its checksum")
@@ -554,7 +460,7 @@ def state_parse(data: bytes) -> KVState:
 
 
 # --8<-- [start:state_read_stream]
-def state_read_stream(io: _Reader, k_type: int, v_type: int) -> StreamState:
+def state_read_stream(io: BlobReader, k_type: int, v_type: int) -> StreamState:
     """One stream of a blob: its cell count, cells (``state_read_meta``), rows (``_data``)."""
     cell_count = io.read("I")
     st = StreamState([], [], [], [], [])
@@ -597,10 +503,10 @@ def state_check(memory: KVCache, hparams: LlamaHParams, state: KVState, dest_seq
         raise StateError("blob written for other hyperparameters (fingerprint "
                          f"{state.fingerprint.hex()[:16]}..., this model "
                          f"{hparams_fingerprint(hparams).hex()[:16]}...): another model")
-    want = _ggml_type(memory.dtype)
+    want = ggml_type_of(memory.dtype)
     if (state.k_type, state.v_type) != (want, want):
-        raise StateError(f"cache dtype mismatch: blob K {_type_name(state.k_type)}, V "
-                         f"{_type_name(state.v_type)}; this cache {_type_name(want)}")
+        raise StateError(f"cache dtype mismatch: blob K {ggml_type_name(state.k_type)}, V "
+                         f"{ggml_type_name(state.v_type)}; this cache {ggml_type_name(want)}")
     if state.n_stream != memory.get_n_stream():
         raise StateError(f"n_stream mismatch: blob {state.n_stream}, cache {memory.get_n_stream()}")
     n_seq = len(memory.seq_to_stream)
@@ -750,7 +656,7 @@ def state_read(memory: KVCache, hparams: LlamaHParams, data: bytes, dest_seq_id:
         >>> state_read(b, hp, state_write(a, hp, seq_id=1))
         Traceback (most recent call last):
         ...
-        reference.memory.state.StateError: blob holds sequence 1: restore it with dest_seq_id >= 0
+        reference.memory.blob.StateError: blob holds sequence 1: restore it with dest_seq_id >= 0
     """
     state_apply(memory, state_prepare(memory, hparams, data, dest_seq_id), dest_seq_id)
 # --8<-- [end:state_read]
@@ -805,19 +711,6 @@ def state_apply(memory: KVCache, state: KVState, dest_seq_id: int = -1) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file next to ``path``, then rename it over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --8<-- [start:state_save_file]
@@ -855,16 +748,11 @@ def state_save_file(
     Raises:
         StateError: as [`state_write`][].
     """
-    _check_tokens(tokens)
+    check_tokens(tokens)
     return state_file_write(path, tokens, state_write(memory, hparams, seq_id))
 # --8<-- [end:state_save_file]
 
 
-def _check_tokens(tokens: ArrayLike) -> np.ndarray:
-    toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
-        raise StateError("token ids must fit an int32")
-    return toks
 
 
 # --8<-- [start:state_file]
@@ -874,13 +762,13 @@ def state_file_write(path: str | Path, tokens: ArrayLike, blob: bytes) -> int:
     Raises:
         StateError: a token id beyond int32.
     """
-    toks = _check_tokens(tokens)
-    body = _Writer()
+    toks = check_tokens(tokens)
+    body = BlobWriter()
     body.write("I", toks.size)
     body.write_array(toks.astype(np.int32))
     body.write_bytes(blob)
-    data = _seal(FILE_MAGIC, FILE_VERSION, body.getvalue())
-    _write_atomic(path, data)
+    data = seal(FILE_MAGIC, FILE_VERSION, body.getvalue())
+    write_atomic(path, data)
     return len(data)
 
 
@@ -891,7 +779,7 @@ def state_file_read(path: str | Path) -> tuple[np.ndarray, bytes]:
     Raises:
         StateError: a refused file. OSError: the file cannot be read.
     """
-    io = _unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
+    io = unseal(Path(path).read_bytes(), FILE_MAGIC, FILE_VERSION, "state file")
     n_token_count = io.read("I")
     tokens = io.read_array(np.dtype(np.int32), (n_token_count,))
     return tokens, io.read_bytes(len(io.data) - io.off)
@@ -1040,14 +928,14 @@ def context_state_write(
         StateError: logits not 2-D or of an unsupported dtype; output ids beyond int32; as
             [`state_write`][].
     """
-    body = _Writer()
+    body = BlobWriter()
     if logits is None:
         body.write("I", 0)
     else:
         logits = np.asarray(logits)
         if logits.ndim != 2:
             raise StateError(f"logits must be (n_outputs, n_vocab), got shape {logits.shape}")
-        body.write("IiII", 1, _ggml_type(logits.dtype), *logits.shape)
+        body.write("IiII", 1, ggml_type_of(logits.dtype), *logits.shape)
         body.write_array(logits)
     ids = np.asarray(output_ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
@@ -1057,7 +945,7 @@ def context_state_write(
     blob = memory.state_write(hparams)
     body.write("Q", len(blob))
     body.write_bytes(blob)
-    return _seal(CONTEXT_MAGIC, CONTEXT_VERSION, body.getvalue())
+    return seal(CONTEXT_MAGIC, CONTEXT_VERSION, body.getvalue())
 # --8<-- [end:context_state_write]
 
 
@@ -1091,12 +979,12 @@ def context_state_read(
         >>> logits.shape, ids.tolist()
         ((1, 32), [0])
     """
-    io = _unseal(data, CONTEXT_MAGIC, CONTEXT_VERSION, "context state")
+    io = unseal(data, CONTEXT_MAGIC, CONTEXT_VERSION, "context state")
     logits = None
     if io.read("I"):
         t, n_outputs, n_vocab = io.read("iII")
         if t not in DTYPE_OF_GGML_TYPE:
-            raise StateError(f"unsupported logits type {_type_name(t)}")
+            raise StateError(f"unsupported logits type {ggml_type_name(t)}")
         logits = io.read_array(DTYPE_OF_GGML_TYPE[t], (n_outputs, n_vocab))
     output_ids = io.read_array(np.dtype(np.int32), (io.read("I"),))
     blob = io.read_bytes(io.read("Q"))

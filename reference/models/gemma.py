@@ -77,10 +77,10 @@ from reference.hparams import GEMMA_ARCHS, LlamaHParams, rope_cparams
 from reference.models.llama import (
     AttnInput,
     LlamaForwardError,
-    _check_ubatch_inputs,
     build_inp_embd,
     build_norm,
     build_qkv,
+    check_ubatch_inputs,
     get_weight,
     model_dtype,
 )
@@ -245,8 +245,8 @@ def _attention(
         k = build_norm(k, layer["attn_k_norm"], eps)  # (n_tokens, n_head_kv, d)
     # gemma: the context's base and scale on every layer; gemma2/3: the SWA ones on SWA layers
     rope = rope_cparams(hparams, None if hparams.arch == "gemma" else il)
-    q = rope_ext(q, pos, **rope)  # (n_tokens, n_head, d)
-    k = rope_ext(k, pos, **rope)  # (n_tokens, n_head_kv, d)
+    q = rope_ext(q, pos, rope)  # (n_tokens, n_head, d)
+    k = rope_ext(k, pos, rope)  # (n_tokens, n_head_kv, d)
     q = scale(q, gemma_kq_scale(hparams))  # ggml_scale(Qcur, f_attention_scale)
     return build_attn_gemma(inp_attn, layer["wo"], q, k, v, hparams.f_attn_logit_softcapping, il)
 
@@ -349,6 +349,6 @@ def gemma_forward(
     """
     if hparams.arch not in GEMMA_ARCHS:
         raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {GEMMA_ARCHS}")
-    tokens, pos, out_ids, embd = _check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
+    tokens, pos, out_ids, embd = check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
     return llm_build_gemma(weights, hparams, tokens, pos, inp_attn, out_ids, embd)
 # --8<-- [end:gemma_forward]

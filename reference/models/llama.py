@@ -52,14 +52,7 @@ from reference.common import LlamarefError
 from reference.hparams import LlamaHParams, rope_cparams
 from reference.models.simple_cache import SimpleKVCache
 from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, swiglu
-from reference.ops.rope import (
-    ROPE_TYPE_NORM,
-    _check_rope_args,
-    _compute_dtype,
-    rope_cache_init,
-    rope_yarn_corr_dims,
-    rotate_pairs,
-)
+from reference.ops.rope import RopeParams, check_rope_args, rope_cache, rope_dtype, rotate_pairs
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -372,37 +365,33 @@ def build_inp_embd(
 
 # --8<-- [start:graph_rope]
 def graph_rope(
-    pos: np.ndarray,
-    n_dims: int,
-    mode: int = ROPE_TYPE_NORM,
-    n_ctx_orig: int = 0,
-    freq_base: float = 10000.0,
-    freq_scale: float = 1.0,
-    ext_factor: float = 0.0,
-    attn_factor: float = 1.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    freq_factors: np.ndarray | None = None,
+    pos: np.ndarray, params: RopeParams, freq_factors: np.ndarray | None = None
 ) -> Callable[[np.ndarray], np.ndarray]:
-    r"""The RoPE of one forward's tokens, as the function that turns each ``q`` and ``k``.
+    r"""Fast path of [`rope_ext`][reference.ops.rope.rope_ext] for one forward's tokens: the
+    function that turns each ``q`` and ``k``.
 
     ggml's graph has a ``rope_ext`` node for the ``q`` and the ``k`` of every layer, and each
     builds its own cos/sin cache (``ggml_rope_cache_init``) before it rotates. The angles
     depend on the positions and the hyperparameters only, so every one of those caches is the
     same: here the cache is built once (per compute dtype) and each call only rotates its pairs
-    ([`rotate_pairs`][reference.ops.rope.rotate_pairs]). The values are
-    [`rope_ext`][reference.ops.rope.rope_ext]'s, bit for bit. The arguments are
-    ``rope_ext``'s, less ``x``. (SmolLM2 decoding 32 sequences spent about 8 % of a step's
-    time building its 60 caches, on this project's CPU.)
+    ([`rotate_pairs`][reference.ops.rope.rotate_pairs]). The values are ``rope_ext``'s, bit for
+    bit (``tests/laws/test_rope.py::test_graph_rope_is_rope_ext_bit_for_bit``). The arguments
+    are ``rope_ext``'s, less ``x``. (What building the caches cost a batched step:
+    ``docs/performance.md``.)
 
     Args:
         pos: ``(n_tokens,)`` integer positions.
+        params: the model's [`RopeParams`][reference.ops.rope.RopeParams].
+        freq_factors: ``rope_freqs.weight``, or None.
+
+    Returns:
+        ``rope(x)``: ``rope_ext(x, pos, params, freq_factors)`` for any ``x`` of these tokens.
 
     Examples:
         >>> from reference.ops import rope_ext
         >>> x = np.random.default_rng(0).standard_normal((3, 4, 8)).astype(np.float32)
-        >>> pos = np.array([0, 5, 9])
-        >>> bool(np.array_equal(graph_rope(pos, 8)(x), rope_ext(x, pos, 8)))
+        >>> pos, p = np.array([0, 5, 9]), RopeParams(8)
+        >>> bool(np.array_equal(graph_rope(pos, p)(x), rope_ext(x, pos, p)))
         True
     """
     pos = np.asarray(pos)
@@ -410,13 +399,11 @@ def graph_rope(
 
     def rope(x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
-        _check_rope_args(x, pos, n_dims, mode, freq_factors)
-        dt = _compute_dtype(x.dtype)
+        check_rope_args(x, pos, params, freq_factors)
+        dt = rope_dtype(x.dtype)
         if dt not in caches:
-            corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, dt)
-            caches[dt] = rope_cache_init(pos, n_dims, freq_base, freq_scale, freq_factors,
-                                         corr_dims, ext_factor, attn_factor, dt)
-        out = rotate_pairs(x.astype(dt), *caches[dt], n_dims, mode)
+            caches[dt] = rope_cache(pos, params, freq_factors, dt)
+        out = rotate_pairs(x.astype(dt), *caches[dt], params.n_dims, params.mode)
         return out.astype(x.dtype, copy=False)
 
     return rope
@@ -451,7 +438,7 @@ def llm_build_llama(
     n_embd_head = hparams.n_embd_head_k
     kq_scale = hparams.f_attention_scale or 1.0 / math.sqrt(n_embd_head)
     rope_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
-    rope = graph_rope(pos, freq_factors=rope_factors, **rope_cparams(hparams))  # one cos/sin cache
+    rope = graph_rope(pos, rope_cparams(hparams), rope_factors)  # one cos/sin cache
 
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
@@ -511,17 +498,25 @@ def check_forward_inputs(
     """
     if hparams.arch not in SUPPORTED_ARCHS:
         raise LlamaForwardError(f"arch {hparams.arch!r} is not one of {SUPPORTED_ARCHS}")
-    return _check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
+    return check_ubatch_inputs(hparams, tokens, pos, out_ids, embd)
 
 
-def _check_ubatch_inputs(
+def check_ubatch_inputs(
     hparams: LlamaHParams,
     tokens: np.ndarray | None,
     pos: np.ndarray,
     out_ids: np.ndarray | None,
     embd: np.ndarray | None,
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray | None]:
-    """[`check_forward_inputs`][] less the arch check (shared with the Gemma graphs)."""
+    """[`check_forward_inputs`][] less the arch check (shared with the Gemma graphs).
+
+    Returns and raises as [`check_forward_inputs`][], for any arch.
+
+    Examples:
+        >>> from reference.testing import tiny_hparams
+        >>> check_ubatch_inputs(tiny_hparams(), None, [0, 1], [1], np.zeros((2, 16)))[2]
+        array([1])
+    """
     pos = np.asarray(pos, dtype=np.int64)
     if (tokens is None) == (embd is None):
         raise LlamaForwardError("give exactly one of tokens and embd")

@@ -33,15 +33,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import DTypeLike
 
-from reference.common import LlamarefError
 from reference.hparams import SWA_TYPE_NONE, LlamaHParams, is_masked_swa
+from reference.memory.kv_cache import KVCacheError  # the one error of every KV cache
 from reference.ops import set_rows
-
-
-class KVCacheError(LlamarefError, ValueError):
-    """A ubatch does not fit the simple cache (wrong positions, or out of cells)."""
-
-
 
 
 # --8<-- [start:build_kq_mask]
@@ -167,7 +161,7 @@ class SimpleKVCache:
         >>> cache.init_batch(np.array([5]))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        reference.models.simple_cache.KVCacheError: positions must continue ...
+        reference.memory.kv_cache.KVCacheError: positions must continue ...
     """
 
     def __init__(self, hparams: LlamaHParams, n_ctx: int, dtype: DTypeLike = np.float32):

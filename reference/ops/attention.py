@@ -26,6 +26,9 @@ Precision, as in ``ggml_compute_forward_soft_max_f32``: $w$ and the exponentials
 their sum is accumulated in double (``ggml_float``), and the row is multiplied by
 ``float(1.0 / sum)``.
 
+Its backward, for training, is ``ggml_soft_max_ext_back`` ([`soft_max_ext_back`][]): from the
+forward's output $y$ alone, $\bar x = \mathrm{scale}\cdot y \odot (\bar y - \sum_j y_j \bar y_j)$.
+
 **A fully masked row** (every key hidden from a query) has maximum $-\infty$; ggml's softmax
 then computes $e^{-\infty - (-\infty)} = e^{\mathrm{NaN}}$ and returns NaN for the whole row
 (a debug build asserts ``sum > 0``). ggml's own ``flash_attn_ext`` returns zeros for such a
@@ -91,7 +94,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.ops.errors import OpShapeError
+from reference.ops.errors import OpShapeError, OpValueError
 from reference.ops.matmul import mul_mat
 from reference.ops.softcap import softcap as softcap_op
 
@@ -134,8 +137,25 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
 # --8<-- [end:alibi_slopes]
 
 
-def _check_soft_max_args(x: np.ndarray, mask: np.ndarray | None, max_bias: float) -> None:
-    """The asserts of ``ggml_soft_max_impl``, as exceptions."""
+def check_soft_max_args(x: np.ndarray, mask: np.ndarray | None, max_bias: float) -> None:
+    """The asserts of ``ggml_soft_max_impl``, as exceptions (shared with the MLX twin).
+
+    Args:
+        x: the scores ``(..., n_head, n_tokens, n_kv)`` (only the shape is read).
+        mask: the mask, or None.
+        max_bias: the ALiBi maximum bias.
+
+    Raises:
+        OpShapeError: ``x`` is 0-D, ALiBi without a mask, or a mask that does not fit ``x``
+            (``(..., n_rows >= n_tokens, n_kv)`` with leading dimensions dividing ``x``'s).
+
+    Examples:
+        >>> check_soft_max_args(np.zeros((2, 3, 4)), np.zeros((3, 4)), 0.0)
+        >>> check_soft_max_args(np.zeros((2, 3, 4)), None, 8.0)
+        Traceback (most recent call last):
+        ...
+        reference.ops.errors.OpShapeError: soft_max_ext: ALiBi (max_bias > 0) needs a mask
+    """
     if x.ndim < 1:
         raise OpShapeError("soft_max_ext: x must have at least one dimension")
     if mask is None:
@@ -187,7 +207,7 @@ def soft_max_ext(
         array([[[1. , 0. , 0. ],
                 [0.5, 0.5, 0. ]]])
     """
-    _check_soft_max_args(x, mask, max_bias)
+    check_soft_max_args(x, mask, max_bias)
     t = x.dtype.type
     # w is the one array of x's size made here: every later step updates it in place (at
     # long context x is the largest array of a forward, n_head * n_tokens * n_kv floats)
@@ -216,8 +236,80 @@ def soft_max_ext(
 # --8<-- [end:soft_max_ext]
 
 
-def _tile_reps(mask_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """How many times each dimension of the mask repeats to cover ``x`` (rows/cols once)."""
+def check_soft_max_back_args(grad_shape: tuple, y_shape: tuple, max_bias: float) -> None:
+    """[`soft_max_ext_back`][]'s contract: one gradient per probability, no ALiBi.
+
+    Shared with the MLX twin.
+
+    Raises:
+        OpShapeError: if the shapes differ.
+        OpValueError: if ``max_bias != 0`` (ggml has no backward for ALiBi).
+
+    Examples:
+        >>> check_soft_max_back_args((2, 3), (2, 3), 8.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.ops.errors.OpValueError: soft_max_ext_back: ggml has no backward for ALiBi ...
+    """
+    if tuple(grad_shape) != tuple(y_shape):
+        raise OpShapeError(f"soft_max_ext_back: grad {tuple(grad_shape)} and y {tuple(y_shape)} "
+                           "differ")
+    if max_bias != 0.0:
+        raise OpValueError("soft_max_ext_back: ggml has no backward for ALiBi (max_bias != 0)")
+
+
+# --8<-- [start:soft_max_ext_back]
+def soft_max_ext_back(
+    grad: np.ndarray, y: np.ndarray, scale: float = 1.0, max_bias: float = 0.0
+) -> np.ndarray:
+    r"""``ggml_soft_max_ext_back``: the gradient of ``soft_max_ext(x, mask, scale)`` for ``x``.
+
+    The softmax's Jacobian is $\mathrm{diag}(y) - y y^T$ and $w = \mathrm{scale}\cdot x +
+    \mathrm{mask}$, so per row
+
+    $$ \bar x = \mathrm{scale}\cdot y \odot \left(\bar y - \textstyle\sum_j y_j \bar y_j\right). $$
+
+    It needs only the forward's *output* $y$. Hidden keys ($y_j = 0$) get zero gradient; the
+    mask itself gets none (ggml asserts that nothing asks for it). CPU kernel:
+    ``ggml_compute_forward_soft_max_ext_back_f32`` (dot, subtract, multiply, scale).
+
+    Args:
+        grad: $\bar y$, ``(..., n_kv)``.
+        y: the forward's output, same shape.
+        scale: the forward's ``scale`` (``kq_scale``).
+        max_bias: must be 0: ggml has no backward for ALiBi.
+
+    Returns:
+        $\bar x$, same shape and dtype as ``y``.
+
+    Raises:
+        OpShapeError: if the shapes differ.
+        OpValueError: if ``max_bias != 0``.
+
+    Examples:
+        >>> import numpy as np
+        >>> soft_max_ext_back(np.array([1.0, 0.0]), np.array([0.5, 0.5]), scale=2.0)
+        array([ 0.5, -0.5])
+    """
+    check_soft_max_back_args(grad.shape, y.shape, max_bias)
+    t = y.dtype.type
+    dot = np.sum(y * grad, axis=-1, keepdims=True)  # (..., 1)
+    return ((grad - dot) * y * t(scale)).astype(y.dtype, copy=False)
+
+
+# --8<-- [end:soft_max_ext_back]
+
+
+def tile_reps(mask_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """How many times each dimension of the mask repeats to cover ``x`` (rows/cols once).
+
+    ggml reads mask row ``i % dm`` for ``x``'s index ``i`` in a leading dimension; shared with
+    the MLX twin, which tiles the mask by these counts.
+
+    Examples:
+        >>> tile_reps((2, 1, 3, 5), (2, 4, 3, 5)), tile_reps((3, 5), (4, 3, 5))
+        ((1, 4, 1, 1), (4, 1, 1))
+    """
     lead = (1,) * (len(x_shape) - len(mask_shape)) + tuple(mask_shape[:-2])
     return tuple(dx // dm for dx, dm in zip(x_shape[:-2], lead, strict=True)) + (1, 1)
 
@@ -236,7 +328,7 @@ def _mask_over(mask: np.ndarray, x_shape: tuple[int, ...]) -> np.ndarray:
         >>> _mask_over(m, (2, 1, 1)) is m
         True
     """
-    reps = _tile_reps(mask.shape, x_shape)
+    reps = tile_reps(mask.shape, x_shape)
     lead = (1,) * (len(x_shape) - mask.ndim) + tuple(mask.shape[:-2])
     if any(r > 1 and dm > 1 for r, dm in zip(reps[:-2], lead, strict=True)):
         return np.tile(mask, reps)
@@ -329,7 +421,7 @@ def build_attn_mha(
         >>> bool(np.allclose(out[0].reshape(4, 3), v[0, [0, 0, 1, 1]]))   # token 0 sees key 0
         True
     """
-    _check_attn_args(q, k, v, kq_mask, n_stream)
+    check_attn_args(q, k, v, kq_mask, n_stream)
     n_tokens, n_head, _ = q.shape
     if n_stream == 1 and k.ndim == 3 and sees_few_cells(kq_mask[:n_tokens]):
         # the same outputs, reading only each token's visible cells (module docstring)
@@ -360,16 +452,16 @@ def build_attn_mha(
 FEW_CELLS = 16
 """A token "sees few cells" when it sees at most ``1 / FEW_CELLS`` of the cells in view.
 
-Gathering a token's cells copies their K and V; scoring every cell copies nothing. Measured on
-this project's CPU (9 query and 3 KV heads of 64, float32), the gathered form is the faster
-one below about $1/6$ of the cells for 32 tokens against 1536 cells, and below $1/8$ to $1/16$
-for 128 tokens against 2048 and 512 against 512; at $1/16$ it takes 0.3 to 0.7 of the time of
-the full product. Parallel decoding of 32 sequences sees about $1/32$ (0.2 of the time)."""
+Gathering a token's cells copies their K and V; scoring every cell copies nothing. So the
+gathered form wins only when tokens see a small share of the cells: the bound is measured
+(``docs/performance.md``, *The reference's fast paths*), and parallel decoding of 32
+sequences in a unified cache, where each sees about $1/32$ of the cells, is below it."""
 
 
 def sees_few_cells(kq_mask: np.ndarray) -> bool:
     """Whether every row of the mask ``(n_tokens, n_kv)`` sees at most ``n_kv / FEW_CELLS``
-    cells (the condition for [`attend_visible`][reference.ops.attention.attend_visible]).
+    cells: when [`build_attn_mha`][reference.ops.attention.build_attn_mha] takes its fast path,
+    [`attend_visible`][reference.ops.attention.attend_visible].
 
     Examples:
         >>> m = np.full((2, 32), -np.inf); m[0, 0] = m[1, :2] = 0.0
@@ -380,8 +472,8 @@ def sees_few_cells(kq_mask: np.ndarray) -> bool:
     if n_tokens == 0 or n_kv == 0:
         return False
     visible = kq_mask > -np.inf  # (n_tokens, n_kv)
-    # the widest row's cells (one row, as in generation: the plain count, 3 µs at 16k cells
-    # where the count per row takes 10)
+    # the widest row's cells (one row, as in generation: the plain count, cheaper than the
+    # count per row)
     most = np.count_nonzero(visible) if n_tokens == 1 else np.count_nonzero(visible, axis=1).max()
     return int(most) * FEW_CELLS <= n_kv
 
@@ -398,7 +490,7 @@ def visible_cells(kq_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         >>> idx.tolist(), mask.tolist()
         ([[0, 2], [1, 0]], [[0.0, -1.0], [0.0, -inf]])
     """
-    # row by row, cells in order (flat indices: NumPy's 2-D nonzero is ten times slower)
+    # row by row, cells in order (flat indices: NumPy's 2-D nonzero is much slower)
     rows, cols = np.divmod(np.flatnonzero(kq_mask > -np.inf), kq_mask.shape[1])
     counts = np.bincount(rows, minlength=kq_mask.shape[0])  # (n_tokens,)
     n_vis = max(1, int(counts.max(initial=0)))  # one hidden cell when no token sees any
@@ -419,13 +511,19 @@ def attend_visible(
     max_bias: float = 0.0,
     softcap: float = 0.0,
 ) -> np.ndarray:
-    r"""[`build_attn_mha`][reference.ops.attention.build_attn_mha] (one stream) reading only
-    the cells each token sees: the same steps, with token $t$'s own cells $V_t$ in place of
-    every cell (the module docstring's *Reading only the visible cells*).
+    r"""Fast path of [`build_attn_mha`][reference.ops.attention.build_attn_mha] (one stream)
+    when every token sees few cells: the same steps, reading only the cells each token sees,
+    token $t$'s own cells $V_t$ in place of every cell (the module docstring's *Reading only
+    the visible cells*).
 
     Each token gets a copy of its cells' K and V. So that the copies never take more memory
     than the K and V in view, the tokens go in blocks of ``n_kv // n_vis`` (``n_vis``: the most
     cells a token sees): 32 sequences that each see 1/32 of the cells are one block.
+    ``build_attn_mha`` takes this path when [`sees_few_cells`][] (the attention over every
+    cell is its plain form). The property test
+    ``tests/laws/test_ops_attention.py::test_hidden_cells_add_nothing_float64`` holds the two
+    equal to float64 rounding, for any mask, GQA, ALiBi and soft-cap; its float32 twin bounds
+    the float32 difference.
 
     Args:
         q: queries ``(n_tokens, n_head, d_k)``.
@@ -450,13 +548,13 @@ def attend_visible(
         >>> bool(np.allclose(attend_visible(q, k, v, m, 8 ** -0.5), full))
         True
     """
-    _check_visible_args(q, k, v, kq_mask)
+    check_visible_args(q, k, v, kq_mask)
     n_tokens, n_head, d_k = q.shape
     n_head_kv = k.shape[1]
     r = n_head // n_head_kv  # query heads per KV head
     idx, mask = visible_cells(kq_mask[:n_tokens])  # (n_tokens, n_vis)
     n_vis = idx.shape[1]
-    per_block = _visible_block(k.shape[0], n_vis)
+    per_block = visible_block(k.shape[0], n_vis)
     if n_tokens > per_block:  # in blocks: what is gathered never outgrows the cells in view
         return np.concatenate([
             attend_visible(q[i:i + per_block], k, v, kq_mask[i:i + per_block], kq_scale,
@@ -475,24 +573,64 @@ def attend_visible(
 # --8<-- [end:attend_visible]
 
 
-def _check_visible_args(q, k, v, kq_mask) -> None:
+def check_visible_args(q, k, v, kq_mask) -> None:
     """Shape checks of [`attend_visible`][] (either twin): ``build_attn_mha``'s, and ``k`` one
-    block of at least one cell."""
-    _check_attn_args(q, k, v, kq_mask)
+    block of at least one cell.
+
+    Raises:
+        OpShapeError: the shapes [`check_attn_args`][] refuses, or ``k`` not
+            ``(n_kv >= 1, n_head_kv, d_k)``.
+
+    Examples:
+        >>> q, k = np.zeros((2, 4, 8)), np.zeros((0, 2, 8))
+        >>> check_visible_args(q, k, k, np.zeros((2, 0)))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.ops.errors.OpShapeError: attend_visible: k must be one block of cells ...
+    """
+    check_attn_args(q, k, v, kq_mask)
     if k.ndim != 3 or k.shape[0] == 0:
         raise OpShapeError(f"attend_visible: k must be one block of cells (n_kv >= 1, "
                            f"n_head_kv, d_k); got {k.shape}")
 
 
-def _visible_block(n_kv: int, n_vis: int) -> int:
+def visible_block(n_kv: int, n_vis: int) -> int:
     """Tokens per block of [`attend_visible`][]: as many as have their gathered cells fill the
-    view once (``n_kv // n_vis``, at least one), so the copies never outgrow K and V."""
+    view once (``n_kv // n_vis``, at least one), so the copies never outgrow K and V.
+
+    Examples:
+        >>> visible_block(1024, 40), visible_block(16, 40)
+        (25, 1)
+    """
     return max(1, n_kv // n_vis)
 
 
-def _check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray,
-                     n_stream: int = 1) -> None:
-    """Shape checks of ``build_attn_mha``, with messages naming llama.cpp's dimensions."""
+def check_attn_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, kq_mask: np.ndarray,
+                    n_stream: int = 1) -> None:
+    """Shape checks of ``build_attn_mha``, with messages naming llama.cpp's dimensions.
+
+    Shared with the MLX twin and with the backward of attention
+    ([`reference.training.grad.attn_back`][reference.training.grad.attn_back]).
+
+    Args:
+        q: ``(n_tokens, n_head, d_k)``.
+        k: ``(n_kv, n_head_kv, d_k)``, or ``(n_stream, n_kv / n_stream, n_head_kv, d_k)``.
+        v: ``(n_kv, n_head_kv, d_v)``, or blocked like ``k``.
+        kq_mask: ``(n_tokens_pad >= n_tokens, n_kv)``.
+        n_stream: the number of streams, each one equal block of tokens and of cells.
+
+    Raises:
+        OpShapeError: the first shape that does not fit, with the dimensions it needed.
+
+    Examples:
+        >>> q, k = np.zeros((2, 4, 8)), np.zeros((5, 2, 8))
+        >>> check_attn_args(q, k, k, np.zeros((2, 5)))
+        >>> k3 = np.zeros((5, 3, 8))
+        >>> check_attn_args(q, k3, k3, np.zeros((2, 5)))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.ops.errors.OpShapeError: build_attn_mha: n_head=4 must be a multiple of ...
+    """
     blocked = k.ndim == 4 and v.ndim == 4  # (n_stream, n_kv / n_stream, heads, dim)
     if q.ndim != 3 or not (blocked or (k.ndim == 3 and v.ndim == 3)):
         raise OpShapeError(

@@ -29,10 +29,28 @@ import numpy as np
 from reference.ops.errors import OpShapeError
 
 
-def _repeat_reps(a_shape: tuple, b_shape: tuple, op: str) -> tuple[tuple, tuple]:
+def repeat_reps(a_shape: tuple, b_shape: tuple, op: str) -> tuple[tuple, tuple]:
     """``ggml_can_repeat(b, a)``: ``b``'s shape left-padded with 1s, and the tile counts.
 
-    Pure shape bookkeeping, shared with the MLX twin.
+    Pure shape bookkeeping, shared with the MLX twin and with the backward of the broadcast
+    ([`reference.training.grad.repeat_back`][reference.training.grad.repeat_back]).
+
+    Args:
+        a_shape: the shape of ``a``, the one the result has.
+        b_shape: the shape of ``b``, tiled over ``a``.
+        op: the op's name, for the messages.
+
+    Returns:
+        ``(b_shape, reps)``: ``b``'s shape with as many dimensions as ``a``'s, and how many
+        times each dimension of ``b`` repeats.
+
+    Raises:
+        OpShapeError: ``b`` has more dimensions than ``a``, or a dimension of ``a`` is not a
+            multiple of ``b``'s.
+
+    Examples:
+        >>> repeat_reps((4, 6), (3,), "add")
+        ((1, 3), (4, 2))
     """
     a_shape, b_shape = tuple(a_shape), tuple(b_shape)
     if len(b_shape) > len(a_shape):
@@ -52,7 +70,7 @@ def _repeat_reps(a_shape: tuple, b_shape: tuple, op: str) -> tuple[tuple, tuple]
 
 def _repeat_like(b: np.ndarray, a: np.ndarray, op: str) -> np.ndarray:
     """``ggml_repeat(b, a)``: ``b`` tiled to ``a``'s shape, in ``a``'s dtype."""
-    b_shape, reps = _repeat_reps(a.shape, b.shape, op)
+    b_shape, reps = repeat_reps(a.shape, b.shape, op)
     return np.tile(b.reshape(b_shape), reps).astype(a.dtype, copy=False)  # a.shape
 
 

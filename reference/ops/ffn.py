@@ -89,7 +89,20 @@ def gelu(x: np.ndarray) -> np.ndarray:
 # --8<-- [end:gelu]
 
 
-def _check_same_shape(a: np.ndarray, b: np.ndarray, op: str) -> None:
+def check_same_shape(a: np.ndarray, b: np.ndarray, op: str) -> None:
+    """The two halves of a gated unit have one shape (``ggml_are_same_shape``).
+
+    Shared with the MLX twin.
+
+    Raises:
+        OpShapeError: the shapes differ.
+
+    Examples:
+        >>> check_same_shape(np.zeros((2, 3)), np.zeros((3, 2)), "swiglu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.ops.errors.OpShapeError: swiglu: a and b must have the same shape, got (2, 3) ...
+    """
     if a.shape != b.shape:
         raise OpShapeError(f"{op}: a and b must have the same shape, got {a.shape} and {b.shape}")
 
@@ -113,7 +126,7 @@ def swiglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         >>> swiglu(np.array([0.0, 1.0]), np.array([5.0, 2.0]))
         array([0.        , 1.46211716])
     """
-    _check_same_shape(a, b, "swiglu")
+    check_same_shape(a, b, "swiglu")
     return silu(a) * b
 
 
@@ -139,7 +152,7 @@ def geglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         >>> geglu(np.array([1.0]), np.array([2.0]))
         array([1.68238398])
     """
-    _check_same_shape(a, b, "geglu")
+    check_same_shape(a, b, "geglu")
     return gelu(a) * b
 
 

@@ -33,21 +33,21 @@ float16 or quantized weights ggml first converts ``b`` to the weight's ``vec_dot
 (F16, Q8_0, Q8_1, ...) and the result differs from a float32 product by that rounding.
 
 **Few rows (a decode step, a draft to verify).** For a 2-D weight and fewer than
-`FEW_ROWS` rows of ``b``, the product is computed as $(a\, b^T)^T$: the same dot products,
-but BLAS's ``gemm`` packs its *second* operand into cache-sized panels, so ``b @ a.T`` copies
-the whole weight on every call while ``a @ b.T`` copies only the few rows of ``b``. With
-OpenBLAS on one thread this makes 2 to 32 rows 1.5 to 2.8 times faster (a decode of 2 tokens
-cost almost twice one token), which is what speculative and parallel decoding live on. A tall
-weight (the output layer's 49152 rows) is multiplied ``TALL_BLOCK`` rows at a time, so that
-the transpose of each block's product is copied while it is still in cache.
+`FEW_ROWS` rows of ``b``, the product is computed as $(a\, b^T)^T$ (``_few_rows``, a fast
+path): the same dot products, but BLAS's ``gemm`` packs its *second* operand into cache-sized
+panels, so ``b @ a.T`` copies the whole weight on every call while ``a @ b.T`` copies only the
+few rows of ``b``. Without it a decode of 2 tokens cost almost twice one token, and
+speculative and parallel decoding live on that cost (``docs/performance.md`` has the
+measurements). A tall weight (the output layer's 49152 rows) is multiplied ``TALL_BLOCK``
+rows at a time, so that the transpose of each block's product is copied while it is still in
+cache.
 
 **A block of ``b`` as one matrix.** The ``r`` matrices of ``b`` that meet the same matrix of
 ``a`` in the innermost leading dimension (in attention, the query heads of one KV head) are
 stacked into one matrix of ``r * N`` rows and multiplied once: the same dot products, in
-fewer and larger BLAS calls. For 32 sequences decoding together (32 rows against 1536
-cells, SmolLM2's 3 query heads per KV head) this makes the two products of attention 1.7
-times faster. With one row each (``N = 1``, one token's decode) the rows are left apart:
-three matrix-vector products are as fast as one product of three rows.
+fewer and larger BLAS calls (32 sequences decoding together: 32 rows against their cells,
+SmolLM2's 3 query heads per KV head). With one row each (``N = 1``, one token's decode) the
+rows are left apart: three matrix-vector products cost what one product of three rows costs.
 """
 
 from __future__ import annotations
@@ -62,10 +62,26 @@ def _pad_leading(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return (1,) * (n - len(shape)) + tuple(shape)
 
 
-def _mul_mat_leading(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
+def mul_mat_leading(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
     """``ggml_can_mul_mat``: the leading dims of ``a`` and ``b``, padded to the same count.
 
-    Pure shape bookkeeping, shared with the MLX twin.
+    Pure shape bookkeeping, shared with the MLX twin and with the backward of ``mul_mat``
+    ([`reference.training.grad.mul_mat_back`][reference.training.grad.mul_mat_back]).
+
+    Args:
+        a_shape: ``(..., M, K)``.
+        b_shape: ``(..., N, K)``.
+
+    Returns:
+        ``(a_lead, b_lead)``: the leading dimensions, left-padded with 1s to one count.
+
+    Raises:
+        OpShapeError: not matrices, different ``K``, or leading dimensions of ``a`` that do
+            not divide ``b``'s (ggml broadcasts ``a`` over ``b`` only).
+
+    Examples:
+        >>> mul_mat_leading((2, 5, 8), (3, 2, 4, 8))
+        ((1, 2), (3, 2))
     """
     a_shape, b_shape = tuple(a_shape), tuple(b_shape)
     if len(a_shape) < 2 or len(b_shape) < 2:
@@ -92,12 +108,16 @@ TALL_BLOCK = 4096  # rows of a weight per product on the few-rows path (see _few
 
 
 def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    r"""``b @ a^T`` ``(N, M)`` for a 2-D weight ``a`` and few rows ``b``, as $(a\, b^T)^T$ (the
-    module docstring's *Few rows*), ``TALL_BLOCK`` rows of ``a`` at a time.
+    r"""Fast path of [`mul_mat`][]: ``b @ a^T`` ``(N, M)`` for a 2-D weight ``a`` and few
+    rows ``b``, as $(a\, b^T)^T$ (the module docstring's *Few rows*), ``TALL_BLOCK`` rows of
+    ``a`` at a time.
 
     The product $a\, b^T$ is ``(M, N)``; its transpose is copied into the result while it is
     still in cache. Whole, a tall weight's product (the output layer: 49152 rows against 32
-    tokens, 6 MiB) is copied back from memory in a strided walk: 21 ms against 18 in blocks.
+    tokens, 6 MiB) is copied back from memory in a strided walk, which is slower
+    (``docs/performance.md``). The same dot products, summed in BLAS's order:
+    ``tests/laws/test_ops_basic.py::test_a_tall_weight_in_blocks_is_the_product_in_one_piece``
+    holds it to the product in one piece.
 
     Examples:
         >>> a = np.arange(6.0).reshape(3, 2); b = np.ones((1, 2))
@@ -139,7 +159,7 @@ def mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         >>> mul_mat(k, q)[:, 0, 0]                # heads 0,1 see KV head 0; 2,3 see KV head 1
         array([0., 0., 1., 1.])
     """
-    a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
+    a_lead, b_lead = mul_mat_leading(a.shape, b.shape)
     if a.ndim == 2 and b.ndim == 2 and b.shape[0] < FEW_ROWS:
         # a weight and a few rows: (a b^T)^T, so that gemm packs b, not a (module docstring)
         return _few_rows(a, b)  # (N, M)

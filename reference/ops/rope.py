@@ -17,7 +17,10 @@ at the frequency $\theta_j(p) = p \cdot b^{-2j/n_{dims}}$ with $b$ = ``freq_base
 This module mirrors ``ggml/src/ggml-cpu/ops.cpp`` at the pinned commit:
 ``ggml_compute_forward_rope_flt`` (the loop over tokens and heads), ``ggml_rope_cache_init``
 (one cos/sin cache per token), ``rope_yarn`` and ``rope_yarn_ramp`` (YaRN), ``rotate_pairs``
-(the two layouts), and ``ggml_rope_yarn_corr_dims`` from ``ggml/src/ggml.c``.
+(the two layouts), and ``ggml_rope_yarn_corr_dims`` from ``ggml/src/ggml.c``. The nine numbers
+that configure the op travel together as one frozen [`RopeParams`][]; its backward,
+``ggml_rope_ext_back`` ([`rope_back`][], for training), is the same kernel turning the other
+way.
 
 Two layouts (``mode``) decide which dimensions pair up:
 
@@ -39,6 +42,8 @@ the chapter), which a specification does not copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from reference.common import LlamarefError
@@ -57,18 +62,75 @@ class RopeError(LlamarefError, ValueError):
 # --8<-- [end:RopeError]
 
 
-def _compute_dtype(dtype: np.dtype) -> type:
-    """ggml computes rope in float32; float64 stays float64 (property tests)."""
+# --8<-- [start:RopeParams]
+@dataclass(frozen=True)
+class RopeParams:
+    r"""The numbers of ``ggml_rope_ext``: how a model turns positions into angles.
+
+    ``ggml_rope_ext(ctx, x, pos, freq_factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
+    ext_factor, attn_factor, beta_fast, beta_slow)`` takes three tensors and these nine
+    numbers. A model passes the same nine to every rope of its graph (the ``q`` and ``k`` of
+    every layer, the K-shift of the cache), from the context's parameters: one frozen record
+    of them is what [`rope_ext`][], [`rope_back`][], the models and the K-shift share.
+    [`reference.hparams.rope_cparams`][reference.hparams.rope_cparams] builds it from a model's
+    hyperparameters; the defaults are ggml's.
+
+    Attributes:
+        n_dims: rotated dims per head (``n_rot``); even, at most the head size.
+        mode: ``ROPE_TYPE_NORM`` (interleaved pairs) or ``ROPE_TYPE_NEOX`` (halves).
+        n_ctx_orig: training context length (YaRN's correction dims).
+        freq_base: base $b$ of the frequency schedule (``rope_freq_base``).
+        freq_scale: linear interpolation factor $s$ (``rope_freq_scale`` = 1 / factor).
+        ext_factor: YaRN mix $\epsilon$; 0 disables YaRN.
+        attn_factor: magnitude $m$ of the rotated dims.
+        beta_fast: YaRN's extrapolation boundary (turns).
+        beta_slow: YaRN's interpolation boundary (turns).
+
+    Examples:
+        >>> p = RopeParams(64, ROPE_TYPE_NEOX)
+        >>> p.freq_base, p.ext_factor, p == RopeParams(n_dims=64, mode=2)
+        (10000.0, 0.0, True)
+    """
+
+    n_dims: int
+    mode: int = ROPE_TYPE_NORM
+    n_ctx_orig: int = 0
+    freq_base: float = 10000.0
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+# --8<-- [end:RopeParams]
+
+
+def rope_dtype(dtype: np.dtype) -> type:
+    """The dtype rope computes in: ggml's float32, except that float64 stays float64.
+
+    Property tests run in float64 to take rounding out of the way.
+
+    Examples:
+        >>> rope_dtype(np.float16), rope_dtype(np.float64)
+        (<class 'numpy.float32'>, <class 'numpy.float64'>)
+    """
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
 # --8<-- [start:libm]
-def _libm(f, *args):
+def libm(f, *args):
     """``f`` (``np.cos``, ``np.sin``, ``np.log``, ``np.power``) rounded once to the args' dtype.
 
     ggml calls C's ``cosf``/``sinf``/``logf``/``powf``; glibc's are (almost always) correctly
     rounded, NumPy's float32 loops are not (``np.power(np.float32(1e4), np.float32(-1/32))``
-    is one ulp off). Evaluating in float64 and rounding once reproduces the C library.
+    is one ulp off). Evaluating in float64 and rounding once reproduces the C library. The
+    MLX twin computes its host-side scalars with it too.
+
+    Examples:
+        >>> x = np.float32(1e4), np.float32(-1 / 32)
+        >>> bool(libm(np.power, *x) == np.float32(1e4 ** (-1 / 32)))
+        True
     """
     dt = np.result_type(*args).type
     return f(*(np.asarray(a, dtype=np.float64) for a in args)).astype(dt)
@@ -122,8 +184,8 @@ def rope_yarn_corr_dims(
         # ggml_rope_yarn_corr_dim: n_dims * log(n_ctx_orig / (n_rot * 2 pi)) / (2 log(base))
         # n_ctx_orig == 0 (ggml's default) gives log(0) = -inf, exactly as in C
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = _libm(np.log, dt(n_ctx_orig) / (dt(n_rot) * dt(2) * dt(np.pi)))
-            return dt(n_dims) * ratio / (dt(2) * _libm(np.log, dt(freq_base)))
+            ratio = libm(np.log, dt(n_ctx_orig) / (dt(n_rot) * dt(2) * dt(np.pi)))
+            return dt(n_dims) * ratio / (dt(2) * libm(np.log, dt(freq_base)))
 
     start = np.floor(corr_dim(beta_fast))
     end = np.ceil(corr_dim(beta_slow))
@@ -214,8 +276,8 @@ def rope_yarn(
         ramp_mix = rope_yarn_ramp(corr_dims[0], corr_dims[1], i0, dt) * dt(ext_factor)
         theta = theta_interp * (dt(1) - ramp_mix) + theta_extrap * ramp_mix
         # magnitude correction for interpolation; it multiplies every rotated value
-        mscale = mscale * (dt(1) + dt(0.1) * _libm(np.log, dt(1) / dt(freq_scale)))
-    return _libm(np.cos, theta) * mscale, _libm(np.sin, theta) * mscale
+        mscale = mscale * (dt(1) + dt(0.1) * libm(np.log, dt(1) / dt(freq_scale)))
+    return libm(np.cos, theta) * mscale, libm(np.sin, theta) * mscale
 
 
 # --8<-- [end:rope_yarn]
@@ -254,7 +316,7 @@ def rope_theta(
     """
     dt = np.dtype(dtype).type
     with np.errstate(divide="ignore"):  # n_dims == 0: -2/0 = -inf, and there are no pairs
-        theta_scale = _libm(np.power, dt(freq_base), dt(-2.0) / dt(n_dims))
+        theta_scale = libm(np.power, dt(freq_base), dt(-2.0) / dt(n_dims))
     theta = np.empty((len(pos), n_dims // 2), dtype=dt)  # (n_tokens, n_dims/2)
     theta_j = np.asarray(pos).astype(dt)  # (n_tokens,)
     for j in range(n_dims // 2):
@@ -359,8 +421,29 @@ def rotate_pairs(
 # --8<-- [end:rotate_pairs]
 
 
-def _check_rope_args(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: int, freq_factors) -> None:
-    """Raise [`RopeError`][] for arguments ggml would assert on (or silently misuse)."""
+def check_rope_args(x: np.ndarray, pos: np.ndarray, params: RopeParams, freq_factors) -> None:
+    """Raise [`RopeError`][] for arguments ggml would assert on (or silently misuse).
+
+    Shared by [`rope_ext`][], [`rope_back`][], the models' one-cache rope and the MLX twin.
+
+    Args:
+        x: ``(..., n_tokens, n_head, head_dim)`` (only its shape is read).
+        pos: the positions, ``(n_tokens,)`` integers.
+        params: the [`RopeParams`][].
+        freq_factors: ``(>= n_dims // 2,)`` or None.
+
+    Raises:
+        RopeError: ``x`` with fewer than 3 dims; ``n_dims`` odd, negative or > head_dim;
+            ``mode`` not NORM/NEOX; ``pos`` not ``(n_tokens,)`` integers; ``freq_factors``
+            too short.
+
+    Examples:
+        >>> check_rope_args(np.zeros((2, 1, 4)), np.array([0, 1]), RopeParams(3), None)
+        Traceback (most recent call last):
+        ...
+        reference.ops.rope.RopeError: n_dims must be even and in [0, head_dim=4], got 3
+    """
+    n_dims, mode = params.n_dims, params.mode
     if x.ndim < 3:
         raise RopeError(f"x must be (..., n_tokens, n_head, head_dim), got shape {x.shape}")
     head_dim = x.shape[-1]
@@ -381,26 +464,57 @@ def _check_rope_args(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: int, fre
             raise RopeError(f"freq_factors must have shape (>= {n_dims // 2},), got {ff.shape}")
 
 
+# --8<-- [start:rope_cache]
+def rope_cache(
+    pos: np.ndarray,
+    params: RopeParams,
+    freq_factors: np.ndarray | None = None,
+    dtype: type = np.float32,
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""The cos/sin cache of one rope: YaRN's correction dims, then [`rope_cache_init`][].
+
+    What ``ggml_compute_forward_rope_flt`` computes before its loop over the heads, from the
+    nine numbers of [`RopeParams`][]: [`rope_yarn_corr_dims`][] (from ``n_ctx_orig``,
+    ``freq_base``, ``beta_fast``, ``beta_slow``), then the cache of every position.
+
+    Args:
+        pos: positions, shape (n_tokens,), integer.
+        params: the [`RopeParams`][].
+        freq_factors: per-pair divisors, shape (>= n_dims // 2,), or None.
+        dtype: arithmetic type (ggml: float32).
+
+    Returns:
+        ``(cos_theta, sin_theta)``, each of shape (n_tokens, n_dims // 2).
+
+    Examples:
+        >>> c, s = rope_cache(np.array([0, 1]), RopeParams(2))
+        >>> c.shape, bool(s[1, 0] == np.float32(np.sin(1.0)))
+        ((2, 1), True)
+    """
+    dt = np.dtype(dtype).type
+    p = params
+    corr_dims = rope_yarn_corr_dims(p.n_dims, p.n_ctx_orig, p.freq_base, p.beta_fast,
+                                    p.beta_slow, dt)
+    return rope_cache_init(pos, p.n_dims, p.freq_base, p.freq_scale, freq_factors, corr_dims,
+                           p.ext_factor, p.attn_factor, dt)  # (n_tokens, n_dims/2) each
+
+
+# --8<-- [end:rope_cache]
+
+
 # --8<-- [start:rope_ext]
 def rope_ext(
     x: np.ndarray,
     pos: np.ndarray,
-    n_dims: int,
-    mode: int = ROPE_TYPE_NORM,
-    n_ctx_orig: int = 0,
-    freq_base: float = 10000.0,
-    freq_scale: float = 1.0,
-    ext_factor: float = 0.0,
-    attn_factor: float = 1.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
+    params: RopeParams,
     freq_factors: np.ndarray | None = None,
 ) -> np.ndarray:
     r"""Rotate the first ``n_dims`` dims of every head of every token by its position.
 
     ``ggml_rope_ext(ctx, x, pos, freq_factors, n_dims, mode, n_ctx_orig, freq_base, freq_scale,
-    ext_factor, attn_factor, beta_fast, beta_slow)`` on the CPU backend. All heads of a token
-    share one cos/sin cache (``ggml_rope_cache_init``); a pair $j$ of a token at position $p$
+    ext_factor, attn_factor, beta_fast, beta_slow)`` on the CPU backend, its nine numbers
+    held by ``params``. All heads of a token share one cos/sin cache
+    ([`rope_cache`][], ``ggml_rope_cache_init``); a pair $j$ of a token at position $p$
     becomes $m\,R(\theta_j(p))$ times the pair. Without YaRN ($\epsilon = 0$), $m$ is
     ``attn_factor``.
 
@@ -408,15 +522,8 @@ def rope_ext(
         x: (..., n_tokens, n_head, head_dim), any float dtype (ggml computes in float32;
             float64 input is computed in float64).
         pos: (n_tokens,), integer positions; any sign (the K-shift passes deltas).
-        n_dims: number of rotated dims per head (``n_rot``); even, <= head_dim.
-        mode: ``ROPE_TYPE_NORM`` (interleaved pairs) or ``ROPE_TYPE_NEOX`` (halves).
-        n_ctx_orig: training context length (YaRN's correction dims).
-        freq_base: base $b$ of the frequency schedule (``rope_freq_base``).
-        freq_scale: linear interpolation factor $s$ (``rope_freq_scale`` = 1 / factor).
-        ext_factor: YaRN mix $\epsilon$; 0 disables YaRN.
-        attn_factor: magnitude $m$ of the rotated dims.
-        beta_fast: YaRN's extrapolation boundary (turns).
-        beta_slow: YaRN's interpolation boundary (turns).
+        params: the [`RopeParams`][]: ``n_dims`` (even, <= head_dim), ``mode``, the base and
+            scale of the frequencies, YaRN's numbers.
         freq_factors: (>= n_dims // 2,) per-pair frequency divisors, or None.
 
     Returns:
@@ -428,7 +535,7 @@ def rope_ext(
 
     Examples:
         >>> x = np.ones((2, 1, 4), dtype=np.float32)  # two tokens, one head, head_dim 4
-        >>> y = rope_ext(x, np.array([0, 1]), n_dims=2)  # rotate only dims 0, 1
+        >>> y = rope_ext(x, np.array([0, 1]), RopeParams(n_dims=2))  # rotate only dims 0, 1
         >>> y[0].tolist() == x[0].tolist(), y[1, 0, 2:].tolist()
         (True, [1.0, 1.0])
         >>> np.allclose(y[1, 0, :2], [np.cos(1) - np.sin(1), np.sin(1) + np.cos(1)])
@@ -436,14 +543,66 @@ def rope_ext(
     """
     x = np.asarray(x)
     pos = np.asarray(pos)
-    _check_rope_args(x, pos, n_dims, mode, freq_factors)
-    dt = _compute_dtype(x.dtype)
-    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, dt)
-    cos_theta, sin_theta = rope_cache_init(
-        pos, n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor, attn_factor, dt
-    )  # (n_tokens, n_dims/2) each
-    out = rotate_pairs(x.astype(dt), cos_theta, sin_theta, n_dims, mode)
+    check_rope_args(x, pos, params, freq_factors)
+    dt = rope_dtype(x.dtype)
+    cos_theta, sin_theta = rope_cache(pos, params, freq_factors, dt)  # (n_tokens, n_dims/2) each
+    out = rotate_pairs(x.astype(dt), cos_theta, sin_theta, params.n_dims, params.mode)
     return out.astype(x.dtype, copy=False)
 
 
 # --8<-- [end:rope_ext]
+
+
+# --8<-- [start:rope_back]
+def rope_back(
+    grad: np.ndarray,
+    pos: np.ndarray,
+    params: RopeParams,
+    freq_factors: np.ndarray | None = None,
+) -> np.ndarray:
+    r"""``ggml_rope_ext_back``: the gradient of ``rope_ext`` for ``x``, the inverse rotation.
+
+    RoPE maps each pair by $m R(\theta)$ with $R$ a rotation, a linear map whose transpose is
+    $m R(\theta)^T = m R(-\theta)$. So the backward is the same kernel with the sine negated
+    (``sin_sign = -1`` in ``ggml_rope_cache_init``, ``ggml_compute_forward_rope_flt(...,
+    forward=false)``):
+
+    $$
+    \begin{pmatrix} \bar x_a \\ \bar x_b \end{pmatrix} = m
+    \begin{pmatrix} \cos\theta_j & \sin\theta_j \\ -\sin\theta_j & \cos\theta_j \end{pmatrix}
+    \begin{pmatrix} \bar y_a \\ \bar y_b \end{pmatrix}.
+    $$
+
+    Every step of the angle computation is odd in the position, so this equals
+    ``rope_ext(grad, -pos, ...)`` exactly. The dimensions past ``n_dims`` pass through. The
+    arguments are those of the forward; there is no gradient for ``pos`` or ``freq_factors``
+    (ggml asserts the latter).
+
+    Args:
+        grad: $\bar y$, ``(..., n_tokens, n_head, head_dim)``.
+        pos: the forward's positions ``(n_tokens,)``.
+        params: the forward's [`RopeParams`][].
+        freq_factors: the forward's, or None.
+
+    Returns:
+        $\bar x$, same shape and dtype as ``grad``.
+
+    Raises:
+        RopeError: the arguments ``rope_ext`` refuses.
+
+    Examples:
+        >>> x = np.random.default_rng(0).standard_normal((3, 2, 4))
+        >>> pos, p = np.array([0, 5, 9]), RopeParams(n_dims=4)
+        >>> bool(np.allclose(rope_back(rope_ext(x, pos, p), pos, p), x))
+        True
+    """
+    grad = np.asarray(grad)
+    pos = np.asarray(pos)
+    check_rope_args(grad, pos, params, freq_factors)
+    dt = rope_dtype(grad.dtype)
+    cos_theta, sin_theta = rope_cache(pos, params, freq_factors, dt)  # (n_tokens, n_dims/2) each
+    out = rotate_pairs(grad.astype(dt), cos_theta, -sin_theta, params.n_dims, params.mode)
+    return out.astype(grad.dtype, copy=False)  # R(-theta)
+
+
+# --8<-- [end:rope_back]

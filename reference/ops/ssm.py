@@ -47,10 +47,21 @@ import numpy as np
 from reference.ops.errors import OpIndexError, OpShapeError, OpTypeError
 
 
-def _ssm_conv_sizes(sx_shape: tuple, c_shape: tuple) -> tuple[int, int, int, int]:
+def ssm_conv_sizes(sx_shape: tuple, c_shape: tuple) -> tuple[int, int, int, int]:
     """``(n_seqs, conv_dim, n_seq_tokens, d_conv)`` of an ``ssm_conv``, checked.
 
     Pure shape bookkeeping, shared with the MLX twin.
+
+    Args:
+        sx_shape: ``(n_seqs, conv_dim, d_conv - 1 + n_seq_tokens)``.
+        c_shape: ``(conv_dim, d_conv)``.
+
+    Raises:
+        OpShapeError: the shapes do not fit each other.
+
+    Examples:
+        >>> ssm_conv_sizes((2, 8, 6), (8, 4))
+        (2, 8, 3, 4)
     """
     if len(sx_shape) != 3 or len(c_shape) != 2:
         raise OpShapeError(
@@ -122,7 +133,7 @@ def ssm_conv(sx: np.ndarray, c: np.ndarray) -> np.ndarray:
         array([[[ 2.,  3.],
                 [20., 30.]]])
     """
-    n_seqs, conv_dim, n_seq_tokens, d_conv = _ssm_conv_sizes(sx.shape, c.shape)
+    n_seqs, conv_dim, n_seq_tokens, d_conv = ssm_conv_sizes(sx.shape, c.shape)
     # The self-overlapping view: the token axis steps one column, like the tap axis.
     step = sx.strides[-1]
     windows = np.lib.stride_tricks.as_strided(
@@ -174,8 +185,16 @@ def compute_softplus(dt: np.ndarray) -> np.ndarray:
 # --8<-- [end:compute_softplus]
 
 
-def _check_scan_args(s, x, dt, A, B, C, ids) -> None:
-    """Raise before computing anything if the shapes do not fit (ggml's GGML_ASSERTs)."""
+def check_scan_args(s, x, dt, A, B, C, ids) -> None:
+    """Raise before computing anything if the shapes do not fit (ggml's GGML_ASSERTs).
+
+    The arguments of [`ssm_scan`][]; shared with the MLX twin, which reads ``ids`` on the host.
+
+    Raises:
+        OpShapeError: shapes that do not fit (every problem named in one message).
+        OpTypeError: ``ids`` is not an integer array.
+        OpIndexError: a state row of ``ids`` out of range.
+    """
     if x.ndim != 4 or s.ndim != 4 or dt.ndim != 3 or A.ndim != 2 or B.ndim != 4:
         raise OpShapeError(
             "ssm_scan: need s (n_rs, n_head, head_dim, d_state), x (n_seqs, n_seq_tokens, "
@@ -287,7 +306,7 @@ def ssm_scan(
         (1, 1, 1, 1)
     """
     ids = np.asarray(ids)
-    _check_scan_args(s, x, dt, A, B, C, ids)
+    check_scan_args(s, x, dt, A, B, C, ids)
     n_seqs, n_seq_tokens, n_head, head_dim = x.shape
     dtype = np.result_type(s, x, dt, A, B, C)
     delta = compute_softplus(dt.astype(dtype))  # (n_seqs, n_seq_tokens, n_head)

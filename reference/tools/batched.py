@@ -150,7 +150,7 @@ def decode_prompt(ctx: Any, tokens: Sequence[int], n_parallel: int) -> None:
     ret = ctx.decode(batch)
     if ret != 0:
         raise BatchedError(f"llama_decode() failed on the prompt ({ret}): "
-                           f"{getattr(ctx, 'last_error', None) or 'no reason given'}")
+                           f"{ctx.last_error or 'no reason given'}")
     if not shared:
         for i in range(1, n_parallel):
             ctx.memory.seq_cp(0, i, -1, -1)
@@ -238,7 +238,7 @@ def batched(ctx: Any, samplers: Sequence[Any], prompt: Sequence[int],
         ret = ctx.decode(batch)
         if ret != 0:
             raise BatchedError(f"failed to eval, return code {ret}: "
-                               f"{getattr(ctx, 'last_error', None)}")
+                               f"{ctx.last_error}")
     ctx.synchronize()
     res.seconds = time.perf_counter() - t0
     return res

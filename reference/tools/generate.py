@@ -64,8 +64,12 @@ from typing import Any
 from reference.batch import Batch
 from reference.common import LlamarefError
 from reference.context import Context, ContextError, context_shift
-from reference.tools.self_extend import SelfExtendError, apply_group_attention, check_group_attention
 from reference.tokenizer import StreamDecoder
+from reference.tools.self_extend import (
+    SelfExtendError,
+    apply_group_attention,
+    check_group_attention,
+)
 
 #: ``llama-completion`` keeps 4 cells free: a prompt longer than ``n_ctx - 4`` is refused here.
 N_CTX_MARGIN = 4
@@ -188,7 +192,7 @@ class Generator:
                                   "model has none to group (use --grp-attn-n 1)")
         self.ga_n, self.ga_w, self.ga_i = ga_n, ga_w, 0
         self.ctx = ctx
-        self.on_device = on_device and hasattr(ctx, "get_logits_ith_device")
+        self.on_device = on_device and ctx.on_device
         # the token can stay on the device: decode it before reading it back
         self.pipelined = self.on_device and getattr(sampler, "pipelined", False)
         self.sampler = sampler
@@ -233,7 +237,7 @@ class Generator:
                                              self.ga_w)
 
     def _error(self, n_tokens: int, ret: int) -> GenerateError:
-        reason = getattr(self.ctx, "last_error", None) or "no reason given"
+        reason = self.ctx.last_error or "no reason given"
         return GenerateError(f"decode of {n_tokens} tokens at position {self.n_past} "
                              f"returned {ret}: {reason}")
     # --8<-- [end:Generator]

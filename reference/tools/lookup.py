@@ -54,9 +54,9 @@ from reference.sampling import SamplerChain, SamplerParams
 from reference.tools.speculative import (
     SpecStats,
     SpeculativeError,
-    _never,
     check_prompt,
     decode_checked,
+    never_eog,
 )
 
 LLAMA_NGRAM_MIN = 1  # common/ngram-cache.h:9-11
@@ -331,7 +331,7 @@ class Lookup:
 
     def __init__(self, ctx: Any, params: SamplerParams, n_draft: int = 3,
                  nc_static: NgramCache | None = None, nc_dynamic: NgramCache | None = None,
-                 is_eog: Callable[[int], bool] = _never):
+                 is_eog: Callable[[int], bool] = never_eog):
         if n_draft < 0:
             raise SpeculativeError(f"--draft-max = {n_draft} must be >= 0")
         self.ctx, self.n_draft, self.is_eog = ctx, n_draft, is_eog

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reference.batch import Batch
-from reference.tools.batched import logits_row
 from reference.common import LlamarefError
 from reference.sampling import Mt19937
+from reference.tools.batched import logits_row
 
 # --8<-- [start:texts]
 #: parallel.cpp:35-47

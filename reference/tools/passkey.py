@@ -239,7 +239,7 @@ def _decode_chunk(ctx, tokens: list[int], i: int, n_batch: int, n_past: int) -> 
                   logits=[last and j == len(chunk) - 1 for j in range(len(chunk))])
     if ctx.decode(batch) != 0:
         raise PasskeyError("main: llama_decode() failed ("
-                           f"{getattr(ctx, 'last_error', None) or 'no slot'})")
+                           f"{ctx.last_error or 'no slot'})")
     return n_past + len(chunk)
 # --8<-- [end:passkey_fill]
 
@@ -286,7 +286,7 @@ def run_passkey(
     n_prefix = len(tokenizer.tokenize(PROMPT_PREFIX, add_special=True, parse_special=False))
     ctx = new_context(n_ctx=passkey_n_ctx(n_ctx_train, n_grp, n_keep) if n_ctx is None
                       else n_ctx, n_batch=n_batch)
-    if getattr(ctx, "recurrent", False) or not ctx.memory.can_shift():
+    if ctx.recurrent or not ctx.memory.can_shift():
         raise PasskeyError("passkey groups and shifts the positions of a KV cache: a "
                            "recurrent model has none")
     n_kv_req = ctx.n_ctx

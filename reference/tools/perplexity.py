@@ -38,8 +38,7 @@ $$
 \qquad \Delta p_k = q_{t_{k+1}} - p_{t_{k+1}},
 $$
 
-with $p$ the base and $q$ the model under test, and reports the three sections of
-[`KLDStats.report`][].
+with $p$ the base and $q$ the model under test, summed up in [`KLDStats`][].
 
 **Strided perplexity** (``--ppl-stride S``) slides a window of ``n_ctx`` tokens by $S$ and
 scores its last $S$ tokens. llama.cpp's version at the pinned commit is broken (it replaces
@@ -49,16 +48,20 @@ the same batching as the standard mode: see the divergences page.
 
 The arithmetic follows llama.cpp's types: logits and their log-sum-exp in float32, the sum
 of exponentials and the running sums in float64.
+
+What is here decides which numbers come out, and the bytes of the base file: the runs write
+and read it through a binary stream they are given (``io.BytesIO`` as well as a file).
+Opening files by path and llama-perplexity's console lines are the application's
+([`llamaref.perplexity`][llamaref.perplexity]).
 """
 
 from __future__ import annotations
 
+import io
 import math
-import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -72,8 +75,8 @@ LOGITS_MAGIC = b"_logits_"
 KLD_MIN_LOG_PROB = -16.0
 #: the quantized range: logits more than this below the maximum are stored as 0
 QUANT_LOGIT_RANGE = 16.0
-
-Emit = Callable[[str], None]
+#: bytes before the base file's tokens: the magic, then int32 ``n_ctx``, ``n_vocab``, ``n_chunk``
+LOGITS_HEADER_SIZE = len(LOGITS_MAGIC) + 12
 
 
 class PerplexityError(LlamarefError, ValueError):
@@ -82,10 +85,6 @@ class PerplexityError(LlamarefError, ValueError):
 
 class LogitsFileError(PerplexityError):
     """A ``--kl-divergence-base`` file that is not one, is truncated, or is for another model."""
-
-
-def _quiet(_: str) -> None:
-    return None
 
 
 # ---- the chunks ----------------------------------------------------------------------------
@@ -216,7 +215,7 @@ def check_context(ctx: Context, plan: ChunkPlan) -> None:
     The context needs ``n_seq`` sequences, ``n_ctx`` cells for each of them, and batches of
     ``n_batch`` tokens ([`context_params`][] makes such a context).
     """
-    unified = getattr(ctx, "kv_unified", True)
+    unified = ctx.kv_unified
     cells = ctx.n_ctx // plan.n_seq if unified else ctx.n_ctx_seq
     problems = [
         (ctx.n_seq_max < plan.n_seq, f"n_seq_max = {ctx.n_seq_max} < {plan.n_seq} sequences"),
@@ -580,19 +579,6 @@ class PerplexitySums:
         if not var > 0:
             return math.nan
         return math.sqrt(var / (self.count - 1)) * math.exp(mean)
-
-    def final_line(self) -> str:
-        r"""``Final estimate: PPL = x +/- y`` (or llama.cpp's complaint when $\sigma^2 \le 0$).
-
-        Examples:
-            >>> s = PerplexitySums()
-            >>> s.add(np.array([1.0, 2.0, 3.0]))
-            >>> s.final_line()
-            'Final estimate: PPL = 7.3891 +/- 4.26607'
-        """
-        if math.isnan(self.uncertainty):
-            return "Unexpected negative standard deviation of log(prob)"
-        return f"Final estimate: PPL = {self.ppl:.4f} +/- {self.uncertainty:.5f}"
 # --8<-- [end:PerplexitySums]
 
 
@@ -651,12 +637,15 @@ class KLDStats:
         r"""$\ln(\mathrm{PPL}(Q)/\mathrm{PPL}(base))$ and its uncertainty
         $\sqrt{\sigma_Q^2 + \sigma_b^2 - 2\,\mathrm{cov}}$."""
         (lq, uq), (lb, ub) = self.log_ppl(), self.log_ppl_base()
-        cov = covariance(self.sum_nll, self.sum_nll_base, self.sum_nll_nll_base, self.count)
-        return lq - lb, _sqrt(uq * uq + ub * ub - 2.0 * cov)
+        return lq - lb, _sqrt(uq * uq + ub * ub - 2.0 * self.nll_covariance())
 
     def mean_kld(self) -> tuple[float, float]:
         """The mean KL divergence and its uncertainty."""
         return mean_and_uncertainty(self.sum_kld, self.sum_kld2, self.count)
+
+    def mean_p_diff(self) -> tuple[float, float]:
+        r"""The mean $\Delta p$ and its uncertainty."""
+        return mean_and_uncertainty(self.sum_p_diff, self.sum_p_diff2, self.count)
 
     def rms_p_diff(self) -> tuple[float, float]:
         r"""$\sqrt{\overline{\Delta p^2}}$ and its uncertainty $\sigma_{\Delta p^2} / (2\,
@@ -671,83 +660,46 @@ class KLDStats:
         p = self.n_same_top / self.count
         return p, _sqrt(_ieee(p * (1 - p), self.count - 1))
 
-    def chunk_line(self, chunk: int) -> str:
-        """The per-chunk row of the table (the running values after chunk ``chunk``)."""
+    def ppl(self) -> tuple[float, float]:
+        r"""$\mathrm{PPL}(Q) = e^{\overline{\mathrm{nll}}}$ and its uncertainty
+        $\mathrm{PPL}(Q) \cdot \sigma_Q$."""
         lq, uq = self.log_ppl()
         ppl = math.exp(lq)
-        ratio, ratio_unc = self.log_ppl_ratio()
-        kld, kld_unc = self.mean_kld()
-        rms, rms_unc = self.rms_p_diff()
-        top, top_unc = self.same_top()
-        return (f"{chunk:4d}    {ppl:9.4f} ± {ppl * uq:9.4f}    {ratio:10.5f} ± {ratio_unc:10.5f}"
-                f"    {kld:10.5f} ± {kld_unc:10.5f}    {100 * rms:6.3f} ± {100 * rms_unc:6.3f} %"
-                f"    {100 * top:6.3f} ± {100 * top_unc:6.3f} %")
+        return ppl, ppl * uq
 
-    def report(self) -> list[str]:
-        """The three final sections, line by line (perplexity.cpp:1890-1984)."""
-        return self._ppl_section() + [""] + self._kld_section() + [""] + self._p_section()
+    def ppl_base(self) -> tuple[float, float]:
+        r"""$\mathrm{PPL}(base)$ and its uncertainty."""
+        lb, ub = self.log_ppl_base()
+        ppl = math.exp(lb)
+        return ppl, ppl * ub
+
+    def nll_covariance(self) -> float:
+        """The covariance of the two mean nll
+        ([`covariance`][reference.tools.perplexity.covariance])."""
+        return covariance(self.sum_nll, self.sum_nll_base, self.sum_nll_nll_base, self.count)
+
+    def correlation(self) -> float:
+        r"""The correlation of $\ln \mathrm{PPL}(Q)$ and $\ln \mathrm{PPL}(base)$:
+        $\mathrm{cov} / (\sigma_Q \sigma_b)$ (inf or NaN as C divides)."""
+        (_, uq), (_, ub) = self.log_ppl(), self.log_ppl_base()
+        return _ieee(self.nll_covariance(), uq * ub)
+
+    def ppl_diff(self) -> tuple[float, float]:
+        r"""$\mathrm{PPL}(Q) - \mathrm{PPL}(base)$ and its uncertainty
+        $\sqrt{u_Q^2 + u_b^2 - 2\,\mathrm{PPL}(Q)\,\mathrm{PPL}(base)\,\mathrm{cov}}$."""
+        (ppl, ppl_unc), (ppl_base, ppl_base_unc) = self.ppl(), self.ppl_base()
+        cov = self.nll_covariance()
+        unc = _sqrt(ppl_unc ** 2 + ppl_base_unc ** 2 - 2 * ppl * ppl_base * cov)
+        return ppl - ppl_base, unc
+
+    def sorted_kld(self) -> np.ndarray:
+        """Every token's KLD so far, sorted (float32): what the percentiles read."""
+        return np.sort(np.concatenate(self.kld_values).astype(np.float32))
+
+    def sorted_p_diff(self) -> np.ndarray:
+        r"""Every token's $\Delta p$ so far, sorted (float32)."""
+        return np.sort(np.concatenate(self.p_diff_values).astype(np.float32))
 # --8<-- [end:KLDStats]
-
-    def _ppl_section(self) -> list[str]:
-        (lq, uq), (lb, ub) = self.log_ppl(), self.log_ppl_base()
-        ppl, ppl_base = math.exp(lq), math.exp(lb)
-        ppl_unc, ppl_base_unc = ppl * uq, ppl_base * ub
-        cov = covariance(self.sum_nll, self.sum_nll_base, self.sum_nll_nll_base, self.count)
-        ratio, ratio_unc = self.log_ppl_ratio()
-        diff_unc = _sqrt(ppl_unc ** 2 + ppl_base_unc ** 2 - 2 * ppl * ppl_base * cov)
-        return [
-            "====== Perplexity statistics ======",
-            f"Mean PPL(Q)                   : {ppl:10.6f} ± {ppl_unc:10.6f}",
-            f"Mean PPL(base)                : {ppl_base:10.6f} ± {ppl_base_unc:10.6f}",
-            f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * _ieee(cov, uq * ub):6.2f}%",
-            f"Mean ln(PPL(Q)/PPL(base))     : {ratio:10.6f} ± {ratio_unc:10.6f}",
-            f"Mean PPL(Q)/PPL(base)         : {math.exp(ratio):10.6f} ± "
-            f"{math.exp(ratio) * ratio_unc:10.6f}",
-            f"Mean PPL(Q)-PPL(base)         : {ppl - ppl_base:10.6f} ± {diff_unc:10.6f}",
-        ]
-
-    def _sorted(self, name: str) -> np.ndarray:
-        return np.sort(np.concatenate(getattr(self, name)).astype(np.float32))
-
-    def _kld_section(self) -> list[str]:
-        v = self._sorted("kld_values")
-        mean, unc = self.mean_kld()
-        lines = ["====== KL divergence statistics ======",
-                 f"Mean    KLD: {mean:10.6f} ± {unc:10.6f}", f"Maximum KLD: {v[-1]:10.6f}"]
-        for label, frac in (("99.9%", 0.999), ("99.0%", 0.990), ("95.0%", 0.950),
-                            ("90.0%", 0.900)):
-            lines.append(f"{label}   KLD: {percentile(v, frac):10.6f}")
-        lines.append(f"Median  KLD: {median(v):10.6f}")
-        for label, frac in (("10.0%", 0.100), (" 5.0%", 0.050), (" 1.0%", 0.010),
-                            (" 0.1%", 0.001)):
-            lines.append(f"{label}   KLD: {percentile(v, frac):10.6f}")
-        return lines + [f"Minimum KLD: {v[0]:10.6f}"]
-
-    def _p_section(self) -> list[str]:
-        v = self._sorted("p_diff_values")
-        mean, unc = mean_and_uncertainty(self.sum_p_diff, self.sum_p_diff2, self.count)
-        lines = ["====== Token probability statistics ======",
-                 f"Mean    Δp: {100 * mean:6.3f} ± {100 * unc:5.3f} %",
-                 f"Maximum Δp: {100 * v[-1]:6.3f}%"]
-        for label, frac in (("99.9%", 0.999), ("99.0%", 0.990), ("95.0%", 0.950),
-                            ("90.0%", 0.900), ("75.0%", 0.750)):
-            lines.append(f"{label}   Δp: {100 * percentile(v, frac):6.3f}%")
-        lines.append(f"Median  Δp: {100 * median(v):6.3f}%")
-        for label, frac in (("25.0%", 0.250), ("10.0%", 0.100), (" 5.0%", 0.050),
-                            (" 1.0%", 0.010), (" 0.1%", 0.001)):
-            lines.append(f"{label}   Δp: {100 * percentile(v, frac):6.3f}%")
-        rms, rms_unc = self.rms_p_diff()
-        top, top_unc = self.same_top()
-        return lines + [f"Minimum Δp: {100 * v[0]:6.3f}%",
-                        f"RMS Δp    : {100 * rms:6.3f} ± {100 * rms_unc:5.3f} %",
-                        f"Same top p: {100 * top:6.3f} ± {100 * top_unc:5.3f} %"]
-
-
-#: the header of the per-chunk table of a KL-divergence run
-KLD_TABLE_HEADER = ("chunk             PPL               ln(PPL(Q)/PPL(base))          "
-                    "KL Divergence              Δp RMS            Same top p")
-#: llama.cpp prints the final sections only from this many tokens on
-KLD_MIN_COUNT = 100
 
 
 # ---- the base file -------------------------------------------------------------------------
@@ -755,15 +707,15 @@ KLD_MIN_COUNT = 100
 # --8<-- [start:LogitsFile]
 @dataclass(frozen=True)
 class LogitsFile:
-    """A ``--kl-divergence-base`` file, its header read and its size checked.
+    """A ``--kl-divergence-base`` file's header and tokens, and where its records lie.
 
     Layout (little-endian): ``"_logits_"``, int32 ``n_ctx``, int32 ``n_vocab``, int32
     ``n_chunk``, int32 ``tokens[n_chunk * n_ctx]`` (the text's tokens, BOS not substituted),
     then per chunk ``n_ctx - 1 - n_ctx // 2`` records of [`record_len`][]``(n_vocab)`` uint16
-    ([`quantize_log_probs`][]).
+    ([`quantize_log_probs`][]). [`encode_logits_header`][] writes the part before the
+    records, [`read_logits`][] reads and checks it.
     """
 
-    path: Path
     n_ctx: int
     n_vocab: int
     n_chunk: int
@@ -777,25 +729,55 @@ class LogitsFile:
     @property
     def records_offset(self) -> int:
         """Byte offset of the first record."""
-        return len(LOGITS_MAGIC) + 12 + 4 * self.n_chunk * self.n_ctx
+        return LOGITS_HEADER_SIZE + 4 * self.n_chunk * self.n_ctx
 
     def expected_size(self) -> int:
         """The file size the header implies."""
         n_records = self.n_chunk * self.n_scored
         return self.records_offset + 2 * n_records * record_len(self.n_vocab)
 
-    def records(self, chunk: int) -> np.ndarray:
-        """Chunk ``chunk``'s records, ``(n_scored, record_len(n_vocab))`` uint16."""
+    def records(self, stream: BinaryIO, chunk: int) -> np.ndarray:
+        """Chunk ``chunk``'s records, read from ``stream`` (the file's bytes, seekable).
+
+        Returns:
+            ``(n_scored, record_len(n_vocab))`` little-endian uint16.
+
+        Raises:
+            LogitsFileError: the stream ends before the chunk's last record.
+        """
         nv = record_len(self.n_vocab)
-        offset = self.records_offset + 2 * chunk * self.n_scored * nv
-        return np.fromfile(self.path, dtype="<u2", count=self.n_scored * nv,
-                           offset=offset).reshape(self.n_scored, nv)
+        stream.seek(self.records_offset + 2 * chunk * self.n_scored * nv)
+        data = stream.read(2 * self.n_scored * nv)
+        if len(data) != 2 * self.n_scored * nv:
+            raise LogitsFileError(f"the base file ends inside the records of chunk {chunk + 1}")
+        return np.frombuffer(data, dtype="<u2").reshape(self.n_scored, nv)
 # --8<-- [end:LogitsFile]
 
 
-# --8<-- [start:read_logits_file]
-def read_logits_file(path: str | os.PathLike, n_vocab: int) -> LogitsFile:
-    """Read and check a base file's header against a model of ``n_vocab`` tokens.
+# --8<-- [start:encode_logits_header]
+def encode_logits_header(n_ctx: int, n_vocab: int, n_chunk: int, tokens: np.ndarray) -> bytes:
+    """The bytes before a base file's records: magic, sizes, the first ``n_chunk * n_ctx``
+    tokens.
+
+    Examples:
+        >>> head = encode_logits_header(4, 32, 1, np.array([1, 2, 3, 4, 5]))
+        >>> head[:8], len(head), np.frombuffer(head[8:], "<i4").tolist()
+        (b'_logits_', 36, [4, 32, 1, 1, 2, 3, 4])
+    """
+    sizes = np.array([n_ctx, n_vocab, n_chunk], dtype="<i4").tobytes()
+    return LOGITS_MAGIC + sizes + np.asarray(tokens[:n_chunk * n_ctx]).astype("<i4").tobytes()
+# --8<-- [end:encode_logits_header]
+
+
+# --8<-- [start:read_logits]
+def read_logits(stream: BinaryIO, n_vocab: int, name: str = "the base file") -> LogitsFile:
+    """Read and check a base file's header from ``stream`` against a model of ``n_vocab``
+    tokens.
+
+    Args:
+        stream: the file's bytes, seekable (an open file, ``io.BytesIO``).
+        n_vocab: the model's vocabulary size.
+        name: what the messages call the file (its path).
 
     Raises:
         LogitsFileError: no ``_logits_`` magic, a header out of range, another vocabulary
@@ -803,42 +785,38 @@ def read_logits_file(path: str | os.PathLike, n_vocab: int) -> LogitsFile:
             size that is not what the header says (a truncated file).
 
     Examples:
-        >>> read_logits_file("/nonexistent.bin", 32)
+        >>> head = encode_logits_header(4, 32, 1, np.array([1, 2, 3, 4]))
+        >>> read_logits(io.BytesIO(head + bytes(2 * 36)), 32).tokens.tolist()
+        [1, 2, 3, 4]
+        >>> read_logits(io.BytesIO(head), 32, "base.bin")
         Traceback (most recent call last):
         ...
-        reference.tools.perplexity.LogitsFileError: /nonexistent.bin: cannot read the base logits file (No such file or directory)
+        reference.tools.perplexity.LogitsFileError: base.bin is 36 bytes, its header (n_ctx=4, n_chunk=1, n_vocab=32) says 108: truncated or not a base logits file
     """  # noqa: E501
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(len(LOGITS_MAGIC) + 12)
-    except OSError as e:
-        raise LogitsFileError(f"{path}: cannot read the base logits file ({e.strerror})") from e
-    if len(head) < len(LOGITS_MAGIC) + 12 or not head.startswith(LOGITS_MAGIC):
-        raise LogitsFileError(f"{path} does not look like a file of log-probabilities "
+    stream.seek(0)
+    head = stream.read(LOGITS_HEADER_SIZE)
+    if len(head) < LOGITS_HEADER_SIZE or not head.startswith(LOGITS_MAGIC):
+        raise LogitsFileError(f"{name} does not look like a file of log-probabilities "
                               "(no _logits_ header)")
     n_ctx, file_vocab, n_chunk = np.frombuffer(head[len(LOGITS_MAGIC):], dtype="<i4").tolist()
     if n_ctx < 4 or file_vocab < 1 or n_chunk < 1:
-        raise LogitsFileError(f"{path}: bad header (n_ctx={n_ctx}, n_vocab={file_vocab}, "
+        raise LogitsFileError(f"{name}: bad header (n_ctx={n_ctx}, n_vocab={file_vocab}, "
                               f"n_chunk={n_chunk})")
     if file_vocab != n_vocab:
-        raise LogitsFileError(f"{path} holds log-probabilities over {file_vocab} tokens, the "
+        raise LogitsFileError(f"{name} holds log-probabilities over {file_vocab} tokens, the "
                               f"model has {n_vocab}: it was made with another vocabulary")
-    info = LogitsFile(path, n_ctx, file_vocab, n_chunk, np.zeros(0, np.int32))
+    info = LogitsFile(n_ctx, file_vocab, n_chunk, np.zeros(0, np.int32))
+    size = stream.seek(0, io.SEEK_END)
     if size != info.expected_size():
-        raise LogitsFileError(f"{path} is {size} bytes, its header (n_ctx={n_ctx}, n_chunk="
+        raise LogitsFileError(f"{name} is {size} bytes, its header (n_ctx={n_ctx}, n_chunk="
                               f"{n_chunk}, n_vocab={file_vocab}) says {info.expected_size()}: "
                               "truncated or not a base logits file")
-    tokens = np.fromfile(path, dtype="<i4", count=n_chunk * n_ctx, offset=len(head))
+    stream.seek(LOGITS_HEADER_SIZE)
+    tokens = np.frombuffer(stream.read(4 * n_chunk * n_ctx), dtype="<i4")
     if tokens.min() < 0 or tokens.max() >= n_vocab:
-        raise LogitsFileError(f"{path}: token ids outside [0, {n_vocab})")
-    return LogitsFile(path, n_ctx, file_vocab, n_chunk, tokens.astype(np.int32))
-# --8<-- [end:read_logits_file]
-
-
-def _temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        raise LogitsFileError(f"{name}: token ids outside [0, {n_vocab})")
+    return LogitsFile(n_ctx, file_vocab, n_chunk, tokens.astype(np.int32))
+# --8<-- [end:read_logits]
 
 
 # ---- the two runs --------------------------------------------------------------------------
@@ -856,25 +834,39 @@ class PerplexityResult:
 # --8<-- [end:PerplexityResult]
 
 
-def _timing(info: Emit, seconds: float, n_chunk: int, n_seq: int, name: str) -> None:
-    """llama-perplexity's ``%.2f seconds per pass - ETA`` line."""
-    total = int(seconds * n_chunk / n_seq)
-    hours = f"{total // 3600} hours " if total >= 3600 else ""
-    info(f"{name}: {seconds:.2f} seconds per pass - ETA {hours}{total % 3600 / 60.0:.2f} "
-         "minutes")
+OnChunk = Callable[[int, PerplexitySums | KLDStats], None]
+"""Called after each chunk with its index (from 0) and the running sums, which it reads and
+does not change: [`PerplexitySums`][] in [`perplexity`][], [`KLDStats`][] in
+[`kl_divergence`][]."""
+
+
+def perplexity_plan(ctx: Context, n_tokens: int, n_ctx: int, n_batch: int = 2048,
+                    n_chunks: int = -1, ppl_stride: int = 0, base: bool = False) -> ChunkPlan:
+    """The chunks of a [`perplexity`][] run on ``ctx``, or the errors it raises before it
+    decodes or writes anything.
+
+    Raises:
+        PerplexityError: see [`plan_chunks`][] and [`check_context`][]; a base file
+            (``base``) with a stride.
+    """
+    plan = plan_chunks(n_tokens, n_ctx, n_batch, n_chunks, ppl_stride)
+    check_context(ctx, plan)
+    if base and ppl_stride > 0:
+        raise PerplexityError("--kl-divergence-base needs the standard mode (no --ppl-stride)")
+    return plan
 
 
 # --8<-- [start:perplexity]
 def perplexity(ctx: Context, tokens: Sequence[int], n_ctx: int, n_batch: int = 2048,
                n_chunks: int = -1, ppl_stride: int = 0, bos: int | None = None,
-               base_path: str | os.PathLike | None = None, out: Emit = _quiet,
-               info: Emit = _quiet) -> PerplexityResult:
+               base: BinaryIO | None = None, on_chunk: OnChunk | None = None
+               ) -> PerplexityResult:
     """``llama-perplexity``: the perplexity of ``tokens``, chunk by chunk.
 
     Args:
         ctx: a Context (either twin's, or anything with ``decode``, ``get_logits``,
-            ``memory.clear``, ``n_ctx``, ``n_ctx_seq``, ``n_seq_max``, ``n_batch``), sized by
-            [`context_params`][].
+            ``memory.clear``, ``n_ctx``, ``n_ctx_seq``, ``n_seq_max``, ``n_batch``,
+            ``n_vocab``), sized by [`context_params`][].
         tokens: the text's tokens, BOS first when the vocabulary adds one.
         n_ctx: tokens per chunk (``-c``).
         n_batch: tokens per decode (``-b``); chunks share a decode when it holds several.
@@ -882,18 +874,17 @@ def perplexity(ctx: Context, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
         ppl_stride: 0, or the stride of strided perplexity (``--ppl-stride``).
         bos: the BOS id when the vocabulary adds one (``llama_vocab_get_add_bos``), else
             None: the first token of each chunk is replaced by it.
-        base_path: write the base logits file there (``--kl-divergence-base``); standard
-            mode only. Written to a temporary name and renamed once complete.
-        out: receives what llama.cpp prints on stdout: the running ``[i]ppl,`` estimates,
-            then a newline.
-        info: receives llama.cpp's log lines (stderr), the final estimate among them.
+        base: a binary stream to write the base file to (``--kl-divergence-base``):
+            [`encode_logits_header`][], then one record per scored token. Standard mode only.
+        on_chunk: called after each chunk (``OnChunk``); llama-perplexity prints the
+            running estimate ``[i]ppl,`` there.
 
     Returns:
         [`PerplexityResult`][].
 
     Raises:
-        PerplexityError: see [`plan_chunks`][] and [`check_context`][]; ``base_path`` with
-            a stride; a failed decode (the temporary file is removed).
+        PerplexityError: see [`perplexity_plan`][], raised before anything is decoded or
+            written; a failed decode.
 
     Examples:
         >>> from reference.context import Context
@@ -901,120 +892,104 @@ def perplexity(ctx: Context, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), **context_params(8, 16))
         >>> text = np.random.default_rng(0).integers(3, 32, 40)
-        >>> printed = []
-        >>> res = perplexity(ctx, text, n_ctx=8, n_batch=16, bos=1, out=printed.append)
-        >>> print("".join(printed).strip())
-        [1]105.6618,[2]56.7590,[3]44.2787,[4]45.0933,[5]51.0980,
+        >>> res = perplexity(ctx, text, n_ctx=8, n_batch=16, bos=1)
+        >>> [round(p, 4) for p in res.estimates]
+        [105.6618, 56.759, 44.2787, 45.0933, 51.098]
         >>> res.sums.count, round(res.ppl, 4), round(res.uncertainty, 4)
         (15, 51.098, 14.3378)
     """
     tokens = np.asarray(tokens, dtype=np.int32)
-    plan = plan_chunks(len(tokens), n_ctx, n_batch, n_chunks, ppl_stride)
-    check_context(ctx, plan)
-    if base_path is not None and ppl_stride > 0:
-        raise PerplexityError("--kl-divergence-base needs the standard mode (no --ppl-stride)")
-    info(f"perplexity: calculating perplexity over {plan.n_chunk} chunks, n_ctx={n_ctx}, "
-         f"batch_size={plan.n_batch}, n_seq={plan.n_seq}")
-    base = None if base_path is None else Path(base_path)
-    stream = None if base is None else open(_temp_path(base), "wb")
-    try:
-        if stream is not None:
-            info(f"perplexity: saving all logits to {base}")
-            head = np.array([n_ctx, ctx.n_vocab, plan.n_chunk], dtype="<i4").tobytes()
-            stream.write(LOGITS_MAGIC + head)
-            stream.write(tokens[:plan.n_chunk * n_ctx].astype("<i4").tobytes())
-        result = _perplexity_loop(ctx, tokens, plan, bos, stream, out, info)
-    except BaseException:
-        if stream is not None:
-            stream.close()
-            _temp_path(base).unlink(missing_ok=True)
-        raise
-    if stream is not None:
-        stream.close()
-        os.replace(_temp_path(base), base)
-    return result
-
-
-def _perplexity_loop(ctx: Context, tokens, plan: ChunkPlan, bos, stream, out: Emit,
-                     info: Emit) -> PerplexityResult:
+    plan = perplexity_plan(ctx, len(tokens), n_ctx, n_batch, n_chunks, ppl_stride,
+                           base is not None)
+    if base is not None:
+        base.write(encode_logits_header(n_ctx, ctx.n_vocab, plan.n_chunk, tokens))
     sums, estimates = PerplexitySums(), []
     for i in range(0, plan.n_chunk, plan.n_seq):
         n_seq_batch = min(plan.n_seq, plan.n_chunk - i)
-        t0 = time.perf_counter()
         logits = eval_chunks(ctx, tokens, plan, i, n_seq_batch, bos)
-        if i == 0:
-            _timing(info, time.perf_counter() - t0, plan.n_chunk, plan.n_seq, "perplexity")
         for s in range(n_seq_batch):
             first = plan.start(i + s) + plan.first
             rows = logits[s, :plan.n_scored]  # (n_scored, n_vocab)
             next_tokens = tokens[first + 1:first + 1 + plan.n_scored]
-            if stream is not None:
+            if base is not None:
                 records, nll = quantize_log_probs(rows, next_tokens)
-                stream.write(records.tobytes())
+                base.write(records.tobytes())
             else:
                 nll = token_nll(rows, next_tokens)
             sums.add(nll)
             estimates.append(sums.ppl)
-            out(f"[{i + s + 1}]{sums.ppl:.4f},")
-    out("\n")
-    info(sums.final_line())
+            if on_chunk is not None:
+                on_chunk(i + s, sums)
     return PerplexityResult(sums.ppl, sums.uncertainty, estimates, sums, plan)
 # --8<-- [end:perplexity]
 
 
 # --8<-- [start:kl_divergence]
-def kl_divergence(ctx: Context, base: LogitsFile, n_batch: int = 2048, bos: int | None = None,
-                  out: Emit = _quiet, info: Emit = _quiet) -> KLDStats:
-    """``llama-perplexity --kl-divergence``: the model against a base file, chunk by chunk.
-
-    The chunks, positions and BOS rule are the file's run's ([`perplexity`][]); the tokens
-    come from the file. ``out`` receives the per-chunk table and, from
-    ``KLD_MIN_COUNT`` (100) scored tokens on, the three sections of [`KLDStats.report`][].
-
-    Args:
-        ctx: a Context sized by [`context_params`][]``(base.n_ctx, n_batch)``.
-        base: the base file ([`read_logits_file`][], which checked its vocabulary).
-        n_batch: tokens per decode; chunks per decode are capped at ``ctx.n_seq_max``.
-        bos: as in [`perplexity`][].
-        out: llama.cpp's stdout; ``info``: its log lines.
+def kl_divergence_plan(ctx: Context, base: LogitsFile, n_batch: int = 2048) -> ChunkPlan:
+    """The chunks of a KL-divergence run on ``ctx``: the base file's, at most
+    ``ctx.n_seq_max`` per decode.
 
     Raises:
-        PerplexityError: a context too small for the file's ``n_ctx``; a failed decode.
+        PerplexityError: ``ctx`` cannot hold them ([`check_context`][]).
 
     Examples:
-        >>> import tempfile
         >>> from reference.context import Context
         >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> ctx = Context(hp, random_weights(hp), **context_params(8, 16))
-        >>> text = np.random.default_rng(0).integers(3, 32, 40)
-        >>> path = Path(tempfile.mkdtemp()) / "base.bin"
-        >>> _ = perplexity(ctx, text, n_ctx=8, n_batch=16, bos=1, base_path=path)
-        >>> stats = kl_divergence(ctx, read_logits_file(path, hp.n_vocab), 16, bos=1)
-        >>> stats.count, bool(abs(stats.mean_kld()[0]) < 1e-4), stats.n_same_top
-        (15, True, 15)
+        >>> kl_divergence_plan(ctx, LogitsFile(8, 32, 5, np.zeros(40, np.int32)), 16)
+        ChunkPlan(n_ctx=8, n_batch=16, n_seq=2, n_chunk=5, first=4, stride=8)
     """
     n_seq = min(max(1, n_batch // base.n_ctx), ctx.n_seq_max)
     plan = ChunkPlan(n_ctx=base.n_ctx, n_batch=min(n_batch, n_seq * base.n_ctx), n_seq=n_seq,
                      n_chunk=base.n_chunk, first=base.n_ctx // 2, stride=base.n_ctx)
     check_context(ctx, plan)
-    info(f"kl_divergence: computing over {plan.n_chunk} chunks, n_ctx={plan.n_ctx}, "
-         f"batch_size={plan.n_batch}, n_seq={plan.n_seq}")
+    return plan
+
+
+def kl_divergence(ctx: Context, base: LogitsFile, stream: BinaryIO, n_batch: int = 2048,
+                  bos: int | None = None, on_chunk: OnChunk | None = None) -> KLDStats:
+    """``llama-perplexity --kl-divergence``: the model against a base file, chunk by chunk.
+
+    The chunks, positions and BOS rule are the file's run's ([`perplexity`][]); the tokens
+    come from the file.
+
+    Args:
+        ctx: a Context sized by [`context_params`][]``(base.n_ctx, n_batch)``.
+        base: the base file's header ([`read_logits`][], which checked its vocabulary).
+        stream: the base file's bytes, its records read chunk by chunk.
+        n_batch: tokens per decode; chunks per decode are capped at ``ctx.n_seq_max``.
+        bos: as in [`perplexity`][].
+        on_chunk: called after each chunk (``OnChunk``) with the running [`KLDStats`][];
+            llama-perplexity prints a row of its table there.
+
+    Raises:
+        PerplexityError: a context too small for the file's ``n_ctx``; a failed decode.
+
+    Examples:
+        >>> from reference.context import Context
+        >>> from reference.testing import tiny_hparams, random_weights
+        >>> hp = tiny_hparams()
+        >>> ctx = Context(hp, random_weights(hp), **context_params(8, 16))
+        >>> text = np.random.default_rng(0).integers(3, 32, 40)
+        >>> stream = io.BytesIO()
+        >>> _ = perplexity(ctx, text, n_ctx=8, n_batch=16, bos=1, base=stream)
+        >>> base = read_logits(stream, hp.n_vocab)
+        >>> stats = kl_divergence(ctx, base, stream, 16, bos=1)
+        >>> stats.count, bool(abs(stats.mean_kld()[0]) < 1e-4), stats.n_same_top
+        (15, True, 15)
+    """
+    plan = kl_divergence_plan(ctx, base, n_batch)
     stats, tokens = KLDStats(), base.tokens
     for i in range(0, plan.n_chunk, plan.n_seq):
         n_seq_batch = min(plan.n_seq, plan.n_chunk - i)
-        t0 = time.perf_counter()
         logits = eval_chunks(ctx, tokens, plan, i, n_seq_batch, bos)
-        if i == 0:
-            _timing(info, time.perf_counter() - t0, plan.n_chunk, plan.n_seq, "kl_divergence")
-            out("\n" + KLD_TABLE_HEADER + "\n")
         for s in range(n_seq_batch):
             first = plan.start(i + s) + plan.first
             next_tokens = tokens[first + 1:first + 1 + plan.n_scored]
-            stats.add(kld_tokens(logits[s, :plan.n_scored], base.records(i + s), next_tokens))
-            out(stats.chunk_line(i + s + 1) + "\n")
-    out("\n")
-    if stats.count >= KLD_MIN_COUNT:
-        out("\n".join(stats.report()) + "\n")
+            records = base.records(stream, i + s)
+            stats.add(kld_tokens(logits[s, :plan.n_scored], records, next_tokens))
+            if on_chunk is not None:
+                on_chunk(i + s, stats)
     return stats
 # --8<-- [end:kl_divergence]

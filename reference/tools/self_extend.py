@@ -90,6 +90,7 @@ from reference.models.llama import (
     model_dtype,
 )
 from reference.ops import add, mul_mat, rope_ext, soft_max_ext
+from reference.ops.rope import RopeParams
 
 
 class SelfExtendError(LlamarefError, ValueError):
@@ -286,7 +287,7 @@ def self_extend_attention(
     ga_n: int,
     w_n: int,
     kq_scale: float,
-    rope: dict,
+    rope: RopeParams,
     freq_factors: np.ndarray | None = None,
 ) -> np.ndarray:
     r"""The paper's Self-Extend attention of a whole causal sequence (arXiv 2401.01325).
@@ -305,7 +306,7 @@ def self_extend_attention(
         ga_n: the group size ``G`` (1: ordinary attention).
         w_n: the neighbour window ``W_n`` (keys at distance ``< W_n`` are exact).
         kq_scale: the scale of $QK^T$.
-        rope: ``rope_ext``'s keyword arguments (``rope_cparams(hparams)``).
+        rope: the model's [`RopeParams`][reference.ops.rope.RopeParams] (``rope_cparams``).
         freq_factors: ``rope_freqs`` or None.
 
     Returns:
@@ -317,7 +318,8 @@ def self_extend_attention(
     Examples:
         >>> rng = np.random.default_rng(0)
         >>> q, k, v = (rng.standard_normal((6, 2, 4)) for _ in range(3))
-        >>> rope = dict(n_dims=4)
+        >>> from reference.ops.rope import RopeParams
+        >>> rope = RopeParams(n_dims=4)
         >>> plain = self_extend_attention(q, k, v, np.arange(6), 1, 1, 0.5, rope)
         >>> wide = self_extend_attention(q, k, v, np.arange(6), 2, 6, 0.5, rope)
         >>> bool(np.allclose(plain, wide))  # every key inside the window: no grouping
@@ -329,10 +331,10 @@ def self_extend_attention(
     pos = np.asarray(pos, dtype=np.int64)  # (n_tokens,)
     n_tokens = len(pos)
     q_pos_g = pos // ga_n + w_n - w_n // ga_n  # (n_tokens,) the grouped queries' positions
-    q_n = rope_ext(q, pos, freq_factors=freq_factors, **rope)  # (n_tokens, n_head, d_k)
-    k_n = rope_ext(k, pos, freq_factors=freq_factors, **rope)  # (n_tokens, n_head_kv, d_k)
-    q_g = rope_ext(q, q_pos_g, freq_factors=freq_factors, **rope)  # (n_tokens, n_head, d_k)
-    k_g = rope_ext(k, pos // ga_n, freq_factors=freq_factors, **rope)  # (n_tokens, n_head_kv, d_k)
+    q_n = rope_ext(q, pos, rope, freq_factors)  # (n_tokens, n_head, d_k)
+    k_n = rope_ext(k, pos, rope, freq_factors)  # (n_tokens, n_head_kv, d_k)
+    q_g = rope_ext(q, q_pos_g, rope, freq_factors)  # (n_tokens, n_head, d_k)
+    k_g = rope_ext(k, pos // ga_n, rope, freq_factors)  # (n_tokens, n_head_kv, d_k)
     kq_n = mul_mat(k_n.transpose(1, 0, 2), q_n.transpose(1, 0, 2))  # (n_head, n_tokens, n_tokens)
     kq_g = mul_mat(k_g.transpose(1, 0, 2), q_g.transpose(1, 0, 2))  # (n_head, n_tokens, n_tokens)
     dist = pos[:, None] - pos[None, :]  # (n_tokens, n_tokens): query i, key j

@@ -115,7 +115,7 @@ def check_draft_vocab(target: Any, draft: Any) -> None:
         >>> check_draft_vocab(a, b)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        reference.tools.speculative.DraftVocabError: the draft's token 7 is 'X', the target's 'h': ...
+        reference.tools.speculative.DraftVocabError: the draft's token 7 is 'X', the target's ...
     """
     fix = ("use a draft model with the target's tokenizer (the same model family), or "
            "--draft-layers K to draft with the target's own first K layers")
@@ -369,7 +369,13 @@ def _rate(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else math.nan
 
 
-def _never(token: int) -> bool:
+def never_eog(token: int) -> bool:
+    """The ``is_eog`` of no vocabulary: no token ends generation (the default of the loops).
+
+    Examples:
+        >>> never_eog(2)
+        False
+    """
     return False
 
 
@@ -378,7 +384,7 @@ def decode_checked(ctx: Any, batch: Batch, what: str) -> None:
     ret = ctx.decode(batch)
     if ret != 0:
         raise SpeculativeError(f"the {what} decode of {batch.n_tokens} tokens returned {ret}: "
-                               f"{getattr(ctx, 'last_error', None) or 'no reason given'}")
+                               f"{ctx.last_error or 'no reason given'}")
 
 
 def check_prompt(ctx: Any, tokens: list[int], n_predict: int, n_draft: int) -> int:
@@ -530,7 +536,7 @@ class Speculative:
 
     def __init__(self, ctx_tgt: Any, ctx_dft: Any, params: SamplerParams, n_draft: int = 3,
                  n_seq_dft: int = 1, p_split: float = 0.10,
-                 is_eog: Callable[[int], bool] = _never):
+                 is_eog: Callable[[int], bool] = never_eog):
         _check_contexts(ctx_tgt, ctx_dft, n_seq_dft, n_draft)
         self.ctx_tgt, self.ctx_dft = ctx_tgt, ctx_dft
         self.params, self.n_draft, self.n_seq_dft = params, n_draft, n_seq_dft
@@ -837,7 +843,7 @@ class SpeculativeSimple:
     """
 
     def __init__(self, ctx_tgt: Any, ctx_dft: Any, params: SamplerParams, n_max: int = 3,
-                 n_min: int = 0, p_min: float = 0.0, is_eog: Callable[[int], bool] = _never):
+                 n_min: int = 0, p_min: float = 0.0, is_eog: Callable[[int], bool] = never_eog):
         if n_max < 1 or n_min < 0 or not 0.0 <= p_min <= 1.0:
             raise SpeculativeError(f"--draft-max = {n_max} must be >= 1, --draft-min = {n_min} "
                                    f">= 0 and --draft-p-min = {p_min} in [0, 1]")

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from reference.hparams import LlamaHParams
+from reference.ops.loss import cross_entropy_loss
 from reference.training.errors import DatasetError
-from reference.training.grad import cross_entropy_loss
 from reference.training.llama_grad import loss_and_grads, train_forward
 from reference.training.opt import OptContext
 from reference.training.result import OptResult

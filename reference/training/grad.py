@@ -5,21 +5,27 @@ and, for every node, asks ``ggml_compute_backward`` (``ggml/src/ggml.c``) for th
 its sources. Each function here is one of those rules, named after the ggml op (or backward
 op) that computes it. With $y = f(x)$ and an upstream gradient $\bar y = \partial L /
 \partial y$ (ggml's ``grad``), a rule returns $\bar x = (\partial y / \partial x)^T \bar y$.
+The rules that are ggml ops of their own sit beside their forwards in
+[`reference.ops`][reference.ops]: [`rope_back`][reference.ops.rope.rope_back],
+[`soft_max_ext_back`][reference.ops.attention.soft_max_ext_back],
+[`get_rows_back`][reference.ops.rows.get_rows_back] and
+[`cross_entropy_loss_back`][reference.ops.loss.cross_entropy_loss_back]; this module has the
+others, and the table of them all.
 
 | forward op | backward (``ggml_compute_backward``) | here |
 |---|---|---|
-| ``get_rows(a, rows)`` | ``get_rows_back``: scatter-add into ``a``'s rows | [`get_rows_back`][] |
+| ``get_rows(a, rows)`` | ``get_rows_back``: scatter-add into ``a``'s rows | ``ops.rows`` |
 | ``add(a, b)`` | $\bar a = \bar y$, $\bar b$ = ``repeat_back`` | [`add_back`][] |
 | ``mul(a, b)`` | $\bar a = \bar y \odot b$, $\bar b$ = ``repeat_back(a*grad)`` | [`mul_back`][] |
 | ``scale(a, s)`` | $\bar a = s\,\bar y$ | [`scale_back`][] |
 | ``rms_norm(x)`` | ``rms_norm_back`` | [`rms_norm_back`][] |
 | ``mul_mat(a, b)`` | two ``out_prod``, block sums for the broadcast | [`mul_mat_back`][] |
-| ``rope_ext(x, pos)`` | ``rope_ext_back``: the inverse rotation | [`rope_back`][] |
-| ``soft_max_ext(x, mask, s)`` | ``soft_max_ext_back`` (mask: none) | [`soft_max_ext_back`][] |
+| ``rope_ext(x, pos)`` | ``rope_ext_back``: the inverse rotation | ``ops.rope`` |
+| ``soft_max_ext(x, mask, s)`` | ``soft_max_ext_back`` (mask: none) | ``ops.attention`` |
 | ``silu(x)`` | ``silu_back`` | [`silu_back`][] |
 | ``swiglu_split(a, b)`` | ``silu_back`` and ``mul`` | [`swiglu_back`][] |
 | ``build_attn_mha`` | the rules above, in reverse op order | [`attn_back`][] |
-| ``cross_entropy_loss`` | ``cross_entropy_loss_back`` | [`cross_entropy_loss_back`][] |
+| ``cross_entropy_loss`` | ``cross_entropy_loss_back`` | ``ops.loss`` |
 
 Permutes, transposes, reshapes and ``cont`` move gradients back unchanged (permuted back),
 so they appear here only as NumPy ``transpose``/``reshape``.
@@ -37,70 +43,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from reference.ops.attention import _check_attn_args, soft_max_ext
-from reference.ops.elementwise import _repeat_reps
-from reference.ops.errors import OpIndexError, OpShapeError, OpTypeError, OpValueError
+from reference.ops.attention import check_attn_args, soft_max_ext, soft_max_ext_back
+from reference.ops.elementwise import repeat_reps
+from reference.ops.errors import OpShapeError
 from reference.ops.ffn import silu
-from reference.ops.matmul import _mul_mat_leading, mul_mat
-from reference.ops.rope import (
-    ROPE_TYPE_NORM,
-    _check_rope_args,
-    _compute_dtype,
-    rope_cache_init,
-    rope_yarn_corr_dims,
-    rotate_pairs,
-)
-
-
-# --8<-- [start:get_rows_back]
-def get_rows_back(grad: np.ndarray, rows: np.ndarray, n_rows: int) -> np.ndarray:
-    r"""``ggml_get_rows_back``: the gradient of ``get_rows(a, rows)`` with respect to ``a``.
-
-    The forward copies row ``rows[i]`` of ``a`` to row ``i``; the backward adds row ``i`` of
-    the gradient into row ``rows[i]`` (a *scatter-add*: a token that appears twice gets both
-    rows' gradients, a token that does not appear gets zeros):
-
-    $$ \bar a_r = \sum_{i:\ \mathrm{rows}_i = r} \bar y_i . $$
-
-    CPU kernel: ``ggml_compute_forward_get_rows_back_f32`` (zero ``dst``, then accumulate).
-
-    Args:
-        grad: $\bar y$, ``(n, n_cols)``.
-        rows: integer ``(n,)``, each in ``[0, n_rows)``.
-        n_rows: rows of ``a`` (e.g. ``n_vocab`` for ``token_embd``).
-
-    Returns:
-        $\bar a$, ``(n_rows, n_cols)``, dtype of ``grad``.
-
-    Raises:
-        OpShapeError: if ``grad`` is not 2-D or ``rows`` does not have one entry per row.
-        OpTypeError: if ``rows`` is not an integer array.
-        OpIndexError: if a row index is out of range.
-
-    Examples:
-        >>> import numpy as np
-        >>> get_rows_back(np.array([[1.0, 2.0], [10.0, 20.0], [5.0, 5.0]]), np.array([2, 0, 2]), 4)
-        array([[10., 20.],
-               [ 0.,  0.],
-               [ 6.,  7.],
-               [ 0.,  0.]])
-    """
-    rows = np.asarray(rows)
-    if grad.ndim != 2 or rows.shape != grad.shape[:1]:
-        raise OpShapeError(
-            f"get_rows_back: need grad (n, n_cols) and rows (n,); got grad.shape={grad.shape}, "
-            f"rows.shape={rows.shape}"
-        )
-    if not np.issubdtype(rows.dtype, np.integer):
-        raise OpTypeError(f"get_rows_back: rows must be integers, got {rows.dtype}")
-    if rows.size and (rows.min() < 0 or rows.max() >= n_rows):
-        raise OpIndexError(f"get_rows_back: row index out of range [0, {n_rows}): {rows.tolist()}")
-    out = np.zeros((n_rows, grad.shape[1]), dtype=grad.dtype)  # (n_rows, n_cols)
-    np.add.at(out, rows, grad)  # unbuffered: repeated rows add up
-    return out
-
-
-# --8<-- [end:get_rows_back]
+from reference.ops.matmul import mul_mat, mul_mat_leading
 
 
 # --8<-- [start:repeat_back]
@@ -127,7 +74,7 @@ def repeat_back(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         >>> repeat_back(np.arange(8.0).reshape(2, 4), (2,))   # tiles [x, y, x, y] per row
         array([12., 16.])
     """
-    b_shape, reps = _repeat_reps(grad.shape, shape, "repeat_back")
+    b_shape, reps = repeat_reps(grad.shape, shape, "repeat_back")
     split = [n for r, nb in zip(reps, b_shape, strict=True) for n in (r, nb)]
     out = grad.reshape(split).sum(axis=tuple(range(0, 2 * len(reps), 2)))  # b_shape
     return out.reshape(shape).astype(grad.dtype, copy=False)
@@ -187,7 +134,7 @@ def mul_back(grad: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray
         (array([[5., 6.],
                [5., 6.]]), array([4., 6.]))
     """
-    b_shape, reps = _repeat_reps(a.shape, b.shape, "mul_back")
+    b_shape, reps = repeat_reps(a.shape, b.shape, "mul_back")
     b_tiled = np.tile(b.reshape(b_shape), reps).astype(a.dtype, copy=False)  # a.shape
     return grad * b_tiled, repeat_back(a * grad, b.shape)
 
@@ -308,7 +255,7 @@ def mul_mat_back(
         >>> gx
         array([[6., 8.]])
     """
-    a_lead, b_lead = _mul_mat_leading(a.shape, b.shape)
+    a_lead, b_lead = mul_mat_leading(a.shape, b.shape)
     if grad.shape != b.shape[:-1] + a.shape[-2:-1]:
         raise OpShapeError(
             f"mul_mat_back: grad must have the product's shape {b.shape[:-1] + a.shape[-2:-1]}, "
@@ -321,127 +268,6 @@ def mul_mat_back(
 
 
 # --8<-- [end:mul_mat_back]
-
-
-# --8<-- [start:rope_back]
-def rope_back(
-    grad: np.ndarray,
-    pos: np.ndarray,
-    n_dims: int,
-    mode: int = ROPE_TYPE_NORM,
-    n_ctx_orig: int = 0,
-    freq_base: float = 10000.0,
-    freq_scale: float = 1.0,
-    ext_factor: float = 0.0,
-    attn_factor: float = 1.0,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    freq_factors: np.ndarray | None = None,
-) -> np.ndarray:
-    r"""``ggml_rope_ext_back``: the gradient of ``rope_ext`` for ``x``, the inverse rotation.
-
-    RoPE maps each pair by $m R(\theta)$ with $R$ a rotation, a linear map whose transpose is
-    $m R(\theta)^T = m R(-\theta)$. So the backward is the same kernel with the sine negated
-    (``sin_sign = -1`` in ``ggml_rope_cache_init``, ``ggml_compute_forward_rope_flt(...,
-    forward=false)``):
-
-    $$
-    \begin{pmatrix} \bar x_a \\ \bar x_b \end{pmatrix} = m
-    \begin{pmatrix} \cos\theta_j & \sin\theta_j \\ -\sin\theta_j & \cos\theta_j \end{pmatrix}
-    \begin{pmatrix} \bar y_a \\ \bar y_b \end{pmatrix}.
-    $$
-
-    Every step of the angle computation is odd in the position, so this equals
-    ``rope_ext(grad, -pos, ...)`` exactly. The dimensions past ``n_dims`` pass through. The
-    arguments are those of the forward; there is no gradient for ``pos`` or ``freq_factors``
-    (ggml asserts the latter).
-
-    Args:
-        grad: $\bar y$, ``(..., n_tokens, n_head, head_dim)``.
-        pos: the forward's positions ``(n_tokens,)``.
-        n_dims: the forward's rotated dims.
-        mode: ``ROPE_TYPE_NORM`` or ``ROPE_TYPE_NEOX``.
-        n_ctx_orig: as [`reference.ops.rope.rope_ext`][reference.ops.rope.rope_ext].
-        freq_base: as ``rope_ext``.
-        freq_scale: as ``rope_ext``.
-        ext_factor: as ``rope_ext``.
-        attn_factor: as ``rope_ext``.
-        beta_fast: as ``rope_ext``.
-        beta_slow: as ``rope_ext``.
-        freq_factors: as ``rope_ext``.
-
-    Returns:
-        $\bar x$, same shape and dtype as ``grad``.
-
-    Raises:
-        RopeError: the arguments ``rope_ext`` refuses.
-
-    Examples:
-        >>> import numpy as np
-        >>> from reference.ops import rope_ext
-        >>> x = np.random.default_rng(0).standard_normal((3, 2, 4))
-        >>> pos = np.array([0, 5, 9])
-        >>> bool(np.allclose(rope_back(rope_ext(x, pos, n_dims=4), pos, n_dims=4), x))
-        True
-    """
-    grad = np.asarray(grad)
-    pos = np.asarray(pos)
-    _check_rope_args(grad, pos, n_dims, mode, freq_factors)
-    dt = _compute_dtype(grad.dtype)
-    corr_dims = rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, dt)
-    cos_theta, sin_theta = rope_cache_init(
-        pos, n_dims, freq_base, freq_scale, freq_factors, corr_dims, ext_factor, attn_factor, dt
-    )  # (n_tokens, n_dims/2) each
-    out = rotate_pairs(grad.astype(dt), cos_theta, -sin_theta, n_dims, mode)  # R(-theta)
-    return out.astype(grad.dtype, copy=False)
-
-
-# --8<-- [end:rope_back]
-
-
-# --8<-- [start:soft_max_ext_back]
-def soft_max_ext_back(
-    grad: np.ndarray, y: np.ndarray, scale: float = 1.0, max_bias: float = 0.0
-) -> np.ndarray:
-    r"""``ggml_soft_max_ext_back``: the gradient of ``soft_max_ext(x, mask, scale)`` for ``x``.
-
-    The softmax's Jacobian is $\mathrm{diag}(y) - y y^T$ and $w = \mathrm{scale}\cdot x +
-    \mathrm{mask}$, so per row
-
-    $$ \bar x = \mathrm{scale}\cdot y \odot \left(\bar y - \textstyle\sum_j y_j \bar y_j\right). $$
-
-    It needs only the forward's *output* $y$. Hidden keys ($y_j = 0$) get zero gradient; the
-    mask itself gets none (ggml asserts that nothing asks for it). CPU kernel:
-    ``ggml_compute_forward_soft_max_ext_back_f32`` (dot, subtract, multiply, scale).
-
-    Args:
-        grad: $\bar y$, ``(..., n_kv)``.
-        y: the forward's output, same shape.
-        scale: the forward's ``scale`` (``kq_scale``).
-        max_bias: must be 0: ggml has no backward for ALiBi.
-
-    Returns:
-        $\bar x$, same shape and dtype as ``y``.
-
-    Raises:
-        OpShapeError: if the shapes differ.
-        OpValueError: if ``max_bias != 0``.
-
-    Examples:
-        >>> import numpy as np
-        >>> soft_max_ext_back(np.array([1.0, 0.0]), np.array([0.5, 0.5]), scale=2.0)
-        array([ 0.5, -0.5])
-    """
-    if grad.shape != y.shape:
-        raise OpShapeError(f"soft_max_ext_back: grad {grad.shape} and y {y.shape} differ")
-    if max_bias != 0.0:
-        raise OpValueError("soft_max_ext_back: ggml has no backward for ALiBi (max_bias != 0)")
-    t = y.dtype.type
-    dot = np.sum(y * grad, axis=-1, keepdims=True)  # (..., 1)
-    return ((grad - dot) * y * t(scale)).astype(y.dtype, copy=False)
-
-
-# --8<-- [end:soft_max_ext_back]
 
 
 # --8<-- [start:silu_back]
@@ -568,7 +394,7 @@ def attn_back(
         >>> bool(np.allclose(gv.sum(axis=0), 3 * 2))  # 3 tokens x 2 heads per KV head, weight 1
         True
     """
-    _check_attn_args(q, k, v, kq_mask)
+    check_attn_args(q, k, v, kq_mask)
     n_tokens, n_head, _ = q.shape
     d_v = v.shape[-1]
     if grad.shape != (n_tokens, n_head * d_v):
@@ -590,89 +416,3 @@ def attn_back(
 
 
 # --8<-- [end:attn_back]
-
-
-def _check_ce_args(logits: np.ndarray, labels: np.ndarray, op: str) -> None:
-    if logits.ndim != 2 or labels.shape != logits.shape:
-        raise OpShapeError(
-            f"{op}: logits and labels must both be (n_rows, n_classes); got "
-            f"logits.shape={logits.shape}, labels.shape={labels.shape}"
-        )
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    """``ggml_vec_log_soft_max_f32``: ``x - max - log(sum(exp(x - max)))``, the sum in double."""
-    shifted = logits - np.max(logits, axis=-1, keepdims=True)  # (n_rows, n_classes)
-    log_sum = np.log(np.sum(np.exp(shifted), axis=-1, dtype=np.float64, keepdims=True))
-    return shifted - log_sum.astype(logits.dtype)  # (n_rows, n_classes)
-
-
-# --8<-- [start:cross_entropy_loss]
-def cross_entropy_loss(logits: np.ndarray, labels: np.ndarray) -> np.floating:
-    r"""``ggml_cross_entropy_loss(logits, labels)``: the mean over rows of the cross-entropy.
-
-    $$ L = -\frac{1}{n_{rows}} \sum_{t} \sum_{c} \ell_{t,c}\, \log\mathrm{softmax}(z_t)_c , $$
-
-    with $\ell$ a probability row per token (llama.cpp's labels are one-hot rows of the next
-    token). The log-softmax is $z - \max z - \log\sum e^{z - \max z}$, its sum accumulated in
-    double (``ggml_compute_forward_cross_entropy_loss_f32``).
-
-    Args:
-        logits: $z$, ``(n_rows, n_classes)`` (``(n_tokens, n_vocab)``).
-        labels: $\ell$, same shape.
-
-    Returns:
-        The scalar loss, in the dtype of ``logits``.
-
-    Raises:
-        OpShapeError: if the shapes are not the same 2-D shape.
-
-    Examples:
-        >>> import numpy as np
-        >>> float(cross_entropy_loss(np.zeros((2, 4)), np.eye(4)[[1, 3]]))   # log(4)
-        1.3862943611198906
-    """
-    _check_ce_args(logits, labels, "cross_entropy_loss")
-    per_row = np.sum(_log_softmax(logits) * labels.astype(logits.dtype), axis=-1)  # (n_rows,)
-    t = logits.dtype.type
-    return t(np.sum(per_row, dtype=logits.dtype) * (t(-1) / t(logits.shape[0])))
-
-
-# --8<-- [end:cross_entropy_loss]
-
-
-# --8<-- [start:cross_entropy_loss_back]
-def cross_entropy_loss_back(grad: float, logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    r"""``ggml_cross_entropy_loss_back``: the gradient of the mean cross-entropy for the logits.
-
-    $$ \bar z_t = \frac{\bar L}{n_{rows}} \big(\mathrm{softmax}(z_t) - \ell_t\big) $$
-
-    (for rows $\ell_t$ that sum to 1). $\bar L$ is the loss's own gradient: 1, or
-    $1/\mathrm{opt\_period}$ when ggml-opt scales the loss for gradient accumulation.
-
-    Args:
-        grad: $\bar L$, a scalar.
-        logits: the forward's ``(n_rows, n_classes)``.
-        labels: the forward's labels, same shape.
-
-    Returns:
-        $\bar z$, shape and dtype of ``logits``.
-
-    Raises:
-        OpShapeError: if the shapes are not the same 2-D shape.
-
-    Examples:
-        >>> import numpy as np
-        >>> cross_entropy_loss_back(1.0, np.zeros((1, 4)), np.eye(4)[[2]])
-        array([[ 0.25,  0.25, -0.75,  0.25]])
-    """
-    _check_ce_args(logits, labels, "cross_entropy_loss_back")
-    t = logits.dtype.type
-    e = np.exp(logits - np.max(logits, axis=-1, keepdims=True))  # (n_rows, n_classes)
-    total = np.sum(e, axis=-1, dtype=np.float64, keepdims=True)  # ggml_float
-    softmax = e * (1.0 / total).astype(logits.dtype)  # ggml_vec_scale_f32(1.0/sum)
-    d_by_nr = t(grad) / t(logits.shape[0])
-    return ((softmax - labels.astype(logits.dtype)) * d_by_nr).astype(logits.dtype, copy=False)
-
-
-# --8<-- [end:cross_entropy_loss_back]

@@ -58,18 +58,27 @@ from reference.models.llama import (
     model_dtype,
 )
 from reference.models.simple_cache import build_kq_mask
-from reference.ops import add, build_attn_mha, get_rows, mul_mat, rms_norm, rope_ext, swiglu
+from reference.ops import (
+    add,
+    build_attn_mha,
+    cross_entropy_loss,
+    cross_entropy_loss_back,
+    get_rows,
+    get_rows_back,
+    mul_mat,
+    rms_norm,
+    rope_back,
+    rope_ext,
+    swiglu,
+)
+from reference.ops.rope import RopeParams
 from reference.training.errors import TrainGraphError
 from reference.training.grad import (
     attn_back,
-    cross_entropy_loss,
-    cross_entropy_loss_back,
-    get_rows_back,
     mul_back,
     mul_mat_back,
     repeat_back,
     rms_norm_back,
-    rope_back,
     swiglu_back,
 )
 
@@ -79,17 +88,19 @@ from reference.training.grad import (
 class LayerTape:
     """What the backward of one block needs from its forward (ggml keeps these tensors).
 
-    ``rope`` holds ``rope_ext``'s keyword arguments: ``rope_cparams(hparams)`` and the
-    ``rope_freqs.weight`` frequency factors (or None). Shapes: ``pos`` ``(n_tokens,)``; ``x``,
-    ``attn_in``, ``ffn_inp``, ``ffn_in`` ``(n_tokens, n_embd)``; ``q`` ``(n_tokens, n_head,
-    d)``, ``k``/``v`` ``(n_tokens, n_head_kv, d)`` (``q``, ``k`` after RoPE); ``kqv``
+    ``rope`` is the model's [`RopeParams`][reference.ops.rope.RopeParams]
+    (``rope_cparams(hparams)``), ``freq_factors`` its ``rope_freqs.weight`` (or None).
+    Shapes: ``pos`` ``(n_tokens,)``; ``x``, ``attn_in``, ``ffn_inp``, ``ffn_in``
+    ``(n_tokens, n_embd)``; ``q`` ``(n_tokens, n_head, d)``, ``k``/``v``
+    ``(n_tokens, n_head_kv, d)`` (``q``, ``k`` after RoPE); ``kqv``
     ``(n_tokens, n_head * d)``; ``gate``, ``up``, ``act`` ``(n_tokens, n_ff)``; ``kq_mask``
     ``(n_tokens, n_tokens)``.
     """
 
     x: np.ndarray  # the block's input x^(l)
     pos: np.ndarray  # the positions RoPE used
-    rope: dict  # rope_ext's other arguments (rope_cparams, freq_factors)
+    rope: RopeParams  # rope_cparams(hparams)
+    freq_factors: np.ndarray | None  # rope_freqs.weight
     attn_in: np.ndarray  # rms_norm(x) * attn_norm
     q: np.ndarray
     k: np.ndarray
@@ -136,7 +147,8 @@ def layer_forward(
     hparams: LlamaHParams,
     pos: np.ndarray,
     kq_mask: np.ndarray,
-    rope: dict,
+    rope: RopeParams,
+    freq_factors: np.ndarray | None = None,
 ) -> tuple[np.ndarray, LayerTape]:
     """One block of ``llm_build_llama`` with K/V of the ubatch itself, and its record.
 
@@ -146,8 +158,8 @@ def layer_forward(
         hparams: the model's hyperparameters.
         pos: positions ``(n_tokens,)``.
         kq_mask: the causal (or windowed) mask ``(n_tokens, n_tokens)``.
-        rope: ``rope_ext``'s keyword arguments (``rope_cparams(hparams)`` and
-            ``freq_factors``).
+        rope: the model's [`RopeParams`][reference.ops.rope.RopeParams] (``rope_cparams``).
+        freq_factors: ``rope_freqs.weight``, or None.
 
     Returns:
         ``(x_next, tape)``.
@@ -158,7 +170,7 @@ def layer_forward(
         >>> hp = tiny_hparams(n_layer=1)
         >>> layer = layer_weights(random_weights(hp), 0, np.float32)
         >>> pos = np.arange(3)
-        >>> rope = dict(rope_cparams(hp), freq_factors=None)
+        >>> rope = rope_cparams(hp)
         >>> x, tape = layer_forward(np.ones((3, 16), np.float32), layer, hp, pos,
         ...                         build_kq_mask(pos, pos), rope)
         >>> x.shape, tape.q.shape, tape.act.shape
@@ -172,8 +184,8 @@ def layer_forward(
     q = _linear(layer["wq"], layer["bq"], attn_in).reshape(n_tokens, hparams.n_head, d)
     k = _linear(layer["wk"], layer["bk"], attn_in).reshape(n_tokens, hparams.n_head_kv, d)
     v = _linear(layer["wv"], layer["bv"], attn_in).reshape(n_tokens, hparams.n_head_kv, -1)
-    q = rope_ext(q, pos, **rope)  # (n_tokens, n_head, d)
-    k = rope_ext(k, pos, **rope)  # (n_tokens, n_head_kv, d)
+    q = rope_ext(q, pos, rope, freq_factors)  # (n_tokens, n_head, d)
+    k = rope_ext(k, pos, rope, freq_factors)  # (n_tokens, n_head_kv, d)
     kqv = build_attn_mha(q, k, v, kq_mask, kq_scale)  # (n_tokens, n_head * d_v)
     ffn_inp = add(_linear(layer["wo"], layer["bo"], kqv), x)  # (n_tokens, n_embd)
     ffn_in = build_norm(ffn_inp, layer["ffn_norm"], eps)  # (n_tokens, n_embd)
@@ -181,13 +193,27 @@ def layer_forward(
     up = _linear(layer["ffn_up"], layer["ffn_up_b"], ffn_in)  # (n_tokens, n_ff)
     act = swiglu(gate, up)  # (n_tokens, n_ff)
     x_next = add(_linear(layer["ffn_down"], layer["ffn_down_b"], act), ffn_inp)
-    tape = LayerTape(x, pos, rope, attn_in, q, k, v, kq_mask, kqv, ffn_inp, ffn_in, gate, up, act)
+    tape = LayerTape(x, pos, rope, freq_factors, attn_in, q, k, v, kq_mask, kqv, ffn_inp, ffn_in,
+                     gate, up, act)
     return x_next, tape
 # --8<-- [end:layer_forward]
 
 
-def _kq_masks(hparams: LlamaHParams, pos: np.ndarray, dtype: np.dtype) -> tuple:
-    """The causal mask and, when some layer is SWA, the windowed one (cells = the ubatch)."""
+def kq_masks(hparams: LlamaHParams, pos: np.ndarray, dtype: np.dtype) -> tuple:
+    """The causal mask and, when some layer is SWA, the windowed one (cells = the ubatch).
+
+    Shared with the MLX twin.
+
+    Returns:
+        ``(causal, windowed)``, each ``(n_tokens, n_tokens)``; the same array twice without
+        SWA layers.
+
+    Examples:
+        >>> from reference.testing import tiny_hparams
+        >>> causal, windowed = kq_masks(tiny_hparams(), np.arange(3), np.float32)
+        >>> causal[0].tolist(), causal is windowed
+        ([0.0, -inf, -inf], True)
+    """
     causal = build_kq_mask(pos, pos, dtype=dtype)  # (n_tokens, n_tokens)
     if not hparams.is_swa_any():
         return causal, causal
@@ -224,14 +250,15 @@ def train_forward(
     pos = np.arange(len(np.asarray(tokens)))
     tokens, pos, _, _ = check_forward_inputs(hparams, tokens, pos, None, None)
     dtype = model_dtype(weights)
-    causal, windowed = _kq_masks(hparams, pos, dtype)
+    causal, windowed = kq_masks(hparams, pos, dtype)
     freq_factors = get_weight(weights, "rope_freqs.weight", dtype, required=False)
-    rope = dict(rope_cparams(hparams), freq_factors=freq_factors)
+    rope = rope_cparams(hparams)
     x = get_rows(get_weight(weights, "token_embd.weight", dtype), tokens)  # (n_tokens, n_embd)
     tapes = []
     for il in range(hparams.n_layer):
         mask = windowed if hparams.is_swa(il) else causal
-        x, tape = layer_forward(x, layer_weights(weights, il, dtype), hparams, pos, mask, rope)
+        x, tape = layer_forward(x, layer_weights(weights, il, dtype), hparams, pos, mask, rope,
+                                freq_factors)
         tapes.append(tape)
     out_norm = get_weight(weights, "output_norm.weight", dtype)
     out_in = build_norm(x, out_norm, hparams.f_norm_rms_eps)  # (n_tokens, n_embd)
@@ -343,8 +370,8 @@ def self_attn_back(
     kq_scale = hparams.f_attention_scale or 1.0 / math.sqrt(hparams.n_embd_head_k)
     grad_kqv = linear_back(grad, layer["wo"], layer["bo"], tape.kqv, name["wo"], grads)
     grad_q, grad_k, grad_v = attn_back(grad_kqv, tape.q, tape.k, tape.v, tape.kq_mask, kq_scale)
-    grad_q = rope_back(grad_q, tape.pos, **tape.rope)  # (n_tokens, n_head, d)
-    grad_k = rope_back(grad_k, tape.pos, **tape.rope)  # (n_tokens, n_head_kv, d)
+    grad_q = rope_back(grad_q, tape.pos, tape.rope, tape.freq_factors)  # (n_tokens, n_head, d)
+    grad_k = rope_back(grad_k, tape.pos, tape.rope, tape.freq_factors)  # (n_tokens, n_head_kv, d)
     grad_in = linear_back(grad_q.reshape(n_tokens, -1), layer["wq"], layer["bq"], tape.attn_in,
                           name["wq"], grads)  # (n_tokens, n_embd)
     grad_in = grad_in + linear_back(grad_k.reshape(n_tokens, -1), layer["wk"], layer["bk"],
@@ -398,7 +425,7 @@ def train_backward(
         hparams: its hyperparameters.
         tape: the [`TrainTape`][] of [`train_forward`][].
         grad_logits: $\bar z$ ``(n_tokens, n_vocab)``, e.g. from
-            [`cross_entropy_loss_back`][reference.training.grad.cross_entropy_loss_back].
+            [`cross_entropy_loss_back`][reference.ops.loss.cross_entropy_loss_back].
 
     Returns:
         GGUF name -> gradient, one entry per weight the forward used (``rope_freqs.weight``

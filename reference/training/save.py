@@ -11,7 +11,7 @@ The metadata is the source GGUF's, key for key and **type for type**: llama.cpp'
 checks the stored type of each key it reads (``GGUFMeta::GKV::validate_type``), so a
 ``uint32`` written back as ``int32`` would be refused. Without a source file (a HF folder, a
 random test model) the metadata is
-[`reference.hparams.llama_metadata`][reference.hparams.llama_metadata]'s, with the dummy SPM
+[`reference.arch.llama_metadata`][reference.arch.llama_metadata]'s, with the dummy SPM
 vocabulary unless one is given.
 """
 
@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
+from reference.arch import llama_metadata
 from reference.gguf import GGUF_DEFAULT_ALIGNMENT, GGUFValue, read_gguf, write_gguf
-from reference.hparams import LlamaHParams, llama_metadata
+from reference.hparams import LlamaHParams
 from reference.training.errors import TrainingError
 
 LLAMA_FTYPE_ALL_F32 = 0  # llama_ftype: every tensor F32
@@ -80,7 +81,7 @@ def model_save_to_file(
         hparams: the model's hyperparameters (``llama`` or ``qwen2``), for the metadata when
             ``metadata`` is None.
         metadata: the source GGUF's metadata ([`source_metadata`][]); None for
-            [`reference.hparams.llama_metadata`][reference.hparams.llama_metadata].
+            [`reference.arch.llama_metadata`][reference.arch.llama_metadata].
 
     Raises:
         TrainingError: a tensor that is not a float tensor.

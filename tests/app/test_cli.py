@@ -179,7 +179,10 @@ def test_top_p_must_be_finite(capsys):
     assert capsys.readouterr().err == "llamaref: error: top-p must be finite, got nan\n"
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "tokenize", "verify", "info", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "tokenize", "verify", "info", "bench",
+                                     "perplexity", "passkey", "speculative",
+                                     "speculative-simple", "lookup", "batched", "parallel",
+                                     "batched-bench", "finetune", "serve"])
 def test_every_command_has_help(capsys, command):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
@@ -225,3 +228,138 @@ def test_generate_on_a_small_swa_cache_disables_the_context_shift(tmp_path, caps
     err = capsys.readouterr().err
     assert ("context shift disabled" in err) != swa_full
     assert ("context full (n_ctx = 512) and context shift is disabled" in err) != swa_full
+
+
+# ---- what main reports: the project's errors, as one line ---------------------------------
+
+def _refusing_info(monkeypatch, error: BaseException) -> None:
+    """Make ``llamaref info`` raise ``error``."""
+    def refuse(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_info", refuse)
+
+
+@pytest.mark.parametrize("error", [
+    "reference.model_loader.ModelLoadError", "reference.gguf.GGUFError",
+    "reference.tools.perplexity.LogitsFileError", "llamaref.backends.BackendError",
+    "llamaref.verify.VerifyError", "llamaref.bench.peers.PeerError", "llamaref.common.CLIError",
+])
+def test_main_reports_the_projects_errors_as_one_line(monkeypatch, capsys, error):
+    import importlib
+
+    module, name = error.rsplit(".", 1)
+    _refusing_info(monkeypatch, getattr(importlib.import_module(module), name)("refused\nhere"))
+    assert main(["info"]) == 1
+    assert capsys.readouterr().err == "llamaref: error: refused here\n"
+
+
+def test_main_reports_an_os_error_as_one_line(monkeypatch, capsys):
+    _refusing_info(monkeypatch, PermissionError(13, "Permission denied", "out.gguf"))
+    assert main(["info"]) == 1
+    assert capsys.readouterr().err == ("llamaref: error: [Errno 13] Permission denied: "
+                                       "'out.gguf'\n")
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug"), ImportError("a bug"),
+                                   KeyError("a bug")])
+def test_main_lets_a_bug_keep_its_traceback(monkeypatch, error):
+    """Only the project's errors are expected: anything else is a bug, not a message."""
+    _refusing_info(monkeypatch, error)
+    with pytest.raises(type(error), match="a bug"):
+        main(["info"])
+
+
+def _our_modules():
+    """The names of every module of ``reference`` and ``llamaref``."""
+    import pkgutil
+
+    import llamaref
+    import reference
+
+    for package in (reference, llamaref):
+        yield package.__name__
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            yield info.name
+
+
+def test_every_error_of_the_project_is_a_llamaref_error():
+    """Every exception class that ``reference`` and ``llamaref`` define derives from the
+    project's base error, so ``main`` reports each of them as one line."""
+    import importlib
+    import inspect
+
+    from reference.common import LlamarefError
+
+    errors = []
+    for name in _our_modules():
+        module = importlib.import_module(name)
+        errors += [cls for _, cls in inspect.getmembers(module, inspect.isclass)
+                   if issubclass(cls, BaseException) and cls.__module__ == name]
+    assert len(errors) > 40
+    assert [e for e in errors if not issubclass(e, LlamarefError)] == []
+
+
+def test_a_missing_optional_peer_is_a_typed_error(monkeypatch, tmp_path):
+    """mlx-lm (``--vs mlx-lm``) and matplotlib (the loss plot) are extras: without them the
+    command says what to install, as one line."""
+    import sys
+
+    from llamaref.bench.peers import PeerError, mlx_lm_mamba_model, mlx_lm_model
+    from llamaref.common import CLIError
+    from llamaref.finetune import plot_losses
+
+    for name in ("mlx_lm", "mlx_lm.models", "matplotlib"):
+        monkeypatch.setitem(sys.modules, name, None)  # ``import name`` raises ImportError
+    with pytest.raises(PeerError, match="--vs mlx-lm needs mlx-lm"):
+        mlx_lm_model(tiny_hparams(), {})
+    with pytest.raises(PeerError, match="--vs mlx-lm needs mlx-lm"):
+        mlx_lm_mamba_model(tiny_hparams(), {})
+    with pytest.raises(CLIError, match="the loss plot needs matplotlib"):
+        plot_losses(None, tmp_path / "loss.png")
+
+
+# ---- the context flags: defined once --------------------------------------------------------
+
+def test_the_context_flags_are_spelled_the_same_by_every_command():
+    """``-c``, ``-b``, ``-ub``, ``-np``, ``-kvu`` ... come from ``CONTEXT_FLAGS`` in every
+    command that has them: the same spellings, destination, type and metavar; only the
+    default and the help may say what the flag means there."""
+    import argparse
+
+    from llamaref.common import CONTEXT_FLAGS
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    seen = set()
+    for command, sub in commands.choices.items():
+        if command == "bench":  # llama-bench's own flags (-c/--n-ctx, --parallel 1,2,4), as
+            continue  # llama.cpp's llama-bench parses its own, not common/arg.cpp's
+        for action in sub._actions:
+            for name, (flags, kwargs) in CONTEXT_FLAGS.items():
+                if not set(action.option_strings) & set(flags):
+                    continue
+                seen.add(name)
+                assert action.option_strings == list(flags), (command, name)
+                assert action.dest == kwargs.get("dest", name), (command, name)
+                assert action.type == kwargs.get("type"), (command, name)
+                assert action.metavar == kwargs.get("metavar"), (command, name)
+    assert seen == set(CONTEXT_FLAGS)
+
+
+@pytest.mark.parametrize(("files", "command", "message"), [
+    ({"config.json": "{bad"}, "info", "config.json is not valid JSON"),
+    ({"config.json": '{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 2, '
+                     '"hidden_size": 8}'}, "info", "config.json has no 'vocab_size'"),
+    ({"tokenizer.json": '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, '
+                        '"[UNK]": 1}, "unk_token": "[UNK]"}}',
+      "tokenizer_config.json": "{bad"}, "tokenize", "cannot read"),
+])
+def test_a_broken_hf_folder_is_one_line(tmp_path, capsys, files, command, message):
+    """JSON that does not parse, or a config.json without a key, is the loaders' typed error."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [command, "-m", str(tmp_path)] + (["a"] if command == "tokenize" else [])
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llamaref: error:") and message in err and err.count("\n") == 1, err

@@ -215,6 +215,7 @@ def test_32_streaming_clients_with_disconnects_leave_no_trace():
     srv = LiveServer(lambda: make_engine("reference", n_slots=4, n_ctx=1024, n_batch=64,
                                          n_ubatch=32))
     engine = srv.engine
+    sched = engine.scheduler
     statuses: list[int] = []
     lock = threading.Lock()
     try:
@@ -235,18 +236,18 @@ def test_32_streaming_clients_with_disconnects_leave_no_trace():
         with ThreadPoolExecutor(32) as pool:
             list(pool.map(client_loop, range(32)))
         assert len(statuses) == 128 and set(statuses) == {200}
-        slots = engine.call(lambda: [(s.is_processing, len(s.tokens)) for s in engine.slots])
+        slots = engine.call(lambda: [(s.is_processing, len(s.tokens)) for s in sched.slots])
         for _ in range(100):  # cancelled streams are dropped at the engine's next step
             if not any(busy for busy, _ in slots):
                 break
             threading.Event().wait(0.05)
             slots = engine.call(lambda: [(s.is_processing, len(s.tokens))
-                                         for s in engine.slots])
-        assert not any(busy for busy, _ in slots) and not engine.waiting
+                                         for s in sched.slots])
+        assert not any(busy for busy, _ in slots) and not sched.waiting
 
         def held():  # what the memory holds is exactly what the slots say they hold
-            return [(engine.memory.seq_pos_min(s.id), engine.memory.seq_pos_max(s.id),
-                     len(s.tokens)) for s in engine.slots]
+            return [(sched.memory.seq_pos_min(s.id), sched.memory.seq_pos_max(s.id),
+                     len(s.tokens)) for s in sched.slots]
         for pmin, pmax, n in engine.call(held):
             assert (pmin, pmax) == ((0, n - 1) if n else (-1, -1))
         for i in range(4):

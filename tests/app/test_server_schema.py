@@ -11,12 +11,20 @@ import pytest
 
 from llamaref.server import formats, schema
 from llamaref.server.app import NATIVE, OAI_CHAT, Meta
+from llamaref.server.errors import error_json, http_status
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.model_loader import default_model_path
+from reference.tokenizer import Tokenizer
 from reference.tools.server.errors import InvalidRequest
 from reference.tools.server.params import SlotParams
-from reference.tools.server.results import FLT_LOWEST, Final, Partial, Timings, TokenOutput, TokenProb
-from reference.tokenizer import Tokenizer
+from reference.tools.server.results import (
+    FLT_LOWEST,
+    Final,
+    Partial,
+    Timings,
+    TokenOutput,
+    TokenProb,
+)
 from tests.support.server_corpus import malformed_requests
 
 
@@ -44,8 +52,8 @@ def test_parse_json():
             schema.parse_json(raw, 100)
     with pytest.raises(schema.BodyTooLarge) as e:
         schema.parse_json(b"{}" + b" " * 200, 100)
-    assert e.value.code == 413 and "100" in str(e.value)
-    assert e.value.to_json()["error"]["type"] == "invalid_request_error"
+    assert http_status(e.value) == 413 and "100" in str(e.value)
+    assert error_json(e.value)["error"]["type"] == "invalid_request_error"
 
 
 # ---- numeric fields -----------------------------------------------------------------------------

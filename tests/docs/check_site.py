@@ -5,8 +5,8 @@ include did not resolve. Both would be silent in ``mkdocs build``. Two more stat
 no page is built from a file under ``assets/`` (an include such as a bench table must be
 excluded with ``exclude_docs``, or it becomes an untitled page in the search), and a page
 shows the text it exists to show (``EXPECTED``). Run after the build:
-``python tests/docs/check_site.py site``; ``tests/docs/check_site_browser.py`` then looks at the pages
-in a browser.
+``python tests/docs/check_site.py site``; ``tests/docs/check_site_browser.py`` then looks at
+the pages in a browser.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Context (llama_context): sizes, decode's return codes and atomicity, outputs, abort,
-context_shift's contract."""
+context_shift's contract, on the reference and the tiny Llama (the laws of the return codes
+over every Context and model: ``tests/laws/test_decode.py``)."""
 
 from __future__ import annotations
 
@@ -81,29 +82,6 @@ def test_decode_ok_appends_the_batch_and_outputs_in_batch_order():
     np.testing.assert_array_equal(ctx.get_logits_ith(-4), ctx.get_logits_ith(0))
 
 
-@pytest.mark.parametrize(
-    "batch",
-    [
-        Batch(token=[1], pos=[12]),  # seq 0 must go on at 10
-        Batch(token=[1], pos=[9]),  # overlap
-        Batch(token=[1, 2], pos=[10, 12]),  # hole
-        Batch(token=[1, 2], pos=[11, 10]),  # decreasing (and 10 must come first)
-        Batch(token=[HP.n_vocab]),  # token id out of range
-        Batch(token=[1], seq_id=[[2]]),  # seq id >= n_seq_max
-        Batch(token=[1], seq_id=[[-1]]),
-        Batch(token=[1], seq_id=[[0, 1]]),  # coupled to seq 1, which has diverged
-        Batch(token=list(range(20)) * 14),  # 280 > n_batch = 256
-    ],
-)
-def test_invalid_batch_returns_minus_1_and_changes_nothing(batch):
-    ctx = make(n_seq_max=2)
-    assert ctx.decode(Batch(token=PROMPT[:10], logits=[True] * 10)) == 0
-    before = snapshot(ctx)
-    assert ctx.decode(batch) == -1
-    assert ctx.last_error
-    assert_same(before, snapshot(ctx))
-
-
 def test_no_slot_returns_1_restores_the_cells_and_keeps_the_outputs():
     ctx = make(n_ubatch=32)
     prompt = RNG.integers(0, HP.n_vocab, 200).tolist()
@@ -116,18 +94,6 @@ def test_no_slot_returns_1_restores_the_cells_and_keeps_the_outputs():
     straight.decode(Batch(token=prompt))
     straight.decode(Batch(token=PROMPT[:5], logits=[True] * 5))
     np.testing.assert_array_equal(ctx.get_logits(), straight.get_logits())
-
-
-def test_coupled_tokens_on_per_sequence_streams_return_1():
-    """split_equal(sequential) cannot split a token shared by two streams: llama.cpp gives 1."""
-    ctx = make(n_ctx=512, n_seq_max=2, kv_unified=False)
-    before = snapshot(ctx)
-    assert ctx.decode(Batch(token=[1, 2], seq_id=[[0, 1], [0, 1]])) == 1
-    assert "coupled" in ctx.last_error
-    assert_same(before, snapshot(ctx))
-    unified = make(n_seq_max=2)
-    assert unified.decode(Batch(token=[1, 2], seq_id=[[0, 1], [0, 1]])) == 0
-    assert unified.memory.seq_pos_max(1) == 1
 
 
 @pytest.mark.parametrize("n_ubatch", [1, 3, 256])

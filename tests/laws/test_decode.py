@@ -1,29 +1,37 @@
-"""The laws of decoding, as hypothesis properties of every Context.
+"""The laws of decoding, as hypothesis properties of every Context and every model.
 
-Each law runs on every flavour of ``tests/support/helpers.py``: the reference in float64 (max error
-<= 1e-10: only rounding differs), the reference in float32 and the MLX twin (NMSE <= 1e-10,
-what float32 rounding of a different summation order gives). Where a law decodes a scenario
-on the twin, the reference decodes it too and the two agree (NMSE <= 1e-6):
+Each law is written once and runs on every flavour of ``tests/support/helpers.py`` (the
+reference in float64: max error <= 1e-10, only rounding differs; the reference in float32 and
+the MLX twin: NMSE <= 1e-10, what float32 rounding of a different summation order gives) and
+on every model that has what it needs (``llama``; ``iswa``, a window on some layers, 1:1 as
+Gemma 2, 5:1 as Gemma 3, or every layer; ``mamba`` and ``mamba2``, a recurrent state). Where
+a law decodes a scenario on the twin, the reference decodes it too and the two agree
+(NMSE <= 1e-6). "Alone" is one sequence decoded in one batch on a fresh Context, or for a
+recurrent model the flavour's ``mamba_forward`` on a plain state, without a Context:
 
 - **batched == unbatched**: each sequence's logits are those of the sequence decoded alone,
   whatever the interleaving, the cut into two batches, ``n_ubatch``, explicit or automatic
-  positions, and the cache layout (one unified stream: ``split_simple``; one stream per
-  sequence: ``split_equal``);
-- **token by token == one prefill**;
-- **shifts**: after any mix of ``seq_add`` / ``seq_div`` / ``seq_rm`` / context shift on a
-  one-layer model (where a cell's K and V depend only on its token and position), the next
-  logits equal those of a *fresh* cache holding the same (token, position) cells: the
-  K-shift; ``seq_div`` too (the law llama.cpp breaks, ``docs/divergences.md``);
-- ``seq_cp`` then divergent continuations == independent decodes of the same prefix;
-  ``seq_keep``; partial ``seq_rm`` then re-decode == fresh decode;
-- return code 1 (no slot) and -1 (invalid batch) leave the memory bit-identical, a pending
-  K-shift still pending, and the continuation unchanged; an abort (2) keeps the ubatches
-  computed before it and removes the aborted one.
+  positions, and the memory layout (one unified stream: ``split_simple``; one stream per
+  sequence or a recurrent state: ``split_equal``);
+- **chunked prefill == token by token == one prefill == alone**, whatever ``n_ubatch``;
+- ``seq_cp`` then divergent continuations == independent decodes of the same prefix (shared
+  cells, copied streams, or a shared state copied on write); ``seq_keep`` keeps one;
+- **shifts** (models with the K-shift): after any mix of ``seq_add`` / ``seq_div`` /
+  ``seq_rm`` / context shift on a one-layer model (where a cell's K and V depend only on its
+  token and position), the next logits equal those of a *fresh* cache holding the same
+  (token, position) cells; ``seq_div`` too (the law llama.cpp breaks, ``docs/divergences.md``);
+- **failures change nothing**: return code 1 (no slot; a token of coupled sequences that a
+  sequential split cannot place) and -1 (invalid batch, random or one of a list) leave the
+  memory bit-identical, a pending K-shift still pending, and the continuation unchanged; a
+  batch of embeddings decodes as its tokens, or is refused before any change by a model that
+  takes token ids only; an abort (2) keeps the ubatches computed before it and removes the
+  aborted one.
 
 ``split_seq`` is not exercised: the Context only uses it for embedding outputs, which it
 never asks for (see ``reference/context.py``). The MLX Contexts run with their defaults, so
-the ubatches go through the compiled, reused graphs. Mamba's laws are in
-``tests/laws/test_context_mamba.py``; both twins in lock-step in ``tests/twin/test_lockstep.py``.
+the ubatches go through the compiled, reused graphs. The laws of the memory's own operations
+are in ``tests/laws/test_memory.py``, of its state in ``tests/laws/test_state.py``; both twins
+in lock-step in ``tests/twin/test_lockstep.py``.
 """
 
 from __future__ import annotations
@@ -34,55 +42,66 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.batch import Batch
+from reference.context import ContextError
 from tests.support.helpers import (
+    CELLS,
+    EMBD,
+    K_SHIFT,
     N_VOCAB,
-    alone,
+    RECURRENT,
     apply_op,
     apply_ops,
     assert_same,
     assert_twins_agree,
     decode_seq,
     every_flavour,
+    for_layouts,
+    for_models,
     fresh_cache,
     interleave,
     logits_ith,
-    make,
+    pending_shift,
+    rows_of,
     seq_positions,
     snapshot,
 )
 
 tokens_st = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6)
+every_model = for_models()
 
 
-def n_ctx(kv_unified: bool, n_seq: int) -> int:
-    """256 cells per stream."""
-    return 256 * (1 if kv_unified else n_seq)
+def splits_sequentially(model, kv_unified: bool) -> bool:
+    """Whether the Context cuts ubatches with ``split_equal(sequential=True)``: a recurrent
+    state, or one stream per sequence. A token of two sequences cannot be placed (rc 1)."""
+    return model.has(RECURRENT) or not kv_unified
 
 
 # ---- batched == unbatched, token by token == prefill ----------------------------------------
 
 
 @st.composite
-def interleavings(draw):
+def interleavings(draw, model):
     """Sequences, an interleaving of their tokens (order inside each kept), and a cut."""
-    seqs = draw(st.lists(tokens_st, min_size=1, max_size=3))
+    seqs = draw(st.lists(model.prompt_st(1, 12), min_size=1, max_size=3))
     order = [s for s, t in enumerate(seqs) for _ in t]
     order = draw(st.permutations(order))
     cut = draw(st.integers(0, len(order)))
     return seqs, list(order), cut
 
 
+@every_model
 @every_flavour
-@given(case=interleavings(), n_ubatch=st.integers(1, 8), kv_unified=st.booleans(),
+@given(data=st.data(), n_ubatch=st.integers(1, 8), kv_unified=st.booleans(),
        auto_pos=st.booleans())
-def test_batched_equals_unbatched(flavour, case, n_ubatch, kv_unified, auto_pos):
-    seqs, order, cut = case
+def test_batched_equals_unbatched(model, flavour, data, n_ubatch, kv_unified, auto_pos):
+    variant = model.draw(data)
+    seqs, order, cut = data.draw(interleavings(model), label="seqs, order, cut")
     n_seq = len(seqs)
 
     def batched(flavour) -> np.ndarray:
         """The interleaved tokens in two batches; every token's logits, in ``order``."""
-        ctx = make(flavour, n_ubatch=n_ubatch, n_seq_max=n_seq, kv_unified=kv_unified,
-                   n_ctx=n_ctx(kv_unified, n_seq))
+        ctx = model.make(flavour, variant, n_ubatch=n_ubatch, n_seq_max=n_seq,
+                         kv_unified=kv_unified)
         rows, k = [], [0] * n_seq
         for part in (order[:cut], order[cut:]):
             if not part:
@@ -94,27 +113,93 @@ def test_batched_equals_unbatched(flavour, case, n_ubatch, kv_unified, auto_pos)
                 k[s] += 1
             b = Batch(token=token, pos=None if auto_pos else pos, seq_id=[[s] for s in part],
                       logits=[True] * len(part))
-            assert ctx.decode(b) == 0
+            assert ctx.decode(b) == 0, ctx.last_error
             rows += [logits_ith(ctx, i) for i in range(len(part))]
+        for s, t in enumerate(seqs):
+            assert ctx.memory.seq_pos_max(s) == len(t) - 1
         return np.stack(rows)  # (n_tokens, n_vocab)
 
     got = batched(flavour)
     for s, t in enumerate(seqs):
-        flavour.assert_close(alone(flavour, t), got[[i for i, x in enumerate(order) if x == s]])
+        want = model.alone(flavour, t, variant)
+        flavour.assert_close(want, got[[i for i, x in enumerate(order) if x == s]])
     assert_twins_agree(flavour, got, batched)
 
 
+@every_model
 @every_flavour
-@given(tokens=st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=10))
-def test_token_by_token_equals_one_prefill(flavour, tokens):
-    ctx = make(flavour)
-    rows = []
+@given(data=st.data(), n_ubatch=st.sampled_from([1, 2, 3, 5, 64]))
+def test_token_by_token_equals_one_prefill(model, flavour, data, n_ubatch):
+    """Any cut of the prompt (chunks, one token at a time, one batch) gives the logits of the
+    prompt decoded alone."""
+    variant = model.draw(data)
+    tokens = data.draw(model.prompt_st(1, 12), label="tokens")
+
+    def one_prefill(flavour) -> np.ndarray:
+        return decode_seq(model.make(flavour, variant, n_ubatch=n_ubatch), tokens)
+
+    want = model.alone(flavour, tokens, variant)
+    one = one_prefill(flavour)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(tokens) - 1)), max_size=4),
+                            label="cuts"))
+    chunked_ctx, rows, start = model.make(flavour, variant, n_ubatch=n_ubatch), [], 0
+    for end in [c for c in cuts if c < len(tokens)] + [len(tokens)]:
+        rows.append(decode_seq(chunked_ctx, tokens[start:end]))
+        start = end
+    tbt_ctx, tbt = model.make(flavour, variant, n_ubatch=n_ubatch), []
     for t in tokens:
-        assert ctx.decode(Batch(token=[t])) == 0
-        rows.append(logits_ith(ctx, -1))
-    prefill = alone(flavour, tokens)
-    flavour.assert_close(prefill, np.stack(rows))
-    assert_twins_agree(flavour, prefill, lambda f: alone(f, tokens))
+        assert tbt_ctx.decode(Batch(token=[t])) == 0
+        tbt.append(logits_ith(tbt_ctx, -1))
+    for out in (one, np.concatenate(rows), np.stack(tbt)):
+        flavour.assert_close(want, out)
+    assert chunked_ctx.memory.seq_pos_max(0) == tbt_ctx.memory.seq_pos_max(0) == len(tokens) - 1
+    assert_twins_agree(flavour, one, one_prefill)
+
+
+# ---- seq_cp, seq_keep -------------------------------------------------------------------------
+
+
+@every_model
+@every_flavour
+@given(data=st.data(), conts=st.lists(tokens_st, min_size=2, max_size=3), tail=tokens_st,
+       kv_unified=st.booleans(), n_ubatch=st.integers(1, 8), keep=st.integers(0, 2))
+def test_seq_cp_branches_equal_independent_decodes(model, flavour, data, conts, tail,
+                                                   kv_unified, n_ubatch, keep):
+    """Shared cells (one stream), copied streams (one per sequence, copied at the next update)
+    or a shared state (copied on write by the next ubatch), each copy from the prefix or from
+    an earlier copy: every branch goes on as if alone, all in one interleaved batch; after
+    ``seq_keep`` the kept one too, and the others are gone where they shared its stream."""
+    variant = model.draw(data)
+    prefix = data.draw(model.prompt_st(1, 6), label="prefix")
+    n_seq = len(conts)
+    keep = keep % n_seq
+    sources = [data.draw(st.integers(0, s - 1), label=f"seq_cp source of {s}")
+               for s in range(1, n_seq)]
+    token, seq_id = interleave(conts)  # the continuations interleaved in one batch
+
+    def branched(flavour):
+        ctx = model.make(flavour, variant, n_seq_max=n_seq, kv_unified=kv_unified,
+                         n_ubatch=n_ubatch)
+        assert ctx.decode(Batch(token=prefix)) == 0
+        for s, src in enumerate(sources, start=1):
+            ctx.memory.seq_cp(src, s, -1, -1)
+        assert ctx.decode(Batch(token=token, seq_id=seq_id, logits=[True] * len(token))) == 0
+        return ctx, ctx.get_logits().copy()  # (n_tokens, n_vocab)
+
+    ctx, logits = branched(flavour)
+    for s, c in enumerate(conts):
+        want = model.alone(flavour, prefix + c, variant)[len(prefix):]
+        flavour.assert_close(want, rows_of(logits, seq_id, s))
+    assert_twins_agree(flavour, logits, lambda f: branched(f)[1])
+    ctx.memory.seq_keep(keep)
+    one_pool = kv_unified or model.has(RECURRENT)  # of cells or states, for every sequence
+    for s in range(n_seq):
+        gone = one_pool and s != keep
+        assert ctx.memory.seq_pos_max(s) == (-1 if gone else len(prefix) + len(conts[s]) - 1)
+    n = len(tail)
+    assert ctx.decode(Batch(token=tail, seq_id=[[keep]] * n, logits=[True] * n)) == 0
+    want = model.alone(flavour, prefix + conts[keep] + tail, variant)[-n:]
+    flavour.assert_close(want, ctx.get_logits())
 
 
 # ---- shifts: the cache after seq_add / seq_div / context shift == a fresh cache ---------------
@@ -129,19 +214,20 @@ ops_st = st.lists(st.one_of(
 ), min_size=1, max_size=3)
 
 
+@for_models(K_SHIFT)
 @every_flavour
-@given(prompt=st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=12), ops=ops_st,
-       cont=tokens_st, kv_unified=st.booleans())
-def test_shifted_cache_equals_fresh_decode_at_shifted_positions(flavour, prompt, ops, cont,
-                                                                kv_unified):
+@given(data=st.data(), ops=ops_st, cont=tokens_st, kv_unified=st.booleans())
+def test_shifted_cache_equals_fresh_decode_at_shifted_positions(model, flavour, data, ops,
+                                                                cont, kv_unified):
+    variant = model.draw(data, one_layer=True)
+    prompt = data.draw(model.prompt_st(1, 12), label="prompt")
     cells = [(t, p) for p, t in enumerate(prompt)]
     for op in ops:
         cells = apply_op(cells, op)
 
     def shifted(flavour):
         """The prompt, then ``ops``; returns the Context and the continuation's logits."""
-        ctx = make(flavour, n_layer=1, n_seq_max=2, kv_unified=kv_unified,
-                   n_ctx=n_ctx(kv_unified, 2))
+        ctx = model.make(flavour, variant, n_seq_max=2, kv_unified=kv_unified)
         assert ctx.decode(Batch(token=prompt)) == 0
         apply_ops(ctx, ops)
         assert seq_positions(ctx, 0) == sorted(p for _, p in cells)
@@ -149,93 +235,50 @@ def test_shifted_cache_equals_fresh_decode_at_shifted_positions(flavour, prompt,
         return ctx, ctx.get_logits().copy()
 
     ctx, got = shifted(flavour)
-    assert not ctx.memory.get_has_shift()  # the K-shift ran
-    fresh = fresh_cache(flavour, cells)
+    assert not pending_shift(ctx.memory)  # the K-shift ran
+    fresh = fresh_cache(flavour, cells, model, variant)
     assert fresh.decode(Batch(token=cont, logits=[True] * len(cont))) == 0
     flavour.assert_close(fresh.get_logits(), got)
     assert_twins_agree(flavour, got, lambda f: shifted(f)[1])
 
 
+@for_models(K_SHIFT)
 @every_flavour
-@given(prompt=st.lists(st.integers(0, N_VOCAB - 1), min_size=2, max_size=12),
-       d=st.integers(2, 4), cont=tokens_st)
-def test_seq_div_equals_fresh_decode_at_divided_positions(flavour, prompt, d, cont):
+@given(data=st.data(), d=st.integers(2, 4), cont=tokens_st)
+def test_seq_div_equals_fresh_decode_at_divided_positions(model, flavour, data, d, cont):
     """The law llama.cpp breaks (it turns K by ``p_old - p_new``; tests/oracle/test_memory.py)."""
-    ctx = make(flavour, n_layer=1, n_seq_max=2)
+    variant = model.draw(data, one_layer=True)
+    prompt = data.draw(model.prompt_st(2, 12), label="prompt")
+    ctx = model.make(flavour, variant, n_seq_max=2)
     assert ctx.decode(Batch(token=prompt)) == 0
     ctx.memory.seq_div(0, 0, -1, d)
-    assert ctx.memory.get_has_shift()
-    fresh = fresh_cache(flavour, [(t, p // d) for p, t in enumerate(prompt)])
+    assert pending_shift(ctx.memory)
+    fresh = fresh_cache(flavour, [(t, p // d) for p, t in enumerate(prompt)], model, variant)
     for c in (ctx, fresh):
         assert c.decode(Batch(token=cont, logits=[True] * len(cont))) == 0
     flavour.assert_close(fresh.get_logits(), ctx.get_logits())
 
 
-# ---- seq_cp, seq_keep, seq_rm ---------------------------------------------------------------
-
-
-@every_flavour
-@given(prefix=tokens_st, conts=st.lists(tokens_st, min_size=2, max_size=3),
-       tail=tokens_st, kv_unified=st.booleans(), n_ubatch=st.integers(1, 8),
-       keep=st.integers(0, 2))
-def test_seq_cp_branches_equal_independent_decodes(flavour, prefix, conts, tail, kv_unified,
-                                                   n_ubatch, keep):
-    """Shared cells (one stream) or copied streams (one per sequence, copied at the next
-    update): every branch goes on as if alone; after ``seq_keep`` the kept one too."""
-    n_seq = len(conts)
-    keep = keep % n_seq
-    ctx = make(flavour, n_seq_max=n_seq, kv_unified=kv_unified, n_ubatch=n_ubatch,
-               n_ctx=n_ctx(kv_unified, n_seq))
-    assert ctx.decode(Batch(token=prefix)) == 0
-    for s in range(1, n_seq):
-        ctx.memory.seq_cp(0, s, -1, -1)
-    token, seq_id = interleave(conts)  # the continuations interleaved in one batch
-    assert ctx.decode(Batch(token=token, seq_id=seq_id, logits=[True] * len(token))) == 0
-    for s, c in enumerate(conts):
-        rows = np.stack([ctx.get_logits_ith(i) for i, x in enumerate(seq_id) if x == [s]])
-        flavour.assert_close(alone(flavour, prefix + c)[len(prefix):], rows)
-    # seq_keep: the kept branch goes on as if alone; with one stream the others are gone
-    ctx.memory.seq_keep(keep)
-    for s in range(n_seq):
-        gone = kv_unified and s != keep
-        assert ctx.memory.seq_pos_max(s) == (-1 if gone else len(prefix) + len(conts[s]) - 1)
-    n = len(tail)
-    assert ctx.decode(Batch(token=tail, seq_id=[[keep]] * n, logits=[True] * n)) == 0
-    flavour.assert_close(alone(flavour, prefix + conts[keep] + tail)[-n:], ctx.get_logits())
-
-
-@every_flavour
-@given(prompt=st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=12),
-       k=st.integers(0, 12), cont=tokens_st, kv_unified=st.booleans())
-def test_partial_seq_rm_then_redecode_equals_fresh(flavour, prompt, k, cont, kv_unified):
-    k = min(k, len(prompt))
-    ctx = make(flavour, kv_unified=kv_unified, n_ubatch=3)
-    assert ctx.decode(Batch(token=prompt)) == 0
-    assert ctx.memory.seq_rm(0, k, -1) is True
-    assert ctx.memory.seq_pos_max(0) == k - 1
-    n = len(cont)
-    assert ctx.decode(Batch(token=cont, logits=[True] * n)) == 0
-    flavour.assert_close(alone(flavour, prompt[:k] + cont)[k:], ctx.get_logits())
-
-
 # ---- failures change nothing ----------------------------------------------------------------
 
 
+@for_models(CELLS)
 @every_flavour
-@given(n_ubatch=st.sampled_from([5, 16, 32, 64]), extra=st.integers(57, 120),
+@given(data=st.data(), n_ubatch=st.sampled_from([5, 16, 32, 64]), extra=st.integers(57, 120),
        kv_unified=st.booleans())
-def test_no_slot_leaves_memory_bit_identical(flavour, n_ubatch, extra, kv_unified):
+def test_no_slot_leaves_memory_bit_identical(model, flavour, data, n_ubatch, extra, kv_unified):
     """rc 1 (200 cells used of 256, then 57 to 120 more): the ubatches placed before the one
     that found no slot are undone; the memory is bit-identical and the continuation too."""
+    variant = model.draw(data)
     rng = np.random.default_rng(extra)
     prompt = rng.integers(0, N_VOCAB, 200).tolist()
-    ctx = make(flavour, n_ubatch=n_ubatch, kv_unified=kv_unified)
+    ctx = model.make(flavour, variant, n_ubatch=n_ubatch, kv_unified=kv_unified)
     assert ctx.decode(Batch(token=prompt)) == 0
     before = snapshot(ctx)
     assert ctx.decode(Batch(token=rng.integers(0, N_VOCAB, extra).tolist())) == 1
     assert_same(before, snapshot(ctx))
     assert ctx.decode(Batch(token=[1, 2], logits=[True, True])) == 0
-    straight = make(flavour, n_ubatch=n_ubatch, kv_unified=kv_unified)
+    straight = model.make(flavour, variant, n_ubatch=n_ubatch, kv_unified=kv_unified)
     assert straight.decode(Batch(token=prompt)) == 0
     assert straight.decode(Batch(token=[1, 2], logits=[True, True])) == 0
     np.testing.assert_array_equal(straight.get_logits(), ctx.get_logits())
@@ -249,14 +292,16 @@ batch_st = st.fixed_dictionaries({
 })
 
 
+@every_model
 @every_flavour
-@given(prompt=st.lists(tokens_st, min_size=2, max_size=2), b=batch_st,
-       kv_unified=st.booleans())
-def test_invalid_batch_changes_nothing(flavour, prompt, b, kv_unified):
-    """A random batch, mostly invalid (-1). With one stream per sequence, a token of two
-    sequences cannot be split (``split_equal(sequential=True)``, as llama.cpp): 1. Either
+@given(data=st.data(), b=batch_st, kv_unified=st.booleans())
+def test_invalid_batch_changes_nothing(model, flavour, data, b, kv_unified):
+    """A random batch, mostly invalid (-1). A token of two sequences that a sequential split
+    cannot place (one stream per sequence, a recurrent state; as llama.cpp): 1. Either
     failure leaves the memory bit-identical."""
-    ctx = make(flavour, n_seq_max=2, kv_unified=kv_unified, n_ctx=n_ctx(kv_unified, 2))
+    variant = model.draw(data)
+    prompt = data.draw(st.lists(model.prompt_st(1, 6), min_size=2, max_size=2), label="prompt")
+    ctx = model.make(flavour, variant, n_seq_max=2, kv_unified=kv_unified)
     for s, t in enumerate(prompt):
         assert ctx.decode(Batch(token=t, seq_id=[[s]] * len(t), logits=[True] * len(t))) == 0
     n = len(b["token"])
@@ -265,46 +310,144 @@ def test_invalid_batch_changes_nothing(flavour, prompt, b, kv_unified):
     ctx.memory_update()
     before = snapshot(ctx)
     rc = ctx.decode(batch)
-    assert rc in (0, -1) or (rc == 1 and not kv_unified), (rc, ctx.last_error)
+    sequential = splits_sequentially(model, kv_unified)
+    assert rc in (0, -1) or (rc == 1 and sequential), (rc, ctx.last_error)
     if rc != 0:
         assert_same(before, snapshot(ctx))
     else:
         assert ctx.n_outputs == 1
 
 
+#: seq 0 holds positions 0 .. P - 1; seq 1 is its copy, one token further; seq 2 its copy
+P = 10
+BAD_BATCHES = {
+    "a gap": Batch(token=[1], pos=[P + 2]),
+    "the last position again": Batch(token=[1], pos=[P - 1]),
+    "a position back": Batch(token=[1], pos=[P - 2]),
+    "a hole inside the batch": Batch(token=[1, 2], pos=[P, P + 2]),
+    "decreasing": Batch(token=[1, 2], pos=[P + 1, P]),
+    "token id out of range": Batch(token=[N_VOCAB], pos=[P]),
+    "seq id >= n_seq_max": Batch(token=[1], pos=[0], seq_id=[[4]]),
+    "negative seq id": Batch(token=[1], seq_id=[[-1]]),
+    "coupled to an empty sequence": Batch(token=[1], pos=[P], seq_id=[[0, 3]]),
+    "coupled to a sequence that went on": Batch(token=[1], pos=[P + 1], seq_id=[[1, 0]]),
+    "more tokens than n_batch": Batch(token=list(range(20)) * 14),
+}
+
+
+def three_sequences(model, flavour, kv_unified: bool = True):
+    """A Context of ``model`` with n_seq_max = 4: seq 0 holds ``1 .. P``, seq 1 is its copy
+    that went on with token 5, seq 2 its copy, seq 3 is empty."""
+    ctx = model.make(flavour, n_seq_max=4, kv_unified=kv_unified)
+    decode_seq(ctx, list(range(1, P + 1)))
+    ctx.memory.seq_cp(0, 1, -1, -1)
+    ctx.memory.seq_cp(0, 2, -1, -1)
+    decode_seq(ctx, [5], seq=1)
+    return ctx
+
+
+def assert_three_sequences_go_on(model, flavour, ctx) -> None:
+    """Sequences 2 and 1 of :func:`three_sequences` go on as if alone."""
+    prompt = list(range(1, P + 1))
+    flavour.assert_close(model.alone(flavour, prompt + [7])[-1:], decode_seq(ctx, [7], seq=2))
+    flavour.assert_close(model.alone(flavour, prompt + [5, 9])[-1:], decode_seq(ctx, [9], seq=1))
+
+
+@every_model
 @every_flavour
-@pytest.mark.parametrize("kv_unified", [True, False])
-def test_invalid_batch_after_a_pending_shift_keeps_the_shift_pending(flavour, kv_unified):
+@pytest.mark.parametrize("bad", list(BAD_BATCHES))
+def test_invalid_batch_returns_minus_1_and_changes_nothing(model, flavour, bad):
+    """Each batch of the list is refused (-1, with a message) before anything changes, and
+    the sequences go on as if it never came."""
+    ctx = three_sequences(model, flavour)
+    before = snapshot(ctx)
+    assert ctx.decode(BAD_BATCHES[bad]) == -1
+    assert ctx.last_error
+    assert_same(before, snapshot(ctx))
+    assert_three_sequences_go_on(model, flavour, ctx)
+
+
+@for_layouts()
+@every_flavour
+def test_a_token_of_coupled_sequences_decodes_or_returns_1(model, kv_unified, flavour):
+    """Two sequences with equal ranges (seq 2 is a copy of seq 0) share a token: one stream
+    decodes it for both; a sequential split cannot place it: 1 (as llama.cpp, which no
+    recurrent model decodes), the memory bit-identical, the sequences go on."""
+    ctx = three_sequences(model, flavour, kv_unified)
+    ctx.memory_update()  # the copy into another stream, if any
+    before = snapshot(ctx)
+    rc = ctx.decode(Batch(token=[7], pos=[P], seq_id=[[0, 2]], logits=[True]))
+    if splits_sequentially(model, kv_unified):
+        assert rc == 1 and "coupled" in ctx.last_error
+        assert_same(before, snapshot(ctx))
+        assert_three_sequences_go_on(model, flavour, ctx)
+    else:
+        assert rc == 0 and ctx.memory.seq_pos_max(0) == ctx.memory.seq_pos_max(2) == P
+        want = model.alone(flavour, list(range(1, P + 1)) + [7])[-1:]
+        flavour.assert_close(want, ctx.get_logits())
+
+
+@every_model
+@every_flavour
+def test_a_batch_of_embeddings_decodes_as_its_tokens_or_is_refused(model, flavour):
+    """``Batch(embd=token_embd[tokens])`` is the batch of ``tokens`` whose ``get_rows`` the
+    caller did; a model that takes token ids only refuses it (``ContextError``) before
+    anything changes."""
+    hp, w = model.weights(flavour.dtype)
+    tokens = [3, 1, 4, 1, 5]
+    embd = np.asarray(w["token_embd.weight"])[tokens]  # (n_tokens, n_embd)
+    ctx = model.make(flavour)
+    decode_seq(ctx, [2, 7])
+    if model.has(EMBD):
+        assert ctx.decode(Batch(embd=embd, logits=[True] * len(tokens))) == 0
+        want = model.alone(flavour, [2, 7] + tokens)[2:]
+        flavour.assert_close(want, ctx.get_logits())
+        return
+    before = snapshot(ctx)
+    with pytest.raises(ContextError, match="token ids only"):
+        ctx.decode(Batch(embd=embd))
+    assert_same(before, snapshot(ctx))
+
+
+@for_layouts(K_SHIFT)
+@every_flavour
+def test_invalid_batch_after_a_pending_shift_keeps_the_shift_pending(model, kv_unified,
+                                                                     flavour):
     """A rejected batch returns before the memory update: the K-shift stays pending and the
     keys stay roped at the old positions."""
-    ctx = make(flavour, n_layer=1, n_seq_max=2, kv_unified=kv_unified,
-               n_ctx=n_ctx(kv_unified, 2))
+    variant = model.one_layer[0]
+    ctx = model.make(flavour, variant, n_seq_max=2, kv_unified=kv_unified)
     assert ctx.decode(Batch(token=[1, 2, 3, 4, 5, 6])) == 0
     ctx.memory.seq_add(0, 2, -1, 3)
     before = snapshot(ctx)
     assert ctx.decode(Batch(token=[7], pos=[4])) == -1  # seq 0 must go on at 9
-    assert ctx.memory.get_has_shift()
+    assert pending_shift(ctx.memory)
     assert_same(before, snapshot(ctx))
     assert ctx.decode(Batch(token=[7], logits=[True])) == 0
-    fresh = fresh_cache(flavour, [(1, 0), (2, 1), (3, 5), (4, 6), (5, 7), (6, 8)])
+    cells = [(1, 0), (2, 1), (3, 5), (4, 6), (5, 7), (6, 8)]
+    fresh = fresh_cache(flavour, cells, model, variant)
     assert fresh.decode(Batch(token=[7], logits=[True])) == 0
     flavour.assert_close(fresh.get_logits(), ctx.get_logits())
 
 
+@every_model
 @every_flavour
-@given(prompt=tokens_st, cont=st.lists(st.integers(0, N_VOCAB - 1), min_size=2, max_size=9),
+@given(data=st.data(), cont=st.lists(st.integers(0, N_VOCAB - 1), min_size=2, max_size=9),
        n_ubatch=st.integers(1, 4), abort_at=st.integers(0, 3))
-def test_abort_keeps_earlier_ubatches_and_removes_the_aborted_one(flavour, prompt, cont,
+def test_abort_keeps_earlier_ubatches_and_removes_the_aborted_one(model, flavour, data, cont,
                                                                   n_ubatch, abort_at):
-    """rc 2: the ubatches computed before the abort stay (their cells and K/V), the aborted
-    one is removed, and the decode goes on as if only the kept tokens had come."""
+    """rc 2: the ubatches computed before the abort stay (their cells and K/V, or their state
+    rows), the aborted one is removed, and the decode goes on as if only the kept tokens had
+    come."""
+    variant = model.draw(data)
+    prompt = data.draw(model.prompt_st(1, 12), label="prompt")
     calls = []
 
     def abort() -> bool:
         calls.append(1)
         return len(calls) > abort_at
 
-    ctx = make(flavour, n_ubatch=n_ubatch)
+    ctx = model.make(flavour, variant, n_ubatch=n_ubatch)
     decode_seq(ctx, prompt)
     ctx.abort_callback = abort
     n_ub = -(-len(cont) // n_ubatch)
@@ -315,6 +458,5 @@ def test_abort_keeps_earlier_ubatches_and_removes_the_aborted_one(flavour, promp
         assert ctx.n_outputs == 0
     assert ctx.memory.seq_pos_max(0) == len(prompt) + kept - 1
     ctx.abort_callback = None
-    straight = make(flavour, n_ubatch=n_ubatch)
-    want = decode_seq(straight, list(prompt) + list(cont[:kept]) + [1])[-1:]
+    want = model.alone(flavour, list(prompt) + list(cont[:kept]) + [1], variant)[-1:]
     flavour.assert_close(want, decode_seq(ctx, [1]))

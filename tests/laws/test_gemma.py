@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference.arch import gguf_representable_errors, hparams_from_gguf, llama_metadata
 from reference.batch import Batch
 from reference.context import Context
 from reference.gguf import GGUFError
@@ -24,9 +25,6 @@ from reference.hparams import (
     SWA_TYPE_STANDARD,
     HParamsError,
     gemma_attention_scale,
-    gguf_representable_errors,
-    hparams_from_gguf,
-    llama_metadata,
     swa_pattern,
 )
 from reference.models.gemma import gemma_forward, llm_build_gemma

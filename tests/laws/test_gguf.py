@@ -1,5 +1,5 @@
 """reference.gguf: write -> read round trips, the gguf-py and llama.cpp oracles, real files,
-and hparams_from_gguf / llama_metadata."""
+and reference.arch's hparams_from_gguf / llama_metadata."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference.hparams
+import reference.arch
+from reference.arch import (
+    GGUF_KEYS,
+    hparams_from_file,
+    hparams_from_gguf,
+    llama_metadata,
+    mamba_hparams_from_gguf,
+)
 from reference.gguf import (
     GGUFError,
     GGUFFile,
@@ -23,7 +30,6 @@ from reference.gguf import (
     write_gguf,
 )
 from reference.hparams import (
-    GGUF_KEYS,
     LLAMA_ARCHS,
     ROPE_SCALING_TYPE_LINEAR,
     ROPE_SCALING_TYPE_NONE,
@@ -33,10 +39,6 @@ from reference.hparams import (
     SWA_TYPE_NONE,
     SWA_TYPE_STANDARD,
     LlamaHParams,
-    hparams_from_file,
-    hparams_from_gguf,
-    llama_metadata,
-    mamba_hparams_from_gguf,
 )
 from reference.model_loader import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
@@ -598,9 +600,9 @@ def test_llama_metadata_refuses():
 
 @pytest.mark.parametrize("arch", sorted(GGUF_KEYS))
 def test_the_documented_keys_are_the_keys_read(arch):
-    """The tables of keys in the docstrings (hparams' module docstring for llama and qwen2,
+    """The tables of keys in the docstrings (arch's module docstring for llama and qwen2,
     mamba_hparams_from_gguf's for mamba) name exactly the keys of GGUF_KEYS, the table in code."""
-    doc = reference.hparams.__doc__ if arch in LLAMA_ARCHS else mamba_hparams_from_gguf.__doc__
+    doc = reference.arch.__doc__ if arch in LLAMA_ARCHS else mamba_hparams_from_gguf.__doc__
     rows = "\n".join(line for line in doc.splitlines() if line.lstrip().startswith("|"))
     documented = set(re.findall(r"``(?:\{arch\}|" + arch + r")\.([a-z_.]+)``", rows))
     read = {key for row in GGUF_KEYS[arch] for key in (row.key, row.old_key) if key}

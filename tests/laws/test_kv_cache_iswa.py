@@ -2,7 +2,7 @@
 
 What is checked, on tiny ``llama``-arch models with a per-layer SWA pattern (1:1 as Gemma 2,
 5:1 as Gemma 3, and every layer SWA as our Mistral-style models), windows of 4 to 8 and
-prompts longer than the window:
+prompts longer than the window (the ``iswa`` model of ``tests/support/helpers.py``):
 
 - sizes: the SWA cache's ``PAD(min(kv_size, n_swa * n_seqs + n_ubatch), 256)``, ``swa_full``,
   each cache's layers, ``create_memory``'s choice;
@@ -11,18 +11,18 @@ prompts longer than the window:
 - SWA cells are reused once masked while the base cache keeps every position;
   ``seq_pos_min/max`` come from the SWA cache; seq ops reach both caches (each cache's cells
   equal those of one plain cache under the same ops);
-- the laws: batched == unbatched, token by token == prefill, ``seq_cp`` branches ==
-  independent decodes, a decode with no slot in either cache (rc 1) changes nothing;
+- a decode with no slot in either cache (rc 1) changes nothing, whichever cache is full;
 - the K-shift turns each layer with its own RoPE base; ``can_shift`` only with equal sizes.
 
-The Context laws run on the reference in float64 and float32 (``ISWA_FLAVOURS``);
-``tests/twin/test_iswa.py`` runs the same law functions on the MLX flavour.
+The laws every model obeys (batched == unbatched, token by token == prefill, ``seq_cp``
+branches, the K-shift == a fresh cache, failures change nothing, abort) run on this model
+too, in ``tests/laws/test_decode.py`` and ``tests/laws/test_memory.py``; its state laws in
+``tests/laws/test_state.py``; the twin against the reference in ``tests/twin/test_iswa.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from reference.batch import Batch
 from reference.context import ContextError, context_shift
-from reference.hparams import SWA_TYPE_NONE, rope_cparams, swa_pattern
+from reference.hparams import SWA_TYPE_NONE, rope_cparams
 from reference.memory import (
     KVCache,
     KVCacheISWA,
@@ -40,38 +40,32 @@ from reference.memory import (
     kv_size_swa,
 )
 from reference.ops import rope_ext
-from reference.testing import random_weights, reference_logits, tiny_hparams
-from tests.support.helpers import REF_F32, REF_F64, interleave, rows_of
+from reference.testing import reference_logits, tiny_hparams
+from tests.support.helpers import (  # noqa: F401  (PATTERNS: tests/twin/test_iswa.py's too)
+    ISWA,
+    N_VOCAB,
+    PATTERNS,
+    REF_F32,
+    REF_F64,
+    every_flavour,
+    iswa_model,
+)
 
-#: the flavours of the Context laws (tests/twin/test_iswa.py runs them on ``MLX``)
+#: the flavours of the laws that compare with the NumPy cache-free forward (the twin against it:
+#: ``tests/twin/test_iswa.py``)
 ISWA_FLAVOURS = (REF_F64, REF_F32)
 every_iswa_flavour = pytest.mark.parametrize("flavour", ISWA_FLAVOURS, ids=str)
 
-#: (n_layer, n_pattern) of ``swa_pattern``: Gemma 2's 1:1, Gemma 3's 5:1, every layer SWA
-PATTERNS = {"1:1": (2, 2), "5:1": (6, 6), "all": (2, 0)}
-N_VOCAB = 32
-F64 = np.dtype(np.float64)
-
-patterns_st = st.sampled_from(sorted(PATTERNS))
+#: the patterns of the laws (``"one"``, a single SWA layer, is the K-shift laws')
+LAW_PATTERNS = ("1:1", "5:1", "all")
+patterns_st = st.sampled_from(LAW_PATTERNS)
 n_swa_st = st.integers(4, 8)
 tokens_st = st.lists(st.integers(0, N_VOCAB - 1), min_size=9, max_size=14)
 
 
-@functools.cache
-def iswa_model(pattern: str, n_swa: int, dtype: np.dtype = F64):
-    """A tiny llama-arch model with window ``n_swa`` on the layers of ``pattern``."""
-    n_layer, n_pattern = PATTERNS[pattern]
-    hp = dataclasses.replace(
-        tiny_hparams(n_vocab=N_VOCAB, n_layer=n_layer, n_swa=n_swa, n_ctx_train=4096),
-        swa_layers=swa_pattern(n_layer, n_pattern))
-    return hp, random_weights(hp, seed=11, dtype=dtype)
-
-
 def make_iswa(flavour, pattern: str = "1:1", n_swa: int = 4, **kwargs):
     """A Context of the iSWA model (``n_ctx = n_batch = n_ubatch = 256`` unless told)."""
-    hp, w = iswa_model(pattern, n_swa, flavour.dtype)
-    kwargs = dict(dict(n_ctx=256, n_batch=256, n_ubatch=256), **kwargs)
-    return flavour.make(hp, w, **kwargs)
+    return ISWA.make(flavour, (pattern, n_swa), **kwargs)
 
 
 def decode(ctx, tokens, seq: int = 0) -> np.ndarray:
@@ -80,11 +74,6 @@ def decode(ctx, tokens, seq: int = 0) -> np.ndarray:
     assert ctx.decode(Batch(token=list(tokens), seq_id=[[seq]] * n,
                             logits=[True] * n)) == 0, ctx.last_error
     return ctx.get_logits().copy()  # (n, n_vocab)
-
-
-def alone(flavour, pattern, n_swa, tokens) -> np.ndarray:
-    """The logits of ``tokens`` decoded alone, in one batch, on a fresh Context."""
-    return decode(make_iswa(flavour, pattern, n_swa), tokens)
 
 
 def cell_table(cache: KVCache, stream: int = 0) -> list[tuple[int, tuple[int, ...]]]:
@@ -116,7 +105,7 @@ def test_swa_cache_size(kv_size, n_swa, n_seq_max, n_ubatch, unified, want):
     assert full.kv_swa.get_size() == kv_size
 
 
-@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("pattern", LAW_PATTERNS)
 def test_each_cache_holds_its_layers(pattern):
     hp, _ = iswa_model(pattern, 4)
     mem = create_memory(hp, n_ctx_seq=512, n_ubatch=8, swa_full=False)
@@ -254,45 +243,10 @@ def test_seq_ops_reach_both_caches(ops):
                                                              plain.seq_pos_max(s))
 
 
-# ---- the laws -----------------------------------------------------------------------------------
+# ---- no slot in either cache ---------------------------------------------------------------
 
 
-@every_iswa_flavour
-@given(pattern=patterns_st, n_swa=n_swa_st,
-       seqs=st.lists(tokens_st, min_size=2, max_size=3), n_ubatch=st.integers(1, 7))
-def test_batched_equals_unbatched(flavour, pattern, n_swa, seqs, n_ubatch):
-    token, seq_id = interleave(seqs)
-    ctx = make_iswa(flavour, pattern, n_swa, n_ubatch=n_ubatch, n_seq_max=len(seqs))
-    assert ctx.decode(Batch(token=token, seq_id=seq_id, logits=[True] * len(token))) == 0
-    got = ctx.get_logits()
-    for s, tokens in enumerate(seqs):
-        flavour.assert_close(alone(flavour, pattern, n_swa, tokens), rows_of(got, seq_id, s))
-
-
-@every_iswa_flavour
-@given(pattern=patterns_st, n_swa=n_swa_st, tokens=tokens_st)
-def test_token_by_token_equals_prefill(flavour, pattern, n_swa, tokens):
-    ctx = make_iswa(flavour, pattern, n_swa)
-    got = np.concatenate([decode(ctx, [t]) for t in tokens])
-    flavour.assert_close(alone(flavour, pattern, n_swa, tokens), got)
-
-
-@every_iswa_flavour
-@given(pattern=patterns_st, n_swa=n_swa_st, prefix=tokens_st,
-       tails=st.lists(st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6),
-                      min_size=2, max_size=3))
-def test_seq_cp_branches_equal_independent_decodes(flavour, pattern, n_swa, prefix, tails):
-    ctx = make_iswa(flavour, pattern, n_swa, n_seq_max=len(tails))
-    decode(ctx, prefix)
-    for s in range(1, len(tails)):
-        ctx.memory.seq_cp(0, s, -1, -1)
-    for s, tail in enumerate(tails):
-        got = decode(ctx, tail, seq=s)
-        want = alone(flavour, pattern, n_swa, prefix + tail)[len(prefix):]
-        flavour.assert_close(want, got)
-
-
-@every_iswa_flavour
+@every_flavour
 @pytest.mark.parametrize("full", ["base", "swa"])
 def test_no_slot_in_either_cache_changes_nothing(flavour, full):
     """rc 1 whichever cache has no room, the other one prepared and restored: the memory's
@@ -330,19 +284,19 @@ def test_k_shift_turns_each_layer_with_its_own_base():
     raw = rng.normal(size=(hp.n_layer, 6, hp.n_head_kv, hp.n_embd_head_k))
     for il in range(hp.n_layer):  # keys roped at their positions, as a forward writes them
         cache = mem.kv_swa if hp.is_swa(il) else mem.kv_base
-        k = rope_ext(raw[il], np.arange(6), **rope_cparams(hp, il))
+        k = rope_ext(raw[il], np.arange(6), rope_cparams(hp, il))
         cache.k_l[cache.layer_id(il)][0, :6] = k.reshape(6, -1)
     mem.seq_add(0, 2, -1, 5)
     assert mem.update() is True
     want_pos = np.array([0, 1, 7, 8, 9, 10])
     for il in range(hp.n_layer):
         cache = mem.kv_swa if hp.is_swa(il) else mem.kv_base
-        want = rope_ext(raw[il], want_pos, **rope_cparams(hp, il)).reshape(6, -1)
+        want = rope_ext(raw[il], want_pos, rope_cparams(hp, il)).reshape(6, -1)
         np.testing.assert_allclose(cache.k_l[cache.layer_id(il)][0, :6], want, atol=1e-5)
-    assert rope_cparams(hp, 0)["freq_base"] != rope_cparams(hp, 1)["freq_base"]
+    assert rope_cparams(hp, 0).freq_base != rope_cparams(hp, 1).freq_base
 
 
-@every_iswa_flavour
+@every_flavour
 def test_context_shift_needs_equal_sizes(flavour):
     small = make_iswa(flavour, "1:1", 4, n_ctx=512, n_ubatch=8, swa_full=False)
     decode(small, [1, 2, 3, 4, 5, 6])

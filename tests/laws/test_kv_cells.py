@@ -240,7 +240,7 @@ def test_array_forms_equal_the_per_cell_loop(init, s, p0, p1, d):
 
 
 def find_cells_loop(cache, stream: int, n_tokens: int, cont: bool) -> list[int] | None:
-    """llama.cpp's ``find_slot`` loop, one cell at a time (the pre-vectorized reference)."""
+    """llama.cpp's ``find_slot`` loop, one cell at a time, as written there."""
     cells = cache.v_cells[stream]
     size = cells.size()
     head_cur = cache.v_heads[stream]
@@ -294,4 +294,5 @@ def test_vectorized_slot_search_equals_the_loop(init, head, n_tokens, cont, swa_
             for s in sorted(c[1]):
                 cells.seq_add(i, s)
     cache.v_heads[0] = min(head, len(init))
-    assert cache._find_cells(0, n_tokens, cont) == find_cells_loop(cache, 0, n_tokens, cont)
+    loop = find_cells_loop(cache, 0, n_tokens, cont)
+    assert cache._find_cells_fast(0, n_tokens, cont) == cache._find_cells(0, n_tokens, cont) == loop

@@ -23,7 +23,12 @@ from reference.model_loader import load_model
 from reference.models.llama import LlamaForwardError, greedy, llama_forward
 from reference.models.simple_cache import KVCacheError, SimpleKVCache, build_kq_mask
 from reference.quants import QuantizedTensor, quantize
-from tests.support.tiny_models import random_weights, reference_logits, tiny_hparams, write_tiny_gguf
+from tests.support.tiny_models import (
+    random_weights,
+    reference_logits,
+    tiny_hparams,
+    write_tiny_gguf,
+)
 
 F64 = np.float64
 TOL = 1e-10

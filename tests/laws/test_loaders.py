@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from reference.arch import hparams_from_file, llama_metadata
 from reference.gguf import read_gguf, write_gguf
 from reference.hf import load_hf
-from reference.hparams import hparams_from_file, llama_metadata
 from reference.model_loader import load_model
 from tests.support.tiny_models import save_tiny_hf
 

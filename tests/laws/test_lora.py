@@ -26,11 +26,11 @@ from gguf import GGMLQuantizationType
 from reference.gguf import GGUFError, GGUFValue, GGUFValueType, read_gguf, write_gguf
 from reference.model_loader import load_model
 from reference.ops import mul_mat
+from reference.ops.loss import cross_entropy_loss
 from reference.quants import QuantizedTensor
 from reference.testing import random_weights, reference_logits, tiny_hparams, write_tiny_gguf
 from reference.training.epoch import opt_epoch
 from reference.training.errors import OptParamsError, TrainingError
-from reference.training.grad import cross_entropy_loss
 from reference.training.llama_grad import loss_and_grads, train_forward
 from reference.training.lora import (
     LORA_TARGET_KINDS,

@@ -17,15 +17,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.gguf import GGUFError, read_gguf
-from reference.hparams import (
-    HParamsError,
-    MambaHParams,
+from reference.arch import (
     hparams_from_file,
     hparams_from_gguf,
     mamba_hparams_from_gguf,
     mamba_metadata,
 )
+from reference.gguf import GGUFError, read_gguf
+from reference.hparams import HParamsError, MambaHParams
 from reference.models.llama import LlamaForwardError
 from reference.models.mamba import (
     MambaForwardError,

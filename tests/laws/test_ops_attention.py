@@ -1,4 +1,16 @@
-"""soft_max_ext (mask, scale, ALiBi) and build_attn_mha (causality, GQA, the order of ops)."""
+"""soft_max_ext (mask, scale, ALiBi) and build_attn_mha (causality, GQA, the order of ops).
+
+And build_attn_mha's fast path, ``attend_visible``:
+
+- **Hidden cells add nothing**: ``attend_visible`` (each token's own cells, gathered) equals
+  ``build_attn_mha`` over every cell, for any mask (rows fully hidden included), GQA, ALiBi and
+  a soft-cap: to float64 rounding in float64, and in float32 no further from the float64 result
+  than the full product is (the twin's is held to the reference's in ``tests/twin/test_ops.py``).
+- **The switch is only a speed choice**: ``build_attn_mha`` takes the gathered form exactly
+  when every token sees at most ``1 / FEW_CELLS`` of the cells (``sees_few_cells``), and its
+  output is the full product's either way. Many tokens go in blocks whose gathered K and V are
+  no larger than the cells in view.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from reference.ops import attention as R_attention
 from reference.ops import build_attn_mha, soft_max_ext
 from reference.ops.attention import alibi_slopes
 from reference.ops.errors import OpShapeError
@@ -360,3 +373,125 @@ def test_keys_cut_per_stream_give_the_rows_of_the_flat_form():
     assert np.array_equal(build_attn_mha(q, k, v, mask, 0.3, n_stream=ns), flat)
     with pytest.raises(OpShapeError, match="one block per stream"):
         build_attn_mha(q, k, v, mask, 0.3, n_stream=1)
+
+
+# ----------------------------------------------------------------------------- attend_visible
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@st.composite
+def sparse_attention(draw, max_kv: int = 40):
+    """q, k, v (float64), a 0/-inf mask (or ALiBi distances), kq_scale, max_bias, softcap."""
+    n_tokens, n_kv = draw(st.integers(1, 6)), draw(st.integers(1, max_kv))
+    n_head_kv, r, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((n_tokens, n_head_kv * r, d))
+    k = rng.standard_normal((n_kv, n_head_kv, d))
+    v = rng.standard_normal((n_kv, n_head_kv, d))
+    density = draw(st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0]))
+    visible = rng.random((n_tokens, n_kv)) < density  # a row may see nothing
+    max_bias = draw(st.sampled_from([0.0, 0.0, 8.0]))
+    # with ALiBi the mask holds -|i - j| where visible (ggml's distances), else 0
+    dist = -np.abs(np.arange(n_kv)[None, :] - np.arange(n_tokens)[:, None]) if max_bias else 0.0
+    mask = np.where(visible, dist, -np.inf).astype(np.float64)
+    softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
+    return q, k, v, mask, d ** -0.5, max_bias, softcap
+
+
+def full_product(q, k, v, mask, kq_scale, max_bias, softcap) -> np.ndarray:
+    """build_attn_mha over every cell (the gathered form switched off)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(R_attention, "FEW_CELLS", 10**9)
+        return R_attention.build_attn_mha(q, k, v, mask, kq_scale, max_bias, softcap)
+
+
+@given(sparse_attention())
+def test_hidden_cells_add_nothing_float64(inputs):
+    q, k, v, mask, kq_scale, max_bias, softcap = inputs
+    full = full_product(*inputs)
+    gathered = R_attention.attend_visible(q, k, v, mask, kq_scale, max_bias, softcap)
+    assert gathered.shape == full.shape and gathered.dtype == np.float64
+    np.testing.assert_allclose(gathered, full, rtol=1e-12, atol=1e-13)
+    hidden = np.all(np.isinf(mask), axis=1)  # a token that sees nothing: zeros, as in full
+    assert np.all(gathered[hidden] == 0.0)
+
+
+@given(sparse_attention())
+def test_hidden_cells_add_nothing_float32(inputs):
+    q, k, v, mask, kq_scale, max_bias, softcap = inputs
+    exact = full_product(*inputs)  # float64
+    f32 = [a.astype(np.float32) for a in (q, k, v, mask)]
+    full = full_product(*f32, kq_scale, max_bias, softcap)
+    gathered = R_attention.attend_visible(*f32, kq_scale, max_bias, softcap)
+    assert gathered.dtype == np.float32
+    # as close to the float64 result as the full float32 product, up to a few roundings of v
+    bound = 4 * np.max(np.abs(full - exact), initial=0) + 8 * EPS32 * np.max(np.abs(v))
+    assert np.max(np.abs(gathered - exact), initial=0) <= bound
+
+
+def parallel_mask(n_seq: int, n_prompt: int, n_gen: int) -> np.ndarray:
+    """The mask of one decode step of ``n_seq`` sequences in a unified cache, laid out as
+    parallel decoding places them: every prompt's cells, then one cell per sequence per step."""
+    n_kv = n_seq * (n_prompt + n_gen)
+    mask = np.full((n_seq, n_kv), -np.inf)
+    for s in range(n_seq):
+        mask[s, s * n_prompt:(s + 1) * n_prompt] = 0.0
+        mask[s, n_seq * n_prompt + s::n_seq] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("n_seq, n_prompt, n_gen, gathered", [
+    (32, 16, 32, True),  # each sequence sees 48 of 1536 cells
+    (4, 16, 32, False),  # 48 of 192: a quarter
+    (1, 16, 32, False),  # one sequence sees every cell
+])
+def test_build_attn_mha_gathers_only_when_tokens_see_few_cells(monkeypatch, n_seq, n_prompt,
+                                                              n_gen, gathered):
+    mask = parallel_mask(n_seq, n_prompt, n_gen)
+    assert R_attention.sees_few_cells(mask) is gathered
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((n_seq, 6, 8))
+    k, v = rng.standard_normal((2, mask.shape[1], 2, 8))
+    calls, original = [], R_attention.attend_visible
+
+    def counting(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(R_attention, "attend_visible", counting)
+    out = R_attention.build_attn_mha(q, k, v, mask, 8 ** -0.5)
+    assert bool(calls) is gathered
+    np.testing.assert_allclose(out, full_product(q, k, v, mask, 8 ** -0.5, 0.0, 0.0),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_many_tokens_go_in_blocks_whose_copies_fit_the_view(monkeypatch):
+    """40 tokens that see 4 of 64 cells each: blocks of 64 // 4 = 16 tokens, so a block's
+    gathered K and V (16 tokens x 4 cells) are no larger than the 64 cells in view."""
+    rng = np.random.default_rng(3)
+    n_tokens, n_kv = 40, 64
+    mask = np.full((n_tokens, n_kv), -np.inf)
+    for t in range(n_tokens):
+        mask[t, rng.choice(n_kv, 4, replace=False)] = 0.0
+    q = rng.standard_normal((n_tokens, 4, 8))
+    k, v = rng.standard_normal((2, n_kv, 2, 8))
+    calls, original = [], R_attention.attend_visible
+
+    def counting(q, *rest):
+        calls.append(len(q))
+        return original(q, *rest)
+
+    monkeypatch.setattr(R_attention, "attend_visible", counting)
+    out = counting(q, k, v, mask, 8 ** -0.5)
+    assert calls == [40, 16, 16, 8]
+    np.testing.assert_allclose(out, full_product(q, k, v, mask, 8 ** -0.5, 0.0, 0.0),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_visible_cells_pads_with_a_hidden_cell():
+    mask = np.array([[0.0, -np.inf, -np.inf, -2.0], [-np.inf] * 4, [0.0, 0.0, 0.0, -np.inf]])
+    idx, vis = R_attention.visible_cells(mask)
+    assert idx.tolist() == [[0, 3, 0], [0, 0, 0], [0, 1, 2]]
+    assert vis.tolist() == [[0.0, -2.0, -np.inf], [-np.inf] * 3, [0.0, 0.0, 0.0]]
+    assert not R_attention.sees_few_cells(np.zeros((0, 4)))  # no tokens: nothing to gather

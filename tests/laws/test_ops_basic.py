@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from reference.ops import add, geglu, gelu, get_rows, mul, mul_mat, scale, set_rows, silu, swiglu
+from reference.ops import matmul as R_matmul
 from reference.ops.errors import OpError, OpIndexError, OpShapeError, OpTypeError
 from tests.support.ggml_cpu import ggml_cpu
 
@@ -332,3 +333,21 @@ def test_silu_matches_ggml_and_gelu_shows_the_fp16_table():
     inside = (np.abs(x) < 10) & (x16.astype(np.float32) == x)
     table = gelu(x16.astype(np.float64)).astype(np.float16).astype(np.float32)
     np.testing.assert_array_equal(theirs[inside], table[inside])
+
+
+# ----------------------------------------------------------------------------- mul_mat, few rows
+
+
+@pytest.mark.parametrize("n_rows", [1, 5, 63])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_tall_weight_in_blocks_is_the_product_in_one_piece(monkeypatch, n_rows, dtype):
+    """``mul_mat``'s fast path for few rows, $(a b^T)^T$ ``TALL_BLOCK`` rows of ``a`` at a
+    time, is the product in one piece."""
+    rng = np.random.default_rng(n_rows)
+    a = rng.standard_normal((1000, 24)).astype(dtype)  # 1000 rows: blocks of 128, last short
+    b = rng.standard_normal((n_rows, 24)).astype(dtype)
+    monkeypatch.setattr(R_matmul, "TALL_BLOCK", 128)
+    out = R_matmul.mul_mat(a, b)
+    assert out.shape == (n_rows, 1000) and out.dtype == dtype and out.flags.c_contiguous
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(out, b @ a.T, rtol=tol, atol=tol)

@@ -15,6 +15,9 @@ keep that bound.
 Oracles: ggml's own CPU ``ggml_rope_ext`` (the ``libggml`` that llama-cpp-python ships, called
 through ctypes), HF transformers' ``apply_rotary_pos_emb`` (rotate_half) and HF's YaRN
 frequencies (``_compute_yarn_parameters``).
+
+The fast path of a forward's RoPE, ``graph_rope`` (one cos/sin cache per forward), is
+``rope_ext`` bit for bit (NORM and NEOX, YaRN, frequency factors, float32 and float64).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from reference.models.llama import graph_rope
 from reference.ops.rope import (
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
     RopeError,
+    RopeParams,
     rope_ext,
     rope_theta,
     rope_yarn_corr_dims,
@@ -63,6 +68,11 @@ def rope_case(draw, max_pos: int = 100_000):
     return x, pos, n_dims, params
 
 
+def rope(x, pos, n_dims, mode=ROPE_TYPE_NORM, freq_factors=None, **params) -> np.ndarray:
+    """``rope_ext`` with its numbers spelled out, as the laws below draw them."""
+    return rope_ext(x, pos, RopeParams(n_dims, mode, **params), freq_factors)
+
+
 def head_norms(x: np.ndarray) -> np.ndarray:
     return np.linalg.norm(x, axis=-1)  # (n_tokens, n_head)
 
@@ -73,21 +83,21 @@ def head_norms(x: np.ndarray) -> np.ndarray:
 @given(rope_case())
 def test_rope_preserves_norms_per_head(case):
     x, pos, n_dims, params = case
-    y = rope_ext(x, pos, n_dims, **params)  # attn_factor 1, ext_factor 0
+    y = rope(x, pos, n_dims, **params)  # attn_factor 1, ext_factor 0
     np.testing.assert_allclose(head_norms(y), head_norms(x), rtol=1e-12)
 
 
 @given(rope_case())
 def test_pass_through_dims_are_copied_exactly(case):
     x, pos, n_dims, params = case
-    y = rope_ext(x, pos, n_dims, **params, attn_factor=0.7, ext_factor=1.0, n_ctx_orig=512)
+    y = rope(x, pos, n_dims, **params, attn_factor=0.7, ext_factor=1.0, n_ctx_orig=512)
     assert np.array_equal(y[..., n_dims:], x[..., n_dims:])
 
 
 @given(rope_case(), st.floats(0.25, 4.0))
 def test_attn_factor_scales_the_rotated_dims(case, attn_factor):
     x, pos, n_dims, params = case
-    y = rope_ext(x, pos, n_dims, **params, attn_factor=attn_factor)
+    y = rope(x, pos, n_dims, **params, attn_factor=attn_factor)
     got = np.linalg.norm(y[..., :n_dims], axis=-1)
     np.testing.assert_allclose(got, attn_factor * np.linalg.norm(x[..., :n_dims], axis=-1),
                                rtol=1e-12)
@@ -98,20 +108,22 @@ def test_qk_depends_only_on_position_difference(case, d, seed):
     q, pos_q, n_dims, params = case
     k = np.random.default_rng(seed).standard_normal(q.shape)
     pos_k = pos_q[::-1].copy()  # some other positions, one per token
-    qk = np.einsum("thd,thd->th", rope_ext(q, pos_q, n_dims, **params),
-                   rope_ext(k, pos_k, n_dims, **params))
-    qk_d = np.einsum("thd,thd->th", rope_ext(q, pos_q + d, n_dims, **params),
-                     rope_ext(k, pos_k + d, n_dims, **params))
+    qk = np.einsum("thd,thd->th", rope(q, pos_q, n_dims, **params),
+                   rope(k, pos_k, n_dims, **params))
+    qk_d = np.einsum("thd,thd->th", rope(q, pos_q + d, n_dims, **params),
+                     rope(k, pos_k + d, n_dims, **params))
     scale = head_norms(q) * head_norms(k)
     assert np.all(np.abs(qk_d - qk) <= 1e-10 * scale)
 
 
 def flavour_rope(flavour: Flavour, x, pos, n_dims, **params) -> np.ndarray:
     """``rope_ext`` of the flavour's package on ``x`` in the flavour's dtype, as NumPy."""
-    rope = importlib.import_module(f"{flavour.package}.ops.rope").rope_ext
-    if params.get("freq_factors") is not None:
-        params["freq_factors"] = np.asarray(params["freq_factors"], dtype=flavour.dtype)
-    out = np.array(rope(np.asarray(x, dtype=flavour.dtype), pos, n_dims, **params))
+    rope_ext_of = importlib.import_module(f"{flavour.package}.ops.rope").rope_ext
+    freq_factors = params.pop("freq_factors", None)
+    if freq_factors is not None:
+        freq_factors = np.asarray(freq_factors, dtype=flavour.dtype)
+    out = np.array(rope_ext_of(np.asarray(x, dtype=flavour.dtype), pos,
+                               RopeParams(n_dims, **params), freq_factors))
     assert out.dtype == flavour.dtype
     return out
 
@@ -234,8 +246,8 @@ def test_normal_mode_is_neox_after_the_gguf_qk_permutation(case):
             out[..., :n_dims] = permute(rows, n_head).T.reshape(n_tokens, n_head, n_dims)
         return out
 
-    neox = rope_ext(x, pos, n_dims, ROPE_TYPE_NEOX, **params)
-    norm = rope_ext(to_gguf(x), pos, n_dims, ROPE_TYPE_NORM, **params)
+    neox = rope(x, pos, n_dims, ROPE_TYPE_NEOX, **params)
+    norm = rope(to_gguf(x), pos, n_dims, ROPE_TYPE_NORM, **params)
     assert np.array_equal(norm, to_gguf(neox))  # the same arithmetic on the same pairs: exact
 
 
@@ -258,17 +270,17 @@ def test_theta_recurrence_error_bound_float32(n_dims, freq_base, p):
 def test_float16_input_is_computed_in_float32_and_rounded_back():
     x = np.random.default_rng(1).standard_normal((3, 2, 8)).astype(np.float16)
     pos = np.array([0, 5, -9])
-    y = rope_ext(x, pos, 8, ROPE_TYPE_NEOX)
+    y = rope_ext(x, pos, RopeParams(8, ROPE_TYPE_NEOX))
     assert y.dtype == np.float16
-    assert np.array_equal(y, rope_ext(x.astype(np.float32), pos, 8, ROPE_TYPE_NEOX)
+    assert np.array_equal(y, rope_ext(x.astype(np.float32), pos, RopeParams(8, ROPE_TYPE_NEOX))
                           .astype(np.float16))
 
 
 def test_extra_leading_dims():
     x = np.random.default_rng(2).standard_normal((2, 4, 3, 16))  # (batch, n_tokens, ...)
     pos = np.array([3, 1, 4, 1])
-    y = rope_ext(x, pos, 12)
-    assert np.array_equal(y[1], rope_ext(x[1], pos, 12))
+    y = rope_ext(x, pos, RopeParams(12))
+    assert np.array_equal(y[1], rope_ext(x[1], pos, RopeParams(12)))
 
 
 def test_corr_dims_match_the_c_formula():
@@ -300,7 +312,7 @@ def test_errors(kwargs, match):
     args = dict(x=np.ones((2, 1, 16), np.float32), pos=np.arange(2), n_dims=8)
     args.update(kwargs)
     with pytest.raises(RopeError, match=match) as info:
-        rope_ext(**args)
+        rope(**args)
     assert isinstance(info.value, ValueError)
 
 
@@ -309,7 +321,8 @@ def test_errors(kwargs, match):
 
 def ggml_rope_ext(x, pos, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor,
                   attn_factor, beta_fast, beta_slow, freq_factors=None):
-    """ggml's own ``ggml_rope_ext`` on its CPU backend (one thread), via tests/support/ggml_cpu.py."""
+    """ggml's own ``ggml_rope_ext`` on its CPU backend (one thread), via
+    tests/support/ggml_cpu.py."""
     x = np.ascontiguousarray(x, dtype=np.float32)  # (n_tokens, n_head, head_dim)
     pos = np.ascontiguousarray(pos, dtype=np.int32)
     if freq_factors is not None:
@@ -355,7 +368,7 @@ def test_matches_ggml_cpu_rope(name):
     for pos in (np.arange(48), np.arange(48) * 37 - 1000, rng.integers(-200_000, 200_000, 48)):
         pos = pos.astype(np.int32)
         want = ggml_rope_ext(x, pos, **kw)
-        got = rope_ext(x, pos, **kw)
+        got = rope(x, pos, **kw)
         m = kw["attn_factor"] * (1.0 + 0.1 * math.log(1.0 / kw["freq_scale"]))
         tol = np.full(x.shape, 2.0**-22 * m)  # two ulps at |out| ~ 1
         if kw["ext_factor"] != 0.0:  # one ulp of the angle of each pair, on both dims of it
@@ -378,7 +391,7 @@ def test_ggml_itself_passes_test_rope_and_agrees_with_the_reference_on_it():
         g1 = ggml_rope_ext(g0, np.full(73, -67, np.int32), 128, mode, **kw)
         g2 = ggml_rope_ext(x, 33 + i, 128, mode, **kw)
         assert np.abs(g1 - g2).astype(np.float64).sum() / np.abs(g1).sum() < 1e-4
-        r1 = rope_ext(rope_ext(x, 100 + i, 128, mode, **kw), np.full(73, -67), 128, mode, **kw)
+        r1 = rope(rope(x, 100 + i, 128, mode, **kw), np.full(73, -67), 128, mode, **kw)
         assert np.abs(r1 - g1).max() <= 2 * 2.0**-22  # two ops, each within two ulps
 
 
@@ -413,7 +426,7 @@ def test_neox_matches_hf_rotate_half_float64(case):
     inv_freq = inv_freq * params["freq_scale"]
     want = _hf_apply(x, pos, n_dims, inv_freq)
     params["mode"] = ROPE_TYPE_NEOX
-    got = rope_ext(x, pos, n_dims, **params)
+    got = rope(x, pos, n_dims, **params)
     # both angles are within ~4 eps relative of p b^(-2j/n) (ggml's recurrence, HF's pow)
     tol = 8 * 2.0**-52 * max(1.0, float(np.abs(pos).max())) * max(1.0, np.abs(x).max())
     assert np.abs(got - want).max() <= tol
@@ -441,9 +454,32 @@ def test_yarn_matches_hf_yarn(factor, orig, base):
     x = np.random.default_rng(0).standard_normal((32, 2, head_dim))
     pos = np.arange(0, 32 * 61, 61)
     want = _hf_apply(x, pos, head_dim, inv_freq.double(), attention_factor)
-    got = rope_ext(x, pos, head_dim, ROPE_TYPE_NEOX, n_ctx_orig=orig, freq_base=base,
-                   freq_scale=1.0 / factor, ext_factor=1.0, attn_factor=1.0)
+    got = rope_ext(x, pos, RopeParams(head_dim, ROPE_TYPE_NEOX, n_ctx_orig=orig, freq_base=base,
+                                      freq_scale=1.0 / factor, ext_factor=1.0, attn_factor=1.0))
     assert np.abs(got - want).max() <= 2e-7 * pos.max() * np.abs(x).max()
     # and without YaRN's ramp (plain linear interpolation) the difference is large
-    linear = rope_ext(x, pos, head_dim, ROPE_TYPE_NEOX, freq_base=base, freq_scale=1.0 / factor)
+    linear = rope_ext(x, pos, RopeParams(head_dim, ROPE_TYPE_NEOX, freq_base=base,
+                                         freq_scale=1.0 / factor))
     assert np.abs(linear - want).max() > 0.1
+
+
+# ---- graph_rope: one cos/sin cache per forward -------------------------------------------
+
+
+@given(st.lists(st.integers(-5000, 100_000), min_size=1, max_size=12),
+       st.sampled_from([ROPE_TYPE_NORM, ROPE_TYPE_NEOX]), st.sampled_from([np.float32, np.float64]),
+       st.booleans(), st.booleans())
+def test_graph_rope_is_rope_ext_bit_for_bit(pos, mode, dtype, yarn, factors):
+    pos = np.array(pos, dtype=np.int32)
+    rng = np.random.default_rng(len(pos))
+    n_dims = 16
+    params = RopeParams(n_dims, mode, n_ctx_orig=4096, freq_base=10000.0,
+                        freq_scale=0.25 if yarn else 1.0, ext_factor=1.0 if yarn else 0.0,
+                        attn_factor=1.0, beta_fast=32.0, beta_slow=1.0)
+    freq_factors = rng.uniform(1, 8, n_dims // 2) if factors else None
+    turn = graph_rope(pos, params, freq_factors)
+    for n_head in (4, 2):  # a q and a k: the second call reuses the cache
+        x = rng.standard_normal((len(pos), n_head, 20)).astype(dtype)  # 4 dims pass through
+        out = turn(x)
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out, rope_ext(x, pos, params, freq_factors))

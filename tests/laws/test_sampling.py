@@ -3,9 +3,18 @@
 The oracle tests (tests/oracle/test_sampling.py) check each sampler against llama.cpp; these
 state what each one means: which candidates survive, what the probabilities are, that the
 draws are std::mt19937's, and that the chain checks its inputs before changing any state.
+Some cases no oracle can reach: llama.cpp's generator cannot be made to return 0xFFFFFFFF or
+a draw exactly on a running sum, so those feed our samplers a stub generator (``U32``,
+``Draw``) and check the libstdc++ rule they implement (docs/mutation.md).
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference import sampling as S
+
+F32 = np.float32
 
 
 def distinct_logits(seed: int, n: int, scale: float = 3.0) -> np.ndarray:
@@ -23,10 +34,27 @@ def distinct_logits(seed: int, n: int, scale: float = 3.0) -> np.ndarray:
 
 logits = st.builds(distinct_logits, st.integers(0, 2**32 - 1), st.integers(2, 200))
 
+# --------------------------------------------------------------------------------------------
+# draws: std::mt19937 and libstdc++'s distributions
+# --------------------------------------------------------------------------------------------
 
-# --------------------------------------------------------------------------------------------
-# draws
-# --------------------------------------------------------------------------------------------
+class U32(S.Mt19937):
+    """An ``Mt19937`` whose 32-bit outputs are given."""
+
+    def __init__(self, *outputs: int):
+        self.outputs = list(outputs)
+
+    def next_u32(self) -> int:
+        return self.outputs.pop(0)
+
+class Draw:
+    """A generator whose ``uniform_double`` draws are given."""
+
+    def __init__(self, *u: float):
+        self.u = list(u)
+
+    def uniform_double(self) -> float:
+        return self.u.pop(0)
 
 def test_mt19937_is_std_mt19937():
     """The C++ standard fixes it: the 10000th output of a default-seeded mt19937 is 4123659995."""
@@ -34,7 +62,6 @@ def test_mt19937_is_std_mt19937():
     for _ in range(9999):
         rng.next_u32()
     assert rng.next_u32() == 4123659995
-
 
 @given(seed=st.integers(0, 2**32 - 2))
 def test_uniform_double_is_two_outputs_over_2_pow_64(seed):
@@ -44,21 +71,38 @@ def test_uniform_double_is_two_outputs_over_2_pow_64(seed):
     assert 0.0 <= u < 1.0
     assert u == min((x0 + x1 * 2.0**32) / 2.0**64, np.nextafter(1.0, 0.0))
 
+def test_uniform_double_clamped_below_one():
+    assert U32(2**32 - 1, 2**32 - 1).uniform_double() == np.nextafter(1.0, 0.0)
+
+@pytest.mark.parametrize("x, u", [
+    (0, 0.0), (2**31, 0.5),
+    (2**32 - 129, float(np.nextafter(F32(1), F32(0)))),  # rounds down to 1 - 2^-24 in float32
+    (2**32 - 128, float(np.nextafter(F32(1), F32(0)))),  # rounds to 2^32: 1.0, clamped
+    (2**32 - 1, float(np.nextafter(F32(1), F32(0)))),
+])
+def test_uniform_float_is_one_output_over_2_pow_32_clamped_below_one(x, u):
+    r"""libstdc++'s ``generate_canonical<float, 24>``: $\mathrm{fl}_{32}(x) / 2^{32}$, and the
+    largest float below 1 when that rounds to 1."""
+    got = U32(x).uniform_float()
+    assert got == F32(u) and got.dtype == F32
+
+@pytest.mark.parametrize("u, index", [(0.25, 0), (0.2500001, 1), (1e-9, 0), (0.9999, 1)])
+def test_discrete_distribution_normalizes_and_takes_the_lower_bound(u, index):
+    r"""Weights 1, 3 (not normalized): $c = (0.25, 1)$; the first $c_i \ge u$."""
+    assert S.discrete_distribution(np.array([1.0, 3.0], F32), Draw(u)) == index
 
 def test_the_default_seed_is_random():
     assert S.get_rng_seed(1234) == 1234
     seeds = {S.get_rng_seed(S.LLAMA_DEFAULT_SEED) for _ in range(8)}
     assert len(seeds) > 1
 
-
 def test_copy_is_independent():
     rng = S.Mt19937(3)
     twin = rng.copy()
     assert [rng.next_u32() for _ in range(3)] == [twin.next_u32() for _ in range(3)]
 
-
 # --------------------------------------------------------------------------------------------
-# samplers
+# samplers: which candidates survive, with which logits
 # --------------------------------------------------------------------------------------------
 
 @given(z=logits)
@@ -67,6 +111,12 @@ def test_softmax_is_a_distribution_in_logit_order(z):
     S.softmax(cur, do_sort=True)
     assert abs(float(cur.p.sum()) - 1.0) < 1e-5
     assert np.all(np.diff(cur.logits) < 0) and np.all(np.diff(cur.p) <= 0)
+
+def test_softmax_of_nothing_is_refused():
+    """llama.cpp asserts ``cur_p->size > 0``; here a typed error."""
+    empty = S.TokenDataArray(np.zeros(0, np.int32), np.zeros(0, F32), np.zeros(0, F32))
+    with pytest.raises(S.SamplingError, match="^softmax of an empty candidates array$"):
+        S.softmax(empty, do_sort=True)
 
 
 @given(z=logits, k=st.integers(-2, 250))
@@ -77,7 +127,6 @@ def test_top_k_keeps_the_k_largest(z, k):
         assert cur.size == z.size and not cur.sorted
     else:
         assert cur.ids.tolist() == np.argsort(-z)[: min(k, z.size)].tolist()
-
 
 @given(z=logits, p=st.floats(0.01, 0.99))
 def test_top_p_keeps_the_smallest_prefix_with_mass_p(z, p):
@@ -91,7 +140,6 @@ def test_top_p_keeps_the_smallest_prefix_with_mass_p(z, p):
     assert m == z.size or cum[m - 1] >= np.float32(p)
     assert m == 1 or cum[m - 2] < np.float32(p)
 
-
 @given(z=logits, p=st.floats(0.001, 1.0))
 def test_min_p_keeps_those_within_factor_p_of_the_top(z, p):
     cur = S.TokenDataArray.from_logits(z)
@@ -99,13 +147,11 @@ def test_min_p_keeps_those_within_factor_p_of_the_top(z, p):
     bound = z.max() + np.float32(np.log(np.float32(p)))
     assert cur.ids.tolist() == np.flatnonzero(z >= bound).tolist()  # order kept
 
-
 @given(z=logits, t=st.floats(0.05, 5.0))
 def test_temp_divides(z, t):
     cur = S.TokenDataArray.from_logits(z)
     S.temp(cur, t)
     np.testing.assert_array_equal(cur.logits, z / np.float32(t))
-
 
 @given(z=logits)
 def test_zero_temperature_then_dist_is_greedy(z):
@@ -113,7 +159,6 @@ def test_zero_temperature_then_dist_is_greedy(z):
     S.temp(cur, 0.0)
     S.dist(cur, S.Mt19937(0))
     assert cur.ids[cur.selected] == np.argmax(z)
-
 
 @given(z=logits, seed=st.integers(0, 2**32 - 2))
 def test_dist_picks_where_the_running_mass_reaches_the_draw(z, seed):
@@ -126,33 +171,25 @@ def test_dist_picks_where_the_running_mass_reaches_the_draw(z, seed):
     assert running[i] >= u * running[-1] * (1 - 1e-6)
     assert i == 0 or running[i - 1] <= u * running[-1] * (1 + 1e-6)
 
+@pytest.mark.parametrize("u, index", [(0.5, 0), (0.5000001, 1), (0.75, 1), (0.7500001, 2)])
+def test_dist_selects_where_the_running_sum_reaches_the_target(u, index):
+    """Weights 1, 1/2, 1/2 (sum 2): the target $2u$ equal to a running sum selects it."""
+    cur = S.TokenDataArray.from_logits(np.log(np.array([1.0, 0.5, 0.5], F32)))
+    S.dist(cur, Draw(u))
+    assert cur.selected == index
+
+def test_xtc_off_at_probability_zero_draws_nothing():
+    """``probability <= 0``: off before the draw (a draw of exactly 0 would pass ``<= 0``)."""
+    rng = U32(0)
+    cur = S.TokenDataArray.from_logits(np.array([0.0, -0.5, -3.0], F32))
+    S.xtc(cur, 0.0, 0.1, 0, rng)
+    assert cur.size == 3 and rng.outputs == [0]
 
 def test_penalties_rule():
     cur = S.TokenDataArray.from_logits([2.0, -2.0, 1.0, 3.0])
     S.penalties(cur, [0, 1, 1, 3], 3, 2.0, 0.5, 0.25)  # the last 3: 1, 1, 3
     assert cur.logits.tolist() == [2.0, -2.0 * 2 - (2 * 0.5 + 0.25), 1.0, 3.0 / 2 - 0.75]
     assert not cur.sorted
-
-
-def test_dry_penalizes_the_token_that_would_extend_a_repeat():
-    """llama.cpp's example: a b c c b c y a b c; 'c' would extend 'a b c' (3), 'y' 'b c' (2)."""
-    a, b, c, y = 0, 1, 2, 3
-    cur = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
-    S.dry(cur, [a, b, c, c, b, c, y, a, b, c], 1.0, 2.0, 2, 64, {})
-    assert cur.logits.tolist() == [0.0, 0.0, -(2.0 ** (3 - 2)), -(2.0 ** (2 - 2))]
-
-
-def test_dry_sequence_breaker_limits_the_repeat():
-    """'a b c d a b c d a b': 'c' would extend a 6-token repeat; with 'd' a breaker the repeat
-    counts only from the last 'd' (2 tokens)."""
-    a, b, c, d = 0, 1, 2, 3
-    history = [a, b, c, d, a, b, c, d, a, b]
-    free = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
-    S.dry(free, history, 1.0, 2.0, 2, 64, {})
-    broken = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
-    S.dry(broken, history, 1.0, 2.0, 2, 64, {d: [()]})
-    assert free.logits[c] == -(2.0 ** (6 - 2)) and broken.logits[c] == -1.0
-
 
 def test_order_matters():
     """top_p then top_k is not top_k then top_p."""
@@ -165,6 +202,166 @@ def test_order_matters():
     S.top_k(second, 1)
     assert first.ids.tolist() == [0, 1] and second.ids.tolist() == [0]
 
+def test_samplers_keep_float32():
+    """``llama_token_data`` holds floats: no sampler may widen logits or p to double."""
+    z = np.array([1.5, -0.5, 0.25, 3.0, -2.0], F32)
+    runs = {
+        "penalties": lambda c: S.penalties(c, [0, 1, 1], 64, 1.1, 0.3, 0.2),
+        "temp_ext": lambda c: S.temp_ext(c, 0.8, 0.5, 1.0),
+        "top_n_sigma": lambda c: S.top_n_sigma(c, 1.0),
+        "typical": lambda c: S.typical(c, 0.9),
+        "top_p": lambda c: S.top_p(c, 0.9),
+        "dist": lambda c: S.dist(c, S.Mt19937(0)),
+        "mirostat_v2": lambda c: S.mirostat_v2(c, S.Mt19937(0), 10.0, 5.0, 0.1),
+        "logit_bias": lambda c: S.logit_bias(c, {1: 2.0}),
+    }
+    for name, run in runs.items():
+        for logits in (z, z[:1]):
+            cur = S.TokenDataArray.from_logits(logits)
+            run(cur)
+            assert (cur.logits.dtype, cur.p.dtype) == (F32, F32), (name, logits.size)
+
+# --------------------------------------------------------------------------------------------
+# float32 arithmetic: the C library's expf, logf, log2f, powf (and double exp)
+# --------------------------------------------------------------------------------------------
+
+def test_the_c_math_library_is_loaded_with_float_signatures():
+    """``float expf(float)``, ``logf``, ``log2f``, ``float powf(float, float)``: typed, so
+    ctypes passes and returns single precision (an untyped call would pass doubles)."""
+    libm = S._load_libm()
+    assert libm is not None
+    for name, n_args in (("expf", 1), ("logf", 1), ("log2f", 1), ("powf", 2)):
+        fn = getattr(libm, name)
+        assert fn.restype is ctypes.c_float and fn.argtypes == [ctypes.c_float] * n_args
+    assert (libm.expf(0.0), libm.logf(0.5), libm.log2f(0.25), libm.powf(2.0, 0.5)) == (
+        1.0, F32(np.log(0.5)), -2.0, F32(np.sqrt(2.0)))
+
+
+def test_without_a_c_math_library(monkeypatch):
+    """No library found, one that fails to load, or one without ``log2f``: None."""
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert S._load_libm() is None
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libm-missing.so")
+    assert S._load_libm() is None
+    no_log2f = SimpleNamespace(expf=SimpleNamespace(), logf=SimpleNamespace(),
+                               powf=SimpleNamespace())
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libm.so")
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: no_log2f)
+    assert S._load_libm() is None
+
+
+HELPERS = [(S._expf, np.exp, [-1.5, 0.0, -np.inf, 88.0]), (S._logf, np.log, [0.3, 1.0, 0.0]),
+           (S._log2f, np.log2, [0.3, 0.25, 0.0])]
+
+
+@pytest.mark.parametrize("libm", [True, False])
+@pytest.mark.parametrize("fn, exact, x", HELPERS)
+def test_float_helpers_are_elementwise_float32(monkeypatch, libm, fn, exact, x):
+    """Any shape in, the same shape out; a scalar gives a ``np.float32``; the float32 argument
+    is what C receives. Within an ulp of float64 rounded to float32 (the stand-in without a C
+    library, which warns about nothing: ``logf(0)`` is ``-inf``, quietly)."""
+    if not libm:
+        monkeypatch.setattr(S, "_LIBM", None)
+    z = np.array(x, F32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fn(z.reshape(-1, 1))
+        one = fn(float(z[0]))
+    with np.errstate(divide="ignore"):
+        want = exact(z.astype(np.float64)).astype(F32)
+    assert got.shape == (z.size, 1) and got.dtype == F32
+    assert isinstance(one, np.float32) and one == got[0, 0]
+    np.testing.assert_array_max_ulp(got.ravel(), want, maxulp=1)
+    if not libm:
+        np.testing.assert_array_equal(got.ravel(), want)
+
+
+@pytest.mark.parametrize("libm", [True, False])
+def test_powf_takes_float32_arguments(monkeypatch, libm):
+    """``powf(0.1f, 2.0f)`` is the square of float32 0.1, not of double 0.1; ``powf(0, -1)`` is
+    inf, quietly."""
+    if not libm:
+        monkeypatch.setattr(S, "_LIBM", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert S._powf(0.1, 2.0) == float(F32(np.float64(F32(0.1)) ** 2))
+        assert S._powf(0.0, -1.0) == np.inf
+        assert S._powf(2, 0.5) == float(F32(np.sqrt(2.0)))
+
+
+def test_exp_is_the_c_librarys_double_exp():
+    x = np.array([[-0.5, 0.0], [-700.0, -1e-3]])
+    got = S._exp(x)
+    assert got.shape == (2, 2) and got.dtype == np.float64
+    assert got.ravel().tolist() == [math.exp(v) for v in x.ravel().tolist()]
+
+
+# --------------------------------------------------------------------------------------------
+# DRY: repeats and sequence breakers
+# --------------------------------------------------------------------------------------------
+
+def test_dry_penalizes_the_token_that_would_extend_a_repeat():
+    """llama.cpp's example: a b c c b c y a b c; 'c' would extend 'a b c' (3), 'y' 'b c' (2)."""
+    a, b, c, y = 0, 1, 2, 3
+    cur = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
+    S.dry(cur, [a, b, c, c, b, c, y, a, b, c], 1.0, 2.0, 2, 64, {})
+    assert cur.logits.tolist() == [0.0, 0.0, -(2.0 ** (3 - 2)), -(2.0 ** (2 - 2))]
+
+def test_dry_sequence_breaker_limits_the_repeat():
+    """'a b c d a b c d a b': 'c' would extend a 6-token repeat; with 'd' a breaker the repeat
+    counts only from the last 'd' (2 tokens)."""
+    a, b, c, d = 0, 1, 2, 3
+    history = [a, b, c, d, a, b, c, d, a, b]
+    free = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
+    S.dry(free, history, 1.0, 2.0, 2, 64, {})
+    broken = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
+    S.dry(broken, history, 1.0, 2.0, 2, 64, {d: [()]})
+    assert free.logits[c] == -(2.0 ** (6 - 2)) and broken.logits[c] == -1.0
+
+def test_dry_sequence_breakers_read_special_token_text():
+    """``common_token_to_piece(vocab, i, true)``: a breaker can match a special token's text."""
+
+    class Vocab:
+        n_vocab = 3
+
+        def token_to_piece(self, token: int, special: bool = False) -> bytes:
+            return [b"a", b"\n", b"<s>" if special else b""][token]
+
+    assert S.dry_sequence_breakers(Vocab(), ["<s>"]) == {2: [()]}
+
+
+class PieceVocab:
+    """A vocabulary of given pieces whose ``tokenize`` takes one byte per token; DRY tokenizes
+    a breaker's tail as ``common_tokenize(vocab, tail, false, false)``."""
+
+    def __init__(self, *pieces: bytes):
+        self.pieces = list(pieces)
+        self.n_vocab = len(pieces)
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        return self.pieces[token]
+
+    def tokenize(self, text: bytes, *, add_special, parse_special) -> list[int]:
+        assert add_special is False and parse_special is False
+        return [self.pieces.index(bytes([b])) for b in text]
+
+
+def test_dry_sequence_breakers_every_token_and_every_prefix():
+    """``get_overlapping_token_sequences``: every token that contains the breaker (not only the
+    first), and in a token every position from which the rest of it is a prefix of the
+    breaker ("xaa" ends with both "aa" and "a" of "aab": tails "b" and "ab"); not "ab", where
+    the breaker's start is followed by something else."""
+    a, b, xaa, za, qn, nn, _ = range(7)
+    vocab = PieceVocab(b"a", b"b", b"xaa", b"za", b"q\n", b"\n\n", b"ab")
+    assert S.dry_sequence_breakers(vocab, ["aab", "\n"]) == {
+        a: [(a, b)], xaa: [(b,), (a, b)], za: [(a, b)], qn: [()], nn: [()]}
+
+
+def test_dry_sequence_breakers_are_cut_at_40_bytes():
+    """A breaker of 41 bytes is matched as its first 40: a 40-byte token contains it."""
+    a, b, a40 = range(3)
+    vocab = PieceVocab(b"a", b"b", b"a" * 40)
+    assert S.dry_sequence_breakers(vocab, ["a" * 40 + "b"]) == {a: [(a,) * 20], a40: [()]}
 
 # --------------------------------------------------------------------------------------------
 # the chain
@@ -176,7 +373,6 @@ def test_default_order_is_common_h():
                             "top_p", "min_p", "xtc", "temperature", "dist"]
     miro = S.SamplerChain.from_params(S.SamplerParams(seed=0, mirostat=2), 4)
     assert miro.stages == ["temp", "mirostat_v2"]
-
 
 @given(seed=st.integers(0, 2**32 - 2))
 def test_same_seed_same_tokens_and_reset_replays(seed):
@@ -194,7 +390,6 @@ def test_same_seed_same_tokens_and_reset_replays(seed):
     chain.reset()
     assert run() == first
 
-
 @pytest.mark.parametrize("change, message", [
     ({"penalty_repeat": 0.0}, "penalty_repeat"),
     ({"penalty_freq": float("inf")}, "penalty_freq"),
@@ -206,7 +401,6 @@ def test_same_seed_same_tokens_and_reset_replays(seed):
 def test_invalid_params_are_refused(change, message):
     with pytest.raises(S.SamplingError, match=message):
         S.SamplerChain.from_params(S.SamplerParams(**change), 10)
-
 
 def test_invalid_inputs_are_refused_before_any_change():
     chain = S.SamplerChain.from_params(S.SamplerParams(seed=1), 10)

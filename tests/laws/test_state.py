@@ -1,19 +1,27 @@
-"""State save/restore (reference/memory/state.py): round trips, continuation, refusals.
+"""State save/restore (reference/memory/state.py and the memories' ``state_write`` /
+``state_read``): round trips, continuation, refusals, on every memory.
 
-The laws:
-- a blob round trip is byte-identical: write, read into a fresh cache, write again;
-- save, clear, restore, continue == continue uninterrupted (the next logits), for the whole
-  memory (unified and per-sequence streams, a pending K-shift, a pending stream copy) and
-  for one sequence restored under another id or stream into a fragmented cache;
-- across the twins: a state (bytes or file, whole or one sequence, of a cache made ragged
-  on purpose, or of Mamba's state rows) written by one Context restores in every Context of
-  its dtype, and the decode goes on the same way;
-- a refused blob (another model, another dtype, truncated, corrupted, no room) leaves the
-  memory bit-identical.
+The laws every model obeys (``llama``, ``iswa``, ``mamba``, ``mamba2``; on every flavour of
+``tests/support/helpers.py``: the reference in float64 and float32, the MLX twin):
 
-The Context-level laws run on every flavour of ``tests/support/helpers.py`` (reference float64 and
-float32, MLX); the byte format, its refusals and the cell layout are checked on the
-reference's ``KVCache`` directly.
+- save, clear, restore, continue == continue uninterrupted (the next logits, bit for bit
+  after a whole restore), for the whole memory and for one sequence under another id;
+- across the twins: a state (bytes or file, whole or one sequence, of a memory made ragged on
+  purpose: sequences interleaved, holes from ``seq_rm``, cells shared by ``seq_cp``, a K-shift
+  still pending) written by one Context restores in every Context of its dtype, and the
+  decode goes on the same way;
+- a sequence's blob is llama.cpp's (``u32 0xaf143cd8``, ``i32 seq_id``, then the memory's
+  state); a memory with one part writes the same bytes with ``PARTIAL_ONLY``;
+- a refused blob (truncated, corrupted, another model or architecture, no room, bad magic,
+  unknown flags) raises ``StateError`` and leaves the memory bit-identical.
+
+The KV cache's own (on the tiny Llama): a restore into a fragmented cache or another stream,
+a pending K-shift or stream copy, and, on the reference's ``KVCache`` directly, the byte
+format, its refusals and the cell layout. The iSWA pair's own (``llama_state_seq_flags``:
+``PARTIAL_ONLY`` alias ``SWA_ONLY`` keeps the SWA cache only): its whole state is its base
+cache then its SWA cache, a sequence's state brings back the window, a partial state restores
+onto the base part (a server's checkpoint, also after the SWA cache reused cells), the flags'
+refusals. The recurrent memory's byte format: ``tests/laws/test_recurrent.py``.
 """
 
 from __future__ import annotations
@@ -31,8 +39,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.batch import Batch, BatchAllocr, Ubatch
-from reference.memory import KVCache
+from reference.memory import (
+    LLAMA_STATE_SEQ_FLAGS_NONE,
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
+    LLAMA_STATE_SEQ_FLAGS_SWA_ONLY,
+    KVCache,
+    KVCacheISWA,
+)
+from reference.memory.kv_cache_iswa import parse_iswa_state
 from reference.memory.state import (
+    SEQ_STATE_MAGIC,
     StateError,
     context_state_read,
     context_state_write,
@@ -44,21 +60,33 @@ from reference.memory.state import (
 )
 from reference.models.llama import llama_forward
 from tests.support.helpers import (
-    ARCHS,
+    CELLS,
+    ISWA,
+    K_SHIFT,
+    LLAMA,
+    MAMBA,
+    MLX,
+    MODELS,
     N_VOCAB,
+    REF_F32,
+    SWA,
     assert_between,
+    decode_seq,
     deep,
     every_flavour,
+    for_models,
     interleave,
-    llama_model,
+    iswa_model,
     logits_ith,
-    make,
-    make_mamba,
+    pending_shift,
     same_dtype,
 )
 from tests.support.helpers import assert_same as assert_same_ctx
 from tests.support.helpers import snapshot as ctx_snapshot
 from tests.support.tiny_models import random_weights, tiny_hparams
+
+NONE, PARTIAL = LLAMA_STATE_SEQ_FLAGS_NONE, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+every_model = for_models()
 
 # ---------------------------------------------------------------------------------------------
 # helpers: llama_decode's steps on a KVCache, snapshots
@@ -119,14 +147,15 @@ N_SEQ = 3
 
 
 # ---------------------------------------------------------------------------------------------
-# save, clear, restore, continue == uninterrupted: every Context
+# every model: save, clear, restore, continue == uninterrupted
 # ---------------------------------------------------------------------------------------------
 
 
-def state_ctx(flavour, kv_unified: bool = True, n_seq_max: int = N_SEQ):
-    """A Context of the laws' tiny Llama with small ubatches, 256 cells per stream."""
-    return make(flavour, n_ctx=256 * (1 if kv_unified else n_seq_max), n_ubatch=4,
-                n_seq_max=n_seq_max, kv_unified=kv_unified)
+def state_ctx(flavour, kv_unified: bool = True, n_seq_max: int = N_SEQ, model=LLAMA,
+              variant=None):
+    """A Context of ``model`` (the laws' tiny Llama unless told) with small ubatches, 256
+    cells per stream."""
+    return model.make(flavour, variant, n_ubatch=4, n_seq_max=n_seq_max, kv_unified=kv_unified)
 
 
 def decode_batch(ctx, tokens, seq_ids) -> np.ndarray:
@@ -136,22 +165,306 @@ def decode_batch(ctx, tokens, seq_ids) -> np.ndarray:
     return ctx.get_logits().copy()
 
 
-@every_flavour
-@pytest.mark.parametrize("kv_unified", [True, False])
-def test_whole_save_clear_restore_continue(flavour, kv_unified):
-    """The cells come back where they were (0..n-1): the next logits are bit-exact."""
-    cache, uninterrupted = state_ctx(flavour, kv_unified, 2), state_ctx(flavour, kv_unified, 2)
-    for ctx in (cache, uninterrupted):
-        decode_batch(ctx, PREFIX_TOKENS, PREFIX_SEQS)
-    expected = decode_batch(uninterrupted, [6, 11], [0, 1])
+seq_tokens = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6)
+memory_op = st.one_of(
+    st.tuples(st.just("seq_rm"), st.integers(0, N_SEQ - 1), st.integers(-1, 6),
+              st.integers(-1, 6)),
+    st.tuples(st.just("seq_add"), st.integers(0, N_SEQ - 1), st.integers(-1, 6),
+              st.integers(-3, 3)),
+    st.tuples(st.just("seq_cp"), st.integers(0, N_SEQ - 1), st.integers(0, N_SEQ - 1),
+              st.just(0)),
+)
 
-    blob = cache.state_get_data()
-    cache.memory.clear()
-    assert cache.memory.seq_pos_max(0) == -1
-    assert cache.state_set_data(blob) == len(blob)
-    assert cache.state_get_data() == blob  # byte-identical round trip
-    got = decode_batch(cache, [6, 11], [0, 1])
-    assert got.tobytes() == expected.tobytes()  # bit-exact
+
+def fill(ctx, seqs: list[list[int]], ops) -> list[int]:
+    """Decode ``seqs`` interleaved in one batch, apply ``ops``; returns the batch's tokens.
+    (A partial ``seq_rm`` of a recurrent state returns False and changes nothing.)"""
+    token, seq_id = interleave(seqs)
+    assert ctx.decode(Batch(token=token, seq_id=seq_id, logits=[True] * len(token))) == 0
+    mem = ctx.memory
+    for name, s, a, b in ops:
+        if name == "seq_rm":
+            mem.seq_rm(s, a, b)
+        elif name == "seq_add":
+            mem.seq_add(s, a, -1, b)  # pending until the next decode
+        elif a != s:  # seq_cp into an emptied sequence, as llama.cpp's examples do
+            mem.seq_rm(a, -1, -1)
+            mem.seq_cp(s, a, -1, -1)
+    return token
+
+
+def go_on(ctx) -> np.ndarray:
+    """One more token for every sequence (automatic positions); its logits."""
+    b = Batch(token=[5 + s for s in range(N_SEQ)], seq_id=[[s] for s in range(N_SEQ)],
+              logits=[True] * N_SEQ)
+    assert ctx.decode(b) == 0
+    return ctx.get_logits().copy()  # (N_SEQ, n_vocab)
+
+
+@every_model
+@every_flavour
+@deep()
+@given(data=st.data(), cont=seq_tokens, whole=st.booleans(), kv_unified=st.booleans())
+def test_save_clear_restore_continue_equals_uninterrupted(model, flavour, data, cont, whole,
+                                                          kv_unified):
+    """Two sequences interleaved; the whole memory, or sequence 0 alone (restored as
+    sequence 2), saved, the memory cleared (something else decoded in between), restored:
+    the decode goes on as the uninterrupted one, bit for bit after a whole restore (the
+    cells come back where they were, 0 .. n - 1; an iSWA memory's SWA cache then searches
+    its slots from cell 0 and reuses a masked cell there: the same logits to rounding)."""
+    variant = model.draw(data)
+    a, b = (data.draw(model.prompt_st(1, 12), label=name) for name in ("a", "b"))
+
+    def filled():
+        ctx = state_ctx(flavour, kv_unified, model=model, variant=variant)
+        fill(ctx, [a, b], [])
+        return ctx
+
+    ctx, uninterrupted = filled(), filled()
+    if whole:
+        blob = ctx.state_get_data()
+        outputs = ctx.get_logits().copy()
+        ctx.memory.clear()
+        decode_seq(ctx, cont, seq=2)  # something else in between
+        assert ctx.state_set_data(blob) == len(blob)
+        np.testing.assert_array_equal(ctx.get_logits(), outputs)  # the outputs come back too
+        assert ctx.state_get_data() == blob  # byte-identical round trip
+        assert ctx.memory.seq_pos_max(2) == -1
+        for s in (0, 1):
+            got, straight = decode_seq(ctx, cont, seq=s), decode_seq(uninterrupted, cont, seq=s)
+            if model.has(SWA):  # the restored SWA cache reuses masked cells from cell 0
+                flavour.assert_close(straight, got)
+            else:
+                assert got.tobytes() == straight.tobytes()
+        return
+    blob = ctx.state_seq_get_data(0)
+    ctx.memory.clear()
+    assert ctx.state_seq_set_data(blob, 2) == len(blob)  # a sequence blob goes anywhere
+    assert ctx.memory.seq_pos_max(0) == ctx.memory.seq_pos_max(1) == -1
+    flavour.assert_close(decode_seq(uninterrupted, cont, seq=0), decode_seq(ctx, cont, seq=2))
+
+
+@every_model
+@every_flavour
+@deep()
+@given(data=st.data(), seqs=st.lists(seq_tokens, min_size=1, max_size=N_SEQ),
+       ops=st.lists(memory_op, max_size=3), kv_unified=st.booleans(), use_file=st.booleans())
+def test_whole_state_crosses_and_continues(model, flavour, data, seqs, ops, kv_unified,
+                                           use_file):
+    """The whole memory (bytes or file) of a memory made ragged on purpose (sequences
+    interleaved, holes from ``seq_rm``, cells shared by ``seq_cp``, a K-shift still pending
+    from ``seq_add``), one stream or one per sequence, restores in a Context that held
+    something else: the same bytes back, and the next logits agree (the law's bound within a
+    flavour: a whole restore compacts the cells, so the attention sums run in another order;
+    NMSE <= 1e-6 across the twins)."""
+    variant = model.draw(data)
+    seqs = [data.draw(model.prompt_st(len(t), len(t)), label=f"seq {s}")
+            for s, t in enumerate(seqs)]  # the iSWA's are longer than the window
+    a = state_ctx(flavour, kv_unified, model=model, variant=variant)
+    tokens = fill(a, seqs, ops)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state.bin"
+        if use_file:
+            assert a.state_save_file(path, tokens) == path.stat().st_size
+        blob = a.state_get_data()
+        restored = []
+        for f in same_dtype(flavour):
+            b = state_ctx(f, kv_unified, model=model, variant=variant)
+            fill(b, [[1, 2, 3]], [])  # not empty: the restore replaces everything
+            if use_file:
+                assert b.state_load_file(path).tolist() == tokens
+            else:
+                assert b.state_set_data(blob) == len(blob)
+                np.testing.assert_array_equal(b.get_logits(), a.get_logits())
+                for i in (0, -1):  # the restored rows, on the device too
+                    np.testing.assert_array_equal(logits_ith(b, i), a.get_logits_ith(i))
+            assert pending_shift(b.memory) == pending_shift(a.memory)
+            restored.append((f, b))
+    for _, b in restored:
+        if use_file:  # the file holds no logits: compare each sequence's cells and K/V
+            for s in range(N_SEQ):
+                assert b.state_seq_get_data(s) == a.state_seq_get_data(s)
+        else:
+            assert b.state_get_data() == blob  # the tensors came back bit for bit
+    want = go_on(a)
+    for f, b in restored:
+        assert_between(flavour, f, want, go_on(b))
+
+
+@every_model
+@every_flavour
+@deep()
+@given(data=st.data(), seqs=st.lists(seq_tokens, min_size=2, max_size=N_SEQ),
+       s=st.integers(0, N_SEQ - 1), hole=st.tuples(st.integers(-1, 6), st.integers(-1, 6)),
+       kv_unified=st.booleans(), use_file=st.booleans())
+def test_one_sequence_crosses_into_another_id(model, flavour, data, seqs, s, hole, kv_unified,
+                                              use_file):
+    """One sequence (bytes or file) restored under another id into a Context that already
+    holds other sequences, with holes before its head; the decode goes on the same way (an
+    iSWA memory brings back the window of the last position only: ``seq_pos_min`` differs,
+    :func:`test_a_sequence_state_brings_back_the_window`)."""
+    variant = model.draw(data)
+    seqs = [data.draw(model.prompt_st(len(t), len(t)), label=f"seq {k}")
+            for k, t in enumerate(seqs)]
+    s %= len(seqs)
+    a = state_ctx(flavour, kv_unified, N_SEQ + 1, model, variant)  # a blob holds its streams
+    fill(a, seqs, [("seq_rm", s, *hole)])
+    tokens = [1, 2, 3]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "seq.bin"
+        if use_file:
+            a.state_seq_save_file(path, s, tokens)
+        blob = a.state_seq_get_data(s)
+        restored = []
+        for f in same_dtype(flavour):
+            b = state_ctx(f, kv_unified, N_SEQ + 1, model, variant)
+            fill(b, [[7, 8, 9, 10], [11, 12]], [("seq_rm", 0, 1, 3)])  # holes before the head
+            if use_file:
+                assert b.state_seq_load_file(path, N_SEQ).tolist() == tokens
+            else:
+                assert b.state_seq_set_data(blob, N_SEQ) == len(blob)
+            if not model.has(SWA):
+                assert b.memory.seq_pos_min(N_SEQ) == a.memory.seq_pos_min(s)
+            assert b.memory.seq_pos_max(N_SEQ) == a.memory.seq_pos_max(s)
+            assert b.memory.seq_pos_max(0) == 3  # the other sequences are still there
+            assert b.memory.seq_pos_max(1) == 1
+            restored.append((f, b))
+    assert a.decode(Batch(token=[4, 5], seq_id=[[s], [s]], logits=[True, True])) == 0
+    for f, b in restored:
+        assert b.decode(Batch(token=[4, 5], seq_id=[[N_SEQ], [N_SEQ]], logits=[True, True])) == 0
+        assert_between(flavour, f, a.get_logits(), b.get_logits())
+
+
+@every_model
+@every_flavour
+def test_state_files_round_trip(model, flavour, tmp_path):
+    """A sequence's file restores under another id, the whole file restores everything; the
+    tokens come back and the decode goes on."""
+    src = state_ctx(flavour, n_seq_max=2, model=model)
+    prompt = list(range(1, 12))
+    decode_batch(src, prompt, [1] * len(prompt))
+    n = src.state_seq_save_file(tmp_path / "seq.bin", 1, prompt)
+    n_whole = src.state_save_file(tmp_path / "whole.bin", [9, 9])
+    assert n == (tmp_path / "seq.bin").stat().st_size
+    assert n_whole == (tmp_path / "whole.bin").stat().st_size
+    want = decode_seq(src, [3], seq=1)
+    dst = state_ctx(flavour, n_seq_max=2, model=model)
+    decode_batch(dst, [4, 5], [1, 1])  # replaced by the whole file, kept by the sequence's
+    assert dst.state_seq_load_file(tmp_path / "seq.bin", 0).tolist() == prompt
+    assert (dst.memory.seq_pos_max(0), dst.memory.seq_pos_max(1)) == (10, 1)
+    flavour.assert_close(want, decode_seq(dst, [3], seq=0))
+    assert dst.state_load_file(tmp_path / "whole.bin").tolist() == [9, 9]
+    assert (dst.memory.seq_pos_max(0), dst.memory.seq_pos_max(1)) == (-1, 10)
+    flavour.assert_close(want, decode_seq(dst, [3], seq=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# every model: the sequence blob, PARTIAL_ONLY, refusals
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flags_are_llama_h():
+    assert (NONE, PARTIAL, LLAMA_STATE_SEQ_FLAGS_SWA_ONLY) == (0, 1, 1)
+
+
+@every_model
+@every_flavour
+def test_seq_blob_is_magic_seq_id_then_the_memory(model, flavour):
+    """``u32 0xaf143cd8``, ``i32 seq_id``, then the memory's state; ``state_seq_get_data`` is
+    the ``_ext`` form with no flags; a partial state is shorter where there is a SWA cache."""
+    ctx = state_ctx(flavour, model=model, variant=model.variants[-1])
+    decode_seq(ctx, list(range(1, 10)), seq=2)
+    blob = ctx.state_seq_get_data_ext(2, NONE)
+    assert struct.unpack("<Ii", blob[:8]) == (SEQ_STATE_MAGIC, 2)
+    assert blob[8:] == ctx.memory.state_write(ctx.hparams, 2, NONE)
+    assert ctx.state_seq_get_data(2) == blob  # llama_state_seq_get_data = _ext(..., 0)
+    partial = ctx.state_seq_get_data_ext(2, PARTIAL)
+    assert partial[8:] == ctx.memory.state_write(ctx.hparams, 2, PARTIAL)
+    assert (len(partial) < len(blob)) == model.has(SWA)
+
+
+@for_models(lacking=(SWA,))
+@every_flavour
+def test_partial_is_everything_for_a_single_memory(model, flavour):
+    """A plain KV cache and a recurrent memory have no partial part: the same bytes, and a
+    partial read is a whole read."""
+    ctx = state_ctx(flavour, n_seq_max=2, model=model)
+    decode_seq(ctx, [1, 2, 3, 4], seq=1)
+    whole = ctx.state_seq_get_data_ext(1, NONE)
+    assert ctx.state_seq_get_data_ext(1, PARTIAL) == whole
+    before = ctx.state_get_data()
+    assert ctx.state_seq_set_data_ext(whole, 1, PARTIAL) == len(whole)
+    assert ctx.state_get_data() == before
+
+
+#: the model whose blobs are of another architecture (another memory, or another arch)
+FOREIGN = {"llama": MAMBA, "iswa": LLAMA, "mamba": LLAMA, "mamba2": MAMBA}
+#: name: (dest_seq_id or None for a whole read, flags, the error's message): the refusals of
+#: every model; "does not fit" needs cells (a recurrent memory has one per sequence, always)
+REFUSALS = {
+    "truncated": (None, NONE, "truncated"),
+    "truncated seq": (2, NONE, "truncated"),
+    "header only": (2, NONE, "truncated"),
+    "corrupted": (None, NONE, "checksum"),
+    "bad magic": (2, NONE, "magic"),
+    "another model": (None, NONE, "hyperparameters"),
+    "another model seq": (2, NONE, "hyperparameters"),
+    "another architecture": (None, NONE, "magic|architecture"),
+    "another architecture seq": (2, NONE, "magic|architecture"),
+    "dest out of range": (-5, NONE, "out of range"),
+    "unknown flags": (2, 2, "flags 2 not supported"),
+    "does not fit": (2, NONE, "does not fit"),
+}
+
+
+@functools.cache
+def refused_blob(model, flavour, name: str) -> bytes:
+    """The blob of refusal ``name`` (a key of :data:`REFUSALS`) for a Context of ``model``."""
+    src = state_ctx(flavour, model=model)
+    fill(src, [[1, 2, 3, 4], [5, 6]], [])
+    whole, seq = src.state_get_data(), src.state_seq_get_data(0)
+    if name.startswith(("another model", "another architecture")):
+        other = (model.make(flavour, model.other, n_seq_max=N_SEQ)
+                 if name.startswith("another model")
+                 else FOREIGN[model.name].make(flavour, n_seq_max=N_SEQ))
+        other.decode(Batch(token=[1, 2]))
+        return other.state_seq_get_data(0) if name.endswith("seq") else other.state_get_data()
+    if name == "does not fit":
+        big = state_ctx(flavour, model=model)
+        big.decode(Batch(token=list(range(N_VOCAB)) * 7))  # 224 cells: more than the room
+        return big.state_seq_get_data(0)
+    flipped = bytearray(whole)
+    flipped[len(flipped) // 2] ^= 0xFF
+    return {"truncated": whole[:-1], "truncated seq": seq[: len(seq) // 2],
+            "header only": seq[:6], "corrupted": bytes(flipped),
+            "bad magic": b"\0\0\0\0" + seq[4:]}.get(name, seq)
+
+
+@pytest.mark.parametrize(("model", "name"), [
+    (m, name) for m in MODELS for name in REFUSALS if name != "does not fit" or m.has(CELLS)],
+    ids=lambda x: str(x).replace(" ", "-"))
+@every_flavour
+def test_refused_blob_leaves_the_memory_bit_identical(model, name, flavour):
+    """``StateError`` with a message that says why, and the memory (cells, tensors, outputs,
+    a pending K-shift) is what it was."""
+    dest, flags, message = REFUSALS[name]
+    blob = refused_blob(model, flavour, name)
+    ctx = state_ctx(flavour, model=model)
+    ops = [("seq_add", 0, 3, 2)] if model.has(K_SHIFT) else []
+    fill(ctx, [[9, 8, 7, 6, 5, 4, 3, 2, 1] * 4, [4, 5, 6]], ops)
+    before = ctx_snapshot(ctx)
+    with pytest.raises(StateError, match=message):
+        if dest is None:
+            ctx.state_set_data(blob)
+        else:
+            ctx.state_seq_set_data_ext(blob, dest, flags)
+    assert_same_ctx(before, ctx_snapshot(ctx))
+    assert pending_shift(ctx.memory) == model.has(K_SHIFT)  # still pending
+
+
+# ---------------------------------------------------------------------------------------------
+# the KV cache's: a fragmented cache, another stream, a pending K-shift or stream copy
+# ---------------------------------------------------------------------------------------------
 
 
 @every_flavour
@@ -244,220 +557,173 @@ def test_pending_stream_copy_is_resolved_when_saving(flavour):
 
 
 # ---------------------------------------------------------------------------------------------
-# across the twins: a state written by one Context restores in every Context of its dtype
+# the iSWA pair's: base then SWA, the window, a partial state, the flags' refusals
 # ---------------------------------------------------------------------------------------------
 
-seq_tokens = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6)
-memory_op = st.one_of(
-    st.tuples(st.just("seq_rm"), st.integers(0, N_SEQ - 1), st.integers(-1, 6),
-              st.integers(-1, 6)),
-    st.tuples(st.just("seq_add"), st.integers(0, N_SEQ - 1), st.integers(-1, 6),
-              st.integers(-3, 3)),
-    st.tuples(st.just("seq_cp"), st.integers(0, N_SEQ - 1), st.integers(0, N_SEQ - 1),
-              st.just(0)),
-)
+iswa_prompt_st = st.lists(st.integers(0, N_VOCAB - 1), min_size=9, max_size=14)
+tail_st = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=5)
+patterns_st = st.sampled_from(["1:1", "5:1", "all"])
+n_swa_st = st.integers(4, 8)
 
 
-def fill(ctx, seqs: list[list[int]], ops) -> list[int]:
-    """Decode ``seqs`` interleaved in one batch, apply ``ops``; returns the batch's tokens."""
-    token, seq_id = interleave(seqs)
-    assert ctx.decode(Batch(token=token, seq_id=seq_id, logits=[True] * len(token))) == 0
+def make_iswa(flavour, pattern: str = "1:1", n_swa: int = 4, **kwargs):
+    """A Context of the iSWA model (``n_ctx = n_batch = n_ubatch = 256`` unless told)."""
+    return ISWA.make(flavour, (pattern, n_swa), **kwargs)
+
+
+def memory_blob(ctx) -> bytes:
+    """The memory's part of the context's whole state (outputs left out)."""
+    return ctx.memory.state_write(ctx.hparams)
+
+
+@every_flavour
+def test_whole_state_is_base_then_swa(flavour):
+    ctx = make_iswa(flavour, "5:1", 4, n_ctx=512, n_batch=512, n_ubatch=8, swa_full=False)
+    tokens = np.random.default_rng(4).integers(0, N_VOCAB, 270).tolist()
+    decode_seq(ctx, tokens)
     mem = ctx.memory
-    for name, s, a, b in ops:
-        if name == "seq_rm":
-            mem.seq_rm(s, a, b)
-        elif name == "seq_add":
-            mem.seq_add(s, a, -1, b)  # pending until the next decode
-        elif a != s:  # seq_cp into an emptied sequence, as llama.cpp's examples do
-            mem.seq_rm(a, -1, -1)
-            mem.seq_cp(s, a, -1, -1)
-    return token
-
-
-def go_on(ctx) -> np.ndarray:
-    """One more token for every sequence (automatic positions); its logits."""
-    b = Batch(token=[5 + s for s in range(N_SEQ)], seq_id=[[s] for s in range(N_SEQ)],
-              logits=[True] * N_SEQ)
-    assert ctx.decode(b) == 0
-    return ctx.get_logits().copy()  # (N_SEQ, n_vocab)
+    base, swa = parse_iswa_state(memory_blob(ctx), NONE, [mem.kv_base.layers,
+                                                          mem.kv_swa.layers])
+    assert base == mem.kv_base.state_write(ctx.hparams)
+    assert swa == mem.kv_swa.state_write(ctx.hparams)
+    assert state_parse(base).streams[0].pos == list(range(270))  # every position
+    swa_pos = state_parse(swa).streams[0].pos  # the SWA cache has forgotten the oldest
+    assert len(swa_pos) <= 256 and max(swa_pos) == 269
+    [part] = parse_iswa_state(mem.state_write(ctx.hparams, 0, PARTIAL), PARTIAL,
+                              [mem.kv_swa.layers])
+    assert state_parse(part).streams[0].pos == [266, 267, 268, 269]  # the window of 269
 
 
 @every_flavour
-@deep()
-@given(seqs=st.lists(seq_tokens, min_size=1, max_size=N_SEQ),
-       ops=st.lists(memory_op, max_size=3), kv_unified=st.booleans(), use_file=st.booleans())
-def test_whole_state_crosses_and_continues(flavour, seqs, ops, kv_unified, use_file):
-    """The whole memory (bytes or file) of a cache made ragged on purpose (sequences
-    interleaved, holes from ``seq_rm``, cells shared by ``seq_cp``, a K-shift still pending
-    from ``seq_add``), one stream or one per sequence, restores in a Context that held
-    something else: the same bytes back, and the next logits agree (the law's bound within a
-    flavour: a whole restore compacts the cells, so the attention sums run in another order;
-    NMSE <= 1e-6 across the twins)."""
-    a = state_ctx(flavour, kv_unified)
-    tokens = fill(a, seqs, ops)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "state.bin"
-        if use_file:
-            assert a.state_save_file(path, tokens) == path.stat().st_size
-        blob = a.state_get_data()
-        restored = []
-        for f in same_dtype(flavour):
-            b = state_ctx(f, kv_unified)
-            fill(b, [[1, 2, 3]], [])  # not empty: the restore replaces everything
-            if use_file:
-                assert b.state_load_file(path).tolist() == tokens
-            else:
-                assert b.state_set_data(blob) == len(blob)
-                np.testing.assert_array_equal(b.get_logits(), a.get_logits())
-                for i in (0, -1):  # the restored rows, on the device too
-                    np.testing.assert_array_equal(logits_ith(b, i), a.get_logits_ith(i))
-            assert b.memory.get_has_shift() == a.memory.get_has_shift()
-            restored.append((f, b))
-    for _, b in restored:
-        if use_file:  # the file holds no logits: compare each sequence's cells and K/V
-            for s in range(N_SEQ):
-                assert b.state_seq_get_data(s) == a.state_seq_get_data(s)
-        else:
-            assert b.state_get_data() == blob  # the tensors came back bit for bit
-    want = go_on(a)
-    for f, b in restored:
-        assert_between(flavour, f, want, go_on(b))
+@given(pattern=patterns_st, n_swa=n_swa_st, prompt=iswa_prompt_st)
+def test_a_sequence_state_brings_back_the_window(flavour, pattern, n_swa, prompt):
+    """Restored under another id: the SWA part brings back the window of the last position,
+    the base part everything; another sequence stays."""
+    src = make_iswa(flavour, pattern, n_swa, n_seq_max=2)
+    decode_seq(src, prompt, seq=0)
+    blob = src.state_seq_get_data_ext(0, NONE)
+    dst = make_iswa(flavour, pattern, n_swa, n_seq_max=2)
+    decode_seq(dst, [5, 6, 7], seq=0)  # another sequence stays
+    assert dst.state_seq_set_data_ext(blob, 1, NONE) == len(blob)
+    assert (dst.memory.seq_pos_min(1), dst.memory.seq_pos_max(1)) == (len(prompt) - n_swa,
+                                                                      len(prompt) - 1)
+    assert dst.memory.kv_base.seq_pos_min(1) == 0
+    assert dst.memory.seq_pos_max(0) == 2
+
+
+def rewind_and_restore(ctx, partial: bytes, n_prompt: int, seq: int = 0) -> None:
+    """Roll the sequence back to the checkpoint (both caches), then restore its SWA part."""
+    assert ctx.memory.seq_rm(seq, n_prompt, -1)
+    assert ctx.state_seq_set_data_ext(partial, seq, PARTIAL) == len(partial)
 
 
 @every_flavour
-@deep()
-@given(seqs=st.lists(seq_tokens, min_size=2, max_size=N_SEQ), s=st.integers(0, N_SEQ - 1),
-       hole=st.tuples(st.integers(-1, 6), st.integers(-1, 6)), kv_unified=st.booleans(),
-       use_file=st.booleans())
-def test_one_sequence_crosses_into_another_id(flavour, seqs, s, hole, kv_unified, use_file):
-    """One sequence (bytes or file) restored under another id into a Context that already
-    holds other sequences, with holes before its head; the decode goes on the same way."""
-    s %= len(seqs)
-    a = state_ctx(flavour, kv_unified, n_seq_max=N_SEQ + 1)  # a blob holds its stream count
-    fill(a, seqs, [("seq_rm", s, *hole)])
-    tokens = [1, 2, 3]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "seq.bin"
-        if use_file:
-            a.state_seq_save_file(path, s, tokens)
-        blob = a.state_seq_get_data(s)
-        restored = []
-        for f in same_dtype(flavour):
-            b = state_ctx(f, kv_unified, n_seq_max=N_SEQ + 1)
-            fill(b, [[7, 8, 9, 10], [11, 12]], [("seq_rm", 0, 1, 3)])  # holes before the head
-            if use_file:
-                assert b.state_seq_load_file(path, N_SEQ).tolist() == tokens
-            else:
-                assert b.state_seq_set_data(blob, N_SEQ) == len(blob)
-            assert b.memory.seq_pos_min(N_SEQ) == a.memory.seq_pos_min(s)
-            assert b.memory.seq_pos_max(N_SEQ) == a.memory.seq_pos_max(s)
-            assert b.memory.seq_pos_max(0) == 3  # the other sequences are still there
-            restored.append((f, b))
-    assert a.decode(Batch(token=[4], seq_id=[[s]], logits=[True])) == 0
-    for f, b in restored:
-        assert b.decode(Batch(token=[4], seq_id=[[N_SEQ]], logits=[True])) == 0
-        assert_between(flavour, f, a.get_logits(), b.get_logits())
+@given(pattern=st.sampled_from(["1:1", "5:1"]), n_swa=n_swa_st, prompt=iswa_prompt_st,
+       detour=tail_st, tail=tail_st)
+def test_partial_state_restores_onto_the_base_part(flavour, pattern, n_swa, prompt, detour,
+                                                    tail):
+    """A server's checkpoint: save the SWA part at the end of the prompt, go on, roll both
+    caches back to the prompt, restore the SWA part: the continuation is the uninterrupted
+    one."""
+    ctx = make_iswa(flavour, pattern, n_swa)
+    decode_seq(ctx, prompt)
+    partial = ctx.state_seq_get_data_ext(0, PARTIAL)
+    want = decode_seq(make_iswa(flavour, pattern, n_swa), prompt + tail)[len(prompt):]
+    decode_seq(ctx, detour)
+    rewind_and_restore(ctx, partial, len(prompt))
+    assert ctx.memory.seq_pos_max(0) == len(prompt) - 1
+    assert ctx.memory.seq_pos_min(0) == len(prompt) - n_swa  # only the window came back
+    flavour.assert_close(want, decode_seq(ctx, tail))
 
 
-@functools.cache
-def refused_blobs(flavour) -> list[tuple[str, bytes, int | None]]:
-    """(name, blob, dest_seq_id) triples a Context holding two sequences must refuse."""
-    src = state_ctx(flavour)
-    fill(src, [[1, 2, 3, 4], [5, 6]], [])
-    whole, seq = src.state_get_data(), src.state_seq_get_data(0)
-    other_hp, other_w = llama_model(1, flavour.dtype)  # another model: one layer
-    other = flavour.make(other_hp, other_w, n_ctx=256, n_seq_max=N_SEQ)
-    other.decode(Batch(token=[1, 2]))
-    big = state_ctx(flavour)
-    big.decode(Batch(token=list(range(N_VOCAB)) * 7))  # 224 cells: more than the target's room
-    flipped = bytearray(whole)
-    flipped[len(flipped) // 2] ^= 0xFF
+@every_flavour
+def test_partial_state_after_cells_were_reused(flavour):
+    """The same, past the SWA cache's size: the detour overwrote the checkpoint's cells."""
+    kw = dict(n_ctx=512, n_batch=64, n_ubatch=8, swa_full=False)
+    rng = np.random.default_rng(5)
+    prompt, detour, tail = (rng.integers(0, N_VOCAB, n).tolist() for n in (200, 260, 4))
+    ctx = make_iswa(flavour, "1:1", 4, **kw)
+    for i in range(0, len(prompt), 50):
+        decode_seq(ctx, prompt[i:i + 50])
+    partial = ctx.state_seq_get_data_ext(0, PARTIAL)
+    for i in range(0, len(detour), 52):
+        decode_seq(ctx, detour[i:i + 52])
+    assert ctx.memory.kv_swa.seq_pos_min(0) > 199  # the window of 199 is gone from the cache
+    rewind_and_restore(ctx, partial, len(prompt))
+    uninterrupted = make_iswa(flavour, "1:1", 4, **kw)
+    for i in range(0, len(prompt), 50):
+        decode_seq(uninterrupted, prompt[i:i + 50])
+    flavour.assert_close(decode_seq(uninterrupted, tail), decode_seq(ctx, tail))
+
+
+@pytest.mark.parametrize(("writer", "reader"), [(MLX, REF_F32), (REF_F32, MLX)], ids=str)
+@pytest.mark.parametrize("flags", [NONE, PARTIAL])
+def test_a_state_crosses_the_twins(writer, reader, flags):
+    """A sequence state written by one twin restores in the other (same dtype) and goes on as
+    the writer goes on, onto the base part for a partial state; the whole state too."""
+    prompt, tail = list(range(1, 16)), [4, 2, 9]
+    src = make_iswa(writer, "5:1", 4)
+    decode_seq(src, prompt)
+    blob, whole = src.state_seq_get_data_ext(0, flags), src.state_get_data()
+    want = decode_seq(src, tail)
+    dst = make_iswa(reader, "5:1", 4)
+    decode_seq(dst, prompt + [7, 7])  # the base part, for a partial state, and a detour
+    assert dst.memory.seq_rm(0, len(prompt), -1)
+    assert dst.state_seq_set_data_ext(blob, 0, flags) == len(blob)
+    assert_between(writer, reader, want, decode_seq(dst, tail))
+    other = make_iswa(reader, "5:1", 4)
+    assert other.state_set_data(whole) == len(whole)
+    assert_between(writer, reader, want, decode_seq(other, tail))
+
+
+def flag_refusals(flavour):
+    """(name, blob, dest_seq_id, flags, message): the refusals of the flags, for a
+    two-sequence iSWA context (those of every model: :data:`REFUSALS`)."""
+    src = make_iswa(flavour, "1:1", 4, n_seq_max=2)
+    decode_seq(src, list(range(1, 13)))
+    whole = src.state_seq_get_data_ext(0, NONE)
+    partial = src.state_seq_get_data_ext(0, PARTIAL)
+    other_hp, other_w = iswa_model("1:1", 5, flavour.dtype)
+    other = flavour.make(other_hp, other_w, n_ctx=256, n_seq_max=2)
+    decode_seq(other, list(range(1, 13)))
     return [
-        ("truncated", whole[:-1], None),
-        ("truncated seq", seq[: len(seq) // 2], 2),
-        ("corrupted", bytes(flipped), None),
-        ("another model", other.state_get_data(), None),
-        ("another model seq", other.state_seq_get_data(0), 2),
-        ("does not fit", big.state_seq_get_data(0), 2),
+        ("partial blob, whole read", partial, 1, NONE, "cannot be read with flags 0"),
+        ("whole blob, partial read", whole, 1, PARTIAL, "cannot be read with flags 1"),
+        ("another model, partial", other.state_seq_get_data_ext(0, PARTIAL), 1, PARTIAL,
+         "hyperparameters"),
     ]
 
 
 @every_flavour
-@pytest.mark.parametrize("case", range(6))
-def test_refused_blob_leaves_the_memory_bit_identical(flavour, case):
-    name, blob, dest = refused_blobs(flavour)[case]
-    ctx = state_ctx(flavour)
-    fill(ctx, [[9, 8, 7, 6, 5, 4, 3, 2, 1] * 4, [4, 5, 6]], [("seq_add", 0, 3, 2)])
-    before = ctx_snapshot(ctx)
-    with pytest.raises(StateError):
-        if dest is None:
-            ctx.state_set_data(blob)
-        else:
-            ctx.state_seq_set_data(blob, dest)
-    assert_same_ctx(before, ctx_snapshot(ctx))
-    assert ctx.memory.get_has_shift()  # the pending K-shift is still pending
+def test_every_refusal_of_the_flags_changes_nothing(flavour):
+    for name, blob, dest, flags, message in flag_refusals(flavour):
+        ctx = make_iswa(flavour, "1:1", 4, n_seq_max=2)
+        decode_seq(ctx, [7, 7, 1, 2, 3, 4, 5, 6, 8], seq=0)
+        decode_seq(ctx, [2] * 200, seq=1)
+        before = ctx.state_get_data()
+        with pytest.raises(StateError, match=message):
+            ctx.state_seq_set_data_ext(blob, dest, flags)
+        assert ctx.state_get_data() == before, name
 
 
 @every_flavour
-@deep()
-@given(arch=st.sampled_from(ARCHS), seqs=st.lists(seq_tokens, min_size=1, max_size=N_SEQ),
-       use_file=st.booleans(), one=st.booleans())
-def test_mamba_state_crosses_and_continues(flavour, arch, seqs, use_file, one):
-    """The recurrent memory's state rows: whole memory or one sequence (restored under
-    another id), bytes or file, into every Context of the dtype; the decode goes on."""
-    a = make_mamba(flavour, arch, n_seq_max=N_SEQ + 1)
-    fill(a, seqs, [])
-    dest = N_SEQ if one else 0
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "state.bin"
-        if use_file and one:
-            a.state_seq_save_file(path, 0, [1, 2])
-        elif use_file:
-            a.state_save_file(path, [1, 2])
-        blob = a.state_seq_get_data(0) if one else a.state_get_data()
-        restored = []
-        for f in same_dtype(flavour):
-            b = make_mamba(f, arch, n_seq_max=N_SEQ + 1)
-            fill(b, [[9, 8], [7]], [])  # replaced (whole) or kept (one sequence)
-            if use_file:
-                got = b.state_seq_load_file(path, dest) if one else b.state_load_file(path)
-                assert got.tolist() == [1, 2]
-            elif one:
-                assert b.state_seq_set_data(blob, dest) == len(blob)
-            else:
-                assert b.state_set_data(blob) == len(blob)
-                assert b.state_get_data() == blob  # the rows came back bit for bit
-                for i in (0, -1):  # the restored rows, on the device too
-                    np.testing.assert_array_equal(logits_ith(b, i), a.get_logits_ith(i))
-            assert b.memory.seq_pos_max(dest) == a.memory.seq_pos_max(0)
-            if one:
-                assert b.memory.seq_pos_max(1) == 0  # the other sequences are still there
-            restored.append((f, b))
-    assert a.decode(Batch(token=[4, 5], seq_id=[[0], [0]], logits=[True, True])) == 0
-    for f, b in restored:
-        assert b.decode(Batch(token=[4, 5], seq_id=[[dest], [dest]], logits=[True, True])) == 0
-        assert_between(flavour, f, a.get_logits(), b.get_logits())
-
-
-@every_flavour
-@pytest.mark.parametrize("arch", ARCHS)
-def test_mamba_refused_blob_leaves_the_rows_bit_identical(flavour, arch):
-    src = make_mamba(flavour, arch)
-    fill(src, [[1, 2, 3], [4]], [])
-    whole, seq = src.state_get_data(), src.state_seq_get_data(0)
-    other = state_ctx(flavour)  # a Llama context's blob
-    fill(other, [[1, 2]], [])
-    ctx = make_mamba(flavour, arch)
-    fill(ctx, [[5, 6, 7, 8], [9]], [])
-    before = ctx_snapshot(ctx)
-    for blob, dest in ((whole[:-1], None), (seq[: len(seq) // 2], 2), (other.state_get_data(),
-                       None), (other.state_seq_get_data(0), 2)):
-        with pytest.raises(StateError):
-            if dest is None:
-                ctx.state_set_data(blob)
-            else:
-                ctx.state_seq_set_data(blob, dest)
-        assert_same_ctx(before, ctx_snapshot(ctx))
+def test_a_refused_swa_part_leaves_the_restored_base_untouched(flavour):
+    """The base part fits, the SWA part does not: nothing is written (llama.cpp restores the
+    base before it finds the SWA part has no room)."""
+    src = make_iswa(flavour, "1:1", 4, n_seq_max=3)
+    decode_seq(src, list(range(1, 10)))
+    blob = src.state_seq_get_data_ext(0, NONE)
+    hp, w = iswa_model("1:1", 4, flavour.dtype)
+    ctx = flavour.make(hp, w, n_ctx=512, n_batch=512, n_ubatch=8, n_seq_max=3,
+                       swa_full=False)  # base 512 cells, SWA 256
+    decode_seq(ctx, np.random.default_rng(7).integers(0, N_VOCAB, 253).tolist(), seq=1)
+    ctx.memory.seq_cp(1, 2, -1, -1)  # shared cells: the SWA cache cannot reuse its 253
+    before = ctx.state_get_data()
+    assert ctx.memory.kv_base.get_size() - ctx.memory.kv_base.v_cells[0].get_used() >= 9
+    with pytest.raises(StateError, match="does not fit"):
+        ctx.state_seq_set_data_ext(blob, 0, NONE)
+    assert ctx.state_get_data() == before
+    assert isinstance(ctx.memory, KVCacheISWA)
 
 
 # ---------------------------------------------------------------------------------------------

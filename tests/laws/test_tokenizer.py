@@ -2,9 +2,9 @@
 
 - ``../shared/fixtures/llama.cpp-vocab``: llama.cpp's ``test-tokenizer-0`` cases (SPM and
   GPT-2 BPE), ids equal with ``add_special=False, parse_special=False``; SPM round-trips.
-- The Python expressions of :data:`reference.unicode.CUSTOM_SPLITS` equal a line-by-line port
-  of llama.cpp's hand-written scanners (``unicode_regex_split_custom_gpt2`` / ``_llama3`` /
-  ``_qwen2``) on random text.
+- The Python expressions of :data:`reference.tokenizer.unicode.CUSTOM_SPLITS` equal a
+  line-by-line port of llama.cpp's hand-written scanners (``unicode_regex_split_custom_gpt2``
+  / ``_llama3`` / ``_qwen2``) on random text.
 - :class:`StreamDecoder` yields exactly ``detokenize`` and never half a character.
 - Errors are :class:`TokenizerError` with a message.
 """
@@ -24,7 +24,7 @@ from reference.tokenizer import (
     clean_spaces,
     load_tokenizer,
 )
-from reference.unicode import (
+from reference.tokenizer.unicode import (
     GPT2_REGEX,
     LLAMA3_REGEX,
     QWEN2_REGEX,

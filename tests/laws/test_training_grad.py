@@ -32,33 +32,33 @@ from reference.ops import (
     ROPE_TYPE_NORM,
     add,
     build_attn_mha,
+    cross_entropy_loss,
+    cross_entropy_loss_back,
     get_rows,
+    get_rows_back,
     mul,
     mul_mat,
     rms_norm,
+    rope_back,
     rope_ext,
     scale,
     silu,
     soft_max_ext,
+    soft_max_ext_back,
     swiglu,
 )
 from reference.ops.errors import OpIndexError, OpShapeError, OpValueError
-from reference.ops.rope import rope_cache_init, rope_yarn_corr_dims
+from reference.ops.rope import RopeParams, rope_cache_init, rope_yarn_corr_dims
 from reference.testing import random_weights, reference_logits, tiny_hparams
 from reference.training.errors import TrainGraphError
 from reference.training.grad import (
     add_back,
     attn_back,
-    cross_entropy_loss,
-    cross_entropy_loss_back,
-    get_rows_back,
     mul_back,
     mul_mat_back,
     rms_norm_back,
-    rope_back,
     scale_back,
     silu_back,
-    soft_max_ext_back,
     swiglu_back,
 )
 from reference.training.llama_grad import loss_and_grads, train_forward
@@ -169,17 +169,19 @@ ROPE_CASES = [
 
 @given(seeds, st.sampled_from(range(len(ROPE_CASES))))
 def test_rope_back_is_the_inverse_rotation(seed, case):
-    kw = ROPE_CASES[case]
+    kw = dict(ROPE_CASES[case])
+    ff = kw.pop("freq_factors", None)
+    params = RopeParams(**kw)
     rng = _rng(seed)
     x = rng.standard_normal((3, 2, 4))  # (n_tokens, n_head, head_dim)
     pos = rng.integers(-5, 40, 3)
     g = rng.standard_normal(x.shape)
-    ours = rope_back(g, pos, **kw)
-    _check_fd(lambda x_: rope_ext(x_, pos, **kw), [x], 0, g, ours)
+    ours = rope_back(g, pos, params, ff)
+    _check_fd(lambda x_: rope_ext(x_, pos, params, ff), [x], 0, g, ours)
     # the transpose of a rotation by theta is the rotation by -theta, bit for bit
-    assert np.array_equal(ours, rope_ext(g, -pos, **kw))
+    assert np.array_equal(ours, rope_ext(g, -pos, params, ff))
     g32 = g.astype(np.float32)
-    assert np.array_equal(rope_back(g32, pos, **kw), rope_ext(g32, -pos, **kw))
+    assert np.array_equal(rope_back(g32, pos, params, ff), rope_ext(g32, -pos, params, ff))
 
 
 @given(seeds, st.integers(1, 3), st.integers(1, 4), st.sampled_from([1.0, 0.35]))
@@ -383,7 +385,7 @@ def test_rope_softmax_attention_loss_backwards_match_torch_autograd():
         return torch.cat([x0 * c - x1 * s, x0 * s + x1 * c, rest], dim=-1)
 
     (ref,) = _torch_grads(torch, rope_neox, [x], g, [0])
-    _close(rope_back(g, pos, n_dims=4, mode=ROPE_TYPE_NEOX), ref, TORCH_RTOL)
+    _close(rope_back(g, pos, RopeParams(n_dims=4, mode=ROPE_TYPE_NEOX)), ref, TORCH_RTOL)
     # softmax with scale and mask
     kq = rng.standard_normal((2, 3, 3))
     mask = np.triu(np.full((3, 3), -np.inf), 1)

@@ -15,17 +15,17 @@ import ctypes
 import numpy as np
 import pytest
 
-from reference.tools.batched import batched, sampler_params
+from reference.arch import hparams_from_file
 from reference.context import Context
 from reference.gguf import read_gguf, write_gguf
-from reference.hparams import hparams_from_file
 from reference.model_loader import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
 from reference.sampling import SamplerChain
 from reference.tokenizer import load_tokenizer
+from reference.tools.batched import batched, sampler_params
 
 llama_cpp = pytest.importorskip("llama_cpp")
-from tests.support.llamacpp_lowlevel import LlamaCppContext  # noqa: E402
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
 
 PROMPT = "Hello my name is"
 N_PREDICT, N_PARALLEL = 20, 3

@@ -1,7 +1,7 @@
 """The iSWA memory against llama.cpp's own (low-level API): tiny random float32 Gemma models.
 
 The scripted scenarios of :mod:`tests.support.scenarios` run on
-:class:`tests.support.llamacpp_lowlevel.LlamaCppContext` and on :class:`reference.context.Context` with a
+:class:`llamaref.llamacpp.LlamaCppContext` and on :class:`reference.context.Context` with a
 Gemma 2 (SWA and full layers 1:1) or Gemma 3 (5:1, another RoPE base on the SWA layers) model
 whose window is 4: every return code, every ``seq_rm`` result, every ``(seq_pos_min,
 seq_pos_max)`` after every step and the logits of every decode (NMSE <= 1e-6) agree. With
@@ -43,7 +43,7 @@ from tests.support.tiny_models import nmse
 
 pytest.importorskip("llama_cpp")
 
-from tests.support.llamacpp_lowlevel import LlamaCppContext  # noqa: E402
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
 
 MAX_NMSE = 1e-6
 N_SWA = 4

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
+from reference.arch import llama_metadata
 from reference.gguf import write_gguf
-from reference.hparams import llama_metadata
 from reference.model_loader import load_model
 from reference.quants import QuantizedTensor
 from reference.training.lora import (

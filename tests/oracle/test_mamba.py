@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from reference.arch import hparams_from_file
 from reference.gguf import read_gguf
 from reference.hf import HFLoadError, hparams_from_hf, load_hf
-from reference.hparams import hparams_from_file
 from tests.support.tiny_models import (
     llamacpp_logits,
     mamba_reference_logits,

@@ -1,9 +1,10 @@
 """Mamba and Mamba-2 with the recurrent memory, through our Context and llama.cpp's.
 
-The tiny random models of :data:`tests.support.scenarios.MAMBA_MODELS` are written as float32 GGUF and
-run by llama.cpp (:class:`tests.support.llamacpp_lowlevel.LlamaCppContext`, ``n_seq_max = 3``, so three
+The tiny random models of :data:`tests.support.scenarios.MAMBA_MODELS` are written as float32
+GGUF and run by llama.cpp (:class:`llamaref.llamacpp.LlamaCppContext`, ``n_seq_max = 3``, so three
 recurrent cells) and by :class:`reference.context.Context` on the same file. Each scenario of
-:func:`tests.support.scenarios.mamba_scenarios` (three sequences interleaved in one batch for several
+:func:`tests.support.scenarios.mamba_scenarios` (three sequences interleaved in one batch for
+several
 ``n_ubatch``, then their continuations; ``seq_cp`` and divergence; ``seq_rm`` of a whole
 sequence and a refused partial ``seq_rm``; coupled sequences (return code 1); invalid batches
 (-1); ``clear``) must give the same return codes, ``seq_rm`` results and position ranges, and
@@ -34,7 +35,7 @@ from tests.support.tiny_models import nmse, write_tiny_mamba_gguf
 
 pytest.importorskip("llama_cpp")
 
-from tests.support.llamacpp_lowlevel import LlamaCppContext  # noqa: E402
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -109,7 +110,7 @@ def test_llamacpp_scenarios_show_the_recurrent_rules(llamacpp, model):
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("n_ubatch", [256, 2, 1])
 def test_llamacpp_each_sequence_equals_it_decoded_alone(llamacpp, ggufs, model, n_ubatch):
-    """llama.cpp's own law, which the reference is held to in test_context_mamba.py."""
+    """llama.cpp's own law, which the reference is held to in tests/laws/test_decode.py."""
     from tests.support.scenarios import A2, B2, C2
 
     obs = llamacpp(f"{model}_multi_seq_ub{n_ubatch}")

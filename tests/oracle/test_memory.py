@@ -3,7 +3,7 @@
 Two groups of tests:
 
 1. **llama.cpp's self-consistency** (always run): the scripted scenarios of
-   :mod:`tests.support.scenarios` run on :class:`tests.support.llamacpp_lowlevel.LlamaCppContext` and must show
+   :mod:`tests.support.scenarios` run on :class:`llamaref.llamacpp.LlamaCppContext` and must show
    the laws the reference is held to, on llama.cpp itself: interleaved multi-sequence batches
    and small ``n_ubatch`` give each sequence's logits decoded alone, ``seq_cp`` branches equal
    independent decodes, ``seq_add`` / context shift equal a fresh decode at the shifted
@@ -34,7 +34,7 @@ from tests.support.tiny_models import nmse, write_tiny_gguf
 
 pytest.importorskip("llama_cpp")
 
-from tests.support.llamacpp_lowlevel import LlamaCppContext  # noqa: E402
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
 
 MAX_NMSE = 1e-6
 

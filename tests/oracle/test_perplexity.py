@@ -23,10 +23,13 @@ import subprocess
 import numpy as np
 import pytest
 
+from reference.arch import hparams_from_file
 from reference.context import Context
 from reference.gguf import read_gguf, write_gguf
-from reference.hparams import hparams_from_file
 from reference.model_loader import ModelLoadError, default_model_path
+from reference.quants import QuantizedTensor
+from reference.testing import random_weights, tiny_hparams, write_tiny_gguf
+from reference.tokenizer import load_tokenizer
 from reference.tools.perplexity import (
     KLDStats,
     context_params,
@@ -34,12 +37,9 @@ from reference.tools.perplexity import (
     perplexity,
     quantize_log_probs,
 )
-from reference.quants import QuantizedTensor
-from reference.testing import random_weights, tiny_hparams, write_tiny_gguf
-from reference.tokenizer import load_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
-from tests.support.llamacpp_lowlevel import LlamaCppContext  # noqa: E402
+from llamaref.llamacpp import LlamaCppContext  # noqa: E402
 
 N_CTX, N_CHUNKS = 128, 3
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from reference.arch import hparams_from_file
 from reference.gguf import read_gguf, write_gguf
-from reference.hparams import hparams_from_file
 from reference.model_loader import ModelLoadError, default_model_path
 from reference.quants import QuantizedTensor
 from tests.support.tiny_models import llamacpp_logits, nmse, reference_logits

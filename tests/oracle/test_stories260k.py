@@ -14,8 +14,8 @@ import re
 
 import pytest
 
+from reference.arch import hparams_from_file
 from reference.gguf import read_gguf
-from reference.hparams import hparams_from_file
 from reference.models.llama import greedy
 
 BOS = 1

@@ -35,7 +35,7 @@ class LlamaCppVocab:
     def __init__(self, path):
         import llama_cpp
 
-        from tests.support.llamacpp_lowlevel import silence_llama_log
+        from llamaref.llamacpp import silence_llama_log
 
         silence_llama_log()
         self.lib = llama_cpp

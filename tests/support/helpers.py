@@ -1,7 +1,9 @@
-"""What the law files share: the Context flavours, the laws' tiny models, snapshots, verdicts.
+"""What the law files share: the Context flavours, the models, snapshots, verdicts.
 
-A law is written once and runs on every **flavour** of the Context, one pytest case each
-(``@every_flavour``):
+A law is written once and runs on every **flavour** of the Context (``@every_flavour``) and
+on every **model** that has what it needs (``@for_models(...)``), one pytest case each
+(``test_law[mlx-iswa]``), the way llama.cpp's test-backend-ops runs a case on every backend
+whose ``supports_op`` says yes:
 
 | flavour | Context | dtype | a law's verdict (two results of this flavour) |
 |---|---|---|---|
@@ -9,34 +11,49 @@ A law is written once and runs on every **flavour** of the Context, one pytest c
 | ``ref-f32`` | ``reference.context.Context`` | float32 | NMSE <= ``MAX_NMSE_SELF_F32`` = 1e-10 |
 | ``mlx`` | ``accelerated.context.Context`` | float32 | NMSE <= ``MAX_NMSE_SELF_F32`` = 1e-10 |
 
+| model | memory | capabilities |
+|---|---|---|
+| ``llama`` | ``KVCache`` | cells, partial ``seq_rm``, K-shift, streams, embeddings |
+| ``iswa`` | ``KVCacheISWA`` (window on some layers) | the same, and SWA |
+| ``mamba``, ``mamba2`` | ``RecurrentMemory`` | recurrent |
+
 A twin flavour names the reference flavour it is held to (``mlx`` -> ``ref-f32``): where a
 law decodes a scenario on the twin, :func:`assert_twins_agree` decodes it on the reference
 too and the two agree to NMSE <= ``MAX_NMSE_TWIN`` (1e-6, float32 end to end).
 
-The laws' models: a tiny Llama (:func:`make`, :func:`alone`, :func:`fresh_cache`) and tiny
-Mamba / Mamba-2 (:func:`make_mamba`, :func:`mamba_alone`), with seeded weights drawn in the
-flavour's dtype. :func:`snapshot` / :func:`assert_same`: everything a failed operation must
-not change, bit for bit, on either twin. :func:`deep`: the hypothesis settings of the
+A model lacking a capability a law needs gets no case: it is left out when the
+parametrization is built, not skipped when the case runs (CI counts a skip as a failure,
+``tests/conftest.py``); :func:`for_models` names the capabilities in the law's source.
+
+The models' tiny weights are seeded and drawn in the flavour's dtype: a tiny Llama
+(:func:`make`, :func:`alone`, :func:`fresh_cache`), the same with a window on some layers
+(:func:`iswa_model`), tiny Mamba / Mamba-2 (:func:`make_mamba`, :func:`mamba_alone`).
+:func:`snapshot` / :func:`assert_same`: everything a failed operation must not change, bit
+for bit, on either twin and every memory. :func:`deep`: the hypothesis settings of the
 stateful machines and the state laws (the ``ci-deep`` profile in CI).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import settings
+from hypothesis import strategies as st
 
 from accelerated.context import Context as MLXContext
 from reference.batch import Batch
 from reference.common import MAX_NMSE_SELF_F32, MAX_NMSE_TWIN
 from reference.context import Context as RefContext
 from reference.context import context_shift
+from reference.hparams import swa_pattern
 from reference.testing import (
     mamba_reference_logits,
     nmse,
@@ -174,13 +191,17 @@ def alone(flavour: Flavour, tokens, n_layer: int = 2, pos0: int = 0) -> np.ndarr
     return ctx.get_logits().copy()  # (n_tokens, n_vocab)
 
 
-def fresh_cache(flavour: Flavour, cells: list[tuple[int, int]]):
-    """A one-layer Context whose sequence 0 holds exactly ``cells`` = (token, pos) pairs.
+def fresh_cache(flavour: Flavour, cells: list[tuple[int, int]], model=None, variant=None):
+    """A one-layer Context whose sequence 0 holds exactly ``cells`` = (token, pos) pairs: of
+    the tiny Llama, or of ``model``'s one-layer ``variant``.
 
     Decode can only append contiguous positions, so each contiguous run is decoded as
     sequence 1 (an empty sequence may start anywhere), copied to 0 and removed from 1.
     """
-    ctx = make(flavour, n_layer=1, n_seq_max=2)
+    if model is None:
+        ctx = make(flavour, n_layer=1, n_seq_max=2)
+    else:
+        ctx = model.make(flavour, variant, n_seq_max=2)
     runs: list[list[tuple[int, int]]] = []
     for c in sorted(cells, key=lambda c: c[1]):
         if runs and c[1] <= runs[-1][-1][1] + 1:
@@ -227,8 +248,10 @@ def apply_ops(ctx, ops, seq_id: int = 0) -> None:
 
 
 def seq_positions(ctx, seq_id: int) -> list[int]:
-    """The sorted positions of the cells that hold ``seq_id`` (a KV cache)."""
-    return sorted(c.pos[i] for c in ctx.memory.v_cells for i in range(c.size())
+    """The sorted positions of the cells that hold ``seq_id`` (a KV cache; of an iSWA memory,
+    its base cache, which keeps every position)."""
+    cache = kv_caches(ctx.memory)[0]
+    return sorted(c.pos[i] for c in cache.v_cells for i in range(c.size())
                   if c.seq_has(i, seq_id))
 
 
@@ -238,9 +261,9 @@ ARCHS = ("mamba", "mamba2")
 
 
 @functools.cache
-def mamba_model(arch: str, dtype: np.dtype):
+def mamba_model(arch: str, dtype: np.dtype, n_layer: int = 2):
     """The tiny Mamba / Mamba-2 of the laws (seed 3), weights drawn in ``dtype``."""
-    kw = dict(n_vocab=N_VOCAB, n_embd=16, n_layer=2, d_state=4)
+    kw = dict(n_vocab=N_VOCAB, n_embd=16, n_layer=n_layer, d_state=4)
     if arch == "mamba2":
         kw.update(head_dim=8, n_group=2)
     hp = tiny_mamba_hparams(arch, **kw)
@@ -253,16 +276,191 @@ def make_mamba(flavour: Flavour, arch: str, n_ubatch: int = 64, n_seq_max: int =
                         **kwargs)
 
 
-def mamba_alone(flavour: Flavour, arch: str, tokens) -> np.ndarray:
+def mamba_alone(flavour: Flavour, arch: str, tokens, n_layer: int = 2) -> np.ndarray:
     """Every token's logits of one sequence without a Context: the flavour's own
     ``mamba_forward`` on a ``SimpleRecurrentState``, in one ubatch."""
-    hp, w = mamba_model(arch, flavour.dtype)
+    hp, w = mamba_model(arch, flavour.dtype, n_layer)
     if flavour.package == "reference":
         return mamba_reference_logits(w, hp, tokens)  # (n_tokens, n_vocab)
     from accelerated.models.mamba import SimpleRecurrentState, mamba_forward, prepare_weights
 
     state = SimpleRecurrentState(hp, 1)
     return np.array(mamba_forward(prepare_weights(w), hp, np.asarray(tokens), state.init_batch()))
+
+
+# ---- the laws' tiny iSWA model -----------------------------------------------------------------
+
+#: (n_layer, n_pattern) of ``swa_pattern``: Gemma 2's 1:1, Gemma 3's 5:1, every layer SWA, and
+#: one SWA layer alone (a cell's K and V depend only on its token and position)
+PATTERNS = {"1:1": (2, 2), "5:1": (6, 6), "all": (2, 0), "one": (1, 0)}
+
+
+@functools.cache
+def iswa_model(pattern: str, n_swa: int, dtype: np.dtype = REF_F64.dtype):
+    """A tiny llama-arch model (seed 11) with window ``n_swa`` on the layers of ``pattern``
+    (a key of :data:`PATTERNS`), weights drawn in ``dtype``."""
+    n_layer, n_pattern = PATTERNS[pattern]
+    hp = dataclasses.replace(
+        tiny_hparams(n_vocab=N_VOCAB, n_layer=n_layer, n_swa=n_swa, n_ctx_train=4096),
+        swa_layers=swa_pattern(n_layer, n_pattern))
+    return hp, random_weights(hp, seed=11, dtype=dtype)
+
+
+# ---- the models: the architecture axis ---------------------------------------------------------
+
+#: a KV cache: a cell per token position, so a decode can find no slot (rc 1); a recurrent
+#: memory has a cell per sequence and always has room
+CELLS = "cells"
+#: ``seq_rm`` of part of a sequence returns True (a recurrent state cannot forget its last tokens)
+PARTIAL_SEQ_RM = "partial_seq_rm"
+#: ``memory.can_shift()`` and keys turned by the K-shift: ``seq_add`` / ``seq_div`` / a context
+#: shift change what attention sees (a recurrent memory can shift, but has no key to turn)
+K_SHIFT = "k_shift"
+#: ``kv_unified=False`` gives each sequence a stream of its own
+STREAMS = "streams"
+#: a sliding window on some layers (the iSWA pair): a sequence's state keeps only its window
+SWA = "swa"
+#: a recurrent state: ubatches from ``split_equal(sequential=True)``, one cell per sequence
+RECURRENT = "recurrent"
+#: decodes a batch of embeddings (``Batch(embd=...)``) as the batch of their tokens
+EMBD = "embd"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Model:
+    """One architecture a law runs on, with the capabilities of its memory.
+
+    Attributes:
+        name: the pytest id (``llama``, ``iswa``, ``mamba``, ``mamba2``).
+        build: ``(variant, dtype) -> (hparams, weights)``, seeded, cached.
+        variants: the hyperparameters a law's hypothesis draws (:meth:`draw`; the iSWA
+            pattern and window); the first is the one a law without hypothesis gets.
+        capabilities: what the memory can do (:data:`CELLS`, :data:`PARTIAL_SEQ_RM`, ...).
+        memory: the class name of the memory the Context builds for the model.
+        sizes: the Context's sizes unless a law says otherwise (``n_ctx`` per stream).
+        one_layer: the variants with one layer, where a cell's K and V depend only on its
+            token and position (the K-shift laws compare against a fresh cache).
+        other: a variant of the same architecture whose state blobs the model refuses.
+        n_prompt: ``(min, max)`` tokens of every prompt (the iSWA's: longer than the window),
+            or None: what each law asks.
+        forward: the logits of one sequence without a Context, or None: one batch on a
+            fresh Context (:meth:`alone`).
+    """
+
+    name: str
+    build: Callable[[Any, np.dtype], tuple]
+    variants: tuple
+    capabilities: frozenset[str]
+    memory: str
+    sizes: dict = field(default_factory=dict)
+    one_layer: tuple = ()
+    other: Any = None
+    n_prompt: tuple[int, int] | None = None
+    forward: Callable | None = None
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:  # what hypothesis prints for a falsifying example
+        return f"Model({self.name!r})"
+
+    def has(self, *capabilities: str) -> bool:
+        """Whether the model has every one of ``capabilities``."""
+        return set(capabilities) <= self.capabilities
+
+    def weights(self, dtype: np.dtype, variant=None) -> tuple:
+        """``(hparams, weights)`` of ``variant`` (default: the first), weights in ``dtype``."""
+        return self.build(self.variants[0] if variant is None else variant, np.dtype(dtype))
+
+    def make(self, flavour: Flavour, variant=None, **kwargs):
+        """A Context of ``flavour`` for ``variant``: :attr:`sizes` unless told, ``n_ctx``
+        cells per stream (one stream, or one per sequence with ``kv_unified=False``)."""
+        hp, w = self.weights(flavour.dtype, variant)
+        kwargs = dict(self.sizes, **kwargs)
+        if kwargs.get("kv_unified") is False:
+            kwargs["n_ctx"] = kwargs["n_ctx"] * kwargs.get("n_seq_max", 1)
+        return flavour.make(hp, w, **kwargs)
+
+    def alone(self, flavour: Flavour, tokens, variant=None) -> np.ndarray:
+        """The logits of every token of one sequence decoded alone, from position 0: the
+        flavour's forward without a Context (:attr:`forward`), else one batch on a fresh
+        Context."""
+        if self.forward is not None:
+            return self.forward(self, flavour, variant, tokens)  # (n_tokens, n_vocab)
+        return decode_seq(self.make(flavour, variant), tokens)  # (n_tokens, n_vocab)
+
+    def draw(self, data, one_layer: bool = False):
+        """A variant drawn by hypothesis (``data = st.data()``); no draw if there is one."""
+        pool = self.one_layer if one_layer else self.variants
+        if len(pool) == 1:
+            return pool[0]
+        return data.draw(st.sampled_from(pool), label=f"{self} variant")
+
+    def prompt_st(self, min_size: int = 1, max_size: int = 6):
+        """A strategy for a prompt: ``min_size..max_size`` token ids, or :attr:`n_prompt`."""
+        lo, hi = self.n_prompt or (min_size, max_size)
+        return st.lists(st.integers(0, N_VOCAB - 1), min_size=lo, max_size=hi)
+
+
+def _mamba_build(arch: str) -> Callable[[int, np.dtype], tuple]:
+    """The ``build`` of :func:`mamba_model` for ``arch``: variants are ``n_layer``."""
+    return lambda n_layer, dtype: mamba_model(arch, dtype, n_layer)
+
+
+def _mamba_forward(model: Model, flavour: Flavour, variant, tokens) -> np.ndarray:
+    n_layer = model.variants[0] if variant is None else variant
+    return mamba_alone(flavour, model.name, tokens, n_layer)
+
+
+_LLAMA_SIZES = dict(n_ctx=256, n_batch=256, n_ubatch=256)
+_KV = frozenset({CELLS, PARTIAL_SEQ_RM, K_SHIFT, STREAMS, EMBD})
+
+LLAMA = Model("llama", llama_model, variants=(2,), capabilities=_KV, memory="KVCache",
+              sizes=_LLAMA_SIZES, one_layer=(1,), other=1)
+ISWA = Model(
+    "iswa", lambda v, dtype: iswa_model(*v, dtype),
+    variants=tuple((p, n) for p in ("1:1", "5:1", "all") for n in range(4, 9)),
+    capabilities=_KV | {SWA}, memory="KVCacheISWA", sizes=_LLAMA_SIZES,
+    one_layer=tuple(("one", n) for n in range(4, 9)), other=("1:1", 5), n_prompt=(9, 14))
+MAMBA, MAMBA2 = (
+    Model(arch, _mamba_build(arch), variants=(2,), capabilities=frozenset({RECURRENT}),
+          memory="RecurrentMemory", sizes=dict(n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=3),
+          other=1, forward=_mamba_forward)
+    for arch in ARCHS)
+MODELS = (LLAMA, ISWA, MAMBA, MAMBA2)
+
+
+def for_models(*needs: str, lacking: tuple[str, ...] = ()):
+    """Parametrize a law over the models that have every capability of ``needs`` and none of
+    ``lacking``, one case each (works under ``@given``). The others get no case at all: the
+    capability is checked here, when the cases are built, the way test-backend-ops asks
+    ``supports_op`` before it builds a case, not by a skip when the case runs.
+
+    >>> [m.name for m in for_models(K_SHIFT).args[1]]
+    ['llama', 'iswa']
+    >>> [m.name for m in for_models(lacking=(PARTIAL_SEQ_RM,)).args[1]]
+    ['mamba', 'mamba2']
+    """
+    return pytest.mark.parametrize("model", _models(needs, lacking), ids=str)
+
+
+def for_layouts(*needs: str, lacking: tuple[str, ...] = ()):
+    """As :func:`for_models`, over ``(model, kv_unified)``: one unified stream for every
+    model, and one stream per sequence for the models with :data:`STREAMS`.
+
+    >>> [f"{m}-{u}" for m, u in for_layouts(K_SHIFT).args[1]]
+    ['llama-True', 'llama-False', 'iswa-True', 'iswa-False']
+    """
+    cases = [(m, u) for m in _models(needs, lacking)
+             for u in ((True, False) if m.has(STREAMS) else (True,))]
+    return pytest.mark.parametrize(("model", "kv_unified"), cases,
+                                   ids=[f"{m}-{'unified' if u else 'streams'}" for m, u in cases])
+
+
+def _models(needs, lacking) -> list[Model]:
+    models = [m for m in MODELS if m.has(*needs) and not set(lacking) & m.capabilities]
+    assert models, f"no model has {needs} without {lacking}"
+    return models
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -306,13 +504,34 @@ def rows_of(logits: np.ndarray, seq_id: list[list[int]], s: int) -> np.ndarray:
 # ---- snapshots ---------------------------------------------------------------------------------
 
 
+def kv_caches(mem) -> list:
+    """The KV caches of a memory: the cache itself, the iSWA pair's base and SWA caches (in
+    that order), none for a recurrent memory."""
+    if hasattr(mem, "caches"):
+        return list(mem.caches())
+    return [mem] if hasattr(mem, "v_cells") else []
+
+
+def pending_shift(mem) -> bool:
+    """Whether some cache of the memory has a K-shift to apply at the next update."""
+    return any(cache.get_has_shift() for cache in kv_caches(mem))
+
+
+def _cache_cells(cache):
+    return ([(list(c.pos), [c.seq_get_all(i) for i in range(c.size())], list(c.shift))
+             for c in cache.v_cells], list(cache.v_heads))
+
+
 def cells_of(ctx):
     """The bookkeeping of the memory: a KV cache's cells (positions, sequence sets, pending
-    shifts) and heads of every stream, or a recurrent memory's cells and counters."""
+    shifts) and heads of every stream (for an iSWA memory, of both caches), or a recurrent
+    memory's cells and counters."""
     mem = ctx.memory
-    if hasattr(mem, "v_cells"):  # a KV cache
-        return ([(list(c.pos), [c.seq_get_all(i) for i in range(c.size())], list(c.shift))
-                 for c in mem.v_cells], list(mem.v_heads))
+    caches = kv_caches(mem)
+    if len(caches) == 1:
+        return _cache_cells(caches[0])
+    if caches:
+        return tuple(_cache_cells(c) for c in caches)
     return copy.deepcopy(mem.cells), mem.used, mem.head
 
 
@@ -320,7 +539,11 @@ def snapshot(ctx):
     """Everything a failed decode, memory op or restore must not change, tensors brought back
     as NumPy: the cells (:func:`cells_of`), K/V (or the state rows), the outputs."""
     mem = ctx.memory
-    tensors = [*mem.k_l, *mem.v_l] if hasattr(mem, "v_cells") else [*mem.r_l, *mem.s_l]
+    caches = kv_caches(mem)
+    if caches:
+        tensors = [t for c in caches for t in (*c.k_l, *c.v_l)]
+    else:
+        tensors = [*mem.r_l, *mem.s_l]
     outputs = [ctx.get_logits(), ctx._output_ids]
     return cells_of(ctx), [np.array(t, copy=True) for t in tensors + outputs]
 

@@ -5,7 +5,7 @@ A :class:`Scenario` is a tiny model name, the context parameters and a list of s
 :class:`SeqAdd`, :class:`SeqDiv`, :class:`Clear`) and :class:`ContextShift` (llama.cpp's
 "drop ``n_discard`` tokens after ``n_keep``, shift the rest back" built on ``seq_rm`` +
 ``seq_add``). :func:`run` plays the steps on any context with our Context's method names
-(:class:`tests.support.llamacpp_lowlevel.LlamaCppContext` or :class:`reference.context.Context`) and
+(:class:`llamaref.llamacpp.LlamaCppContext` or :class:`reference.context.Context`) and
 returns one :class:`Observation` per step: the return code and the output logits of a decode,
 the bool of ``seq_rm``, and after every step ``(seq_pos_min, seq_pos_max)`` of each sequence.
 
@@ -13,7 +13,7 @@ Two runs agree (:func:`compare_observations`) when every return code, every ``se
 and every position range is equal and the logits of each decode have NMSE <= 1e-6.
 
 Context sizes are chosen so that llama.cpp's padding changes nothing: ``n_ctx`` per stream
-is a multiple of 256 (llama.cpp pads ``n_ctx`` to 256, see :mod:`tests.support.llamacpp_lowlevel`)
+is a multiple of 256 (llama.cpp pads ``n_ctx`` to 256, see :mod:`llamaref.llamacpp`)
 and ``n_batch <= n_ctx``.
 
 Scenarios on the one-layer model (``"one_layer"``) are those whose expected logits come from a
@@ -167,7 +167,7 @@ class Observation:
 
 def _batch_for(ctx, step: Decode):
     """The step itself for llama.cpp (duck-typed fields); a ``reference.batch.Batch`` else."""
-    from tests.support.llamacpp_lowlevel import LlamaCppContext
+    from llamaref.llamacpp import LlamaCppContext
 
     if isinstance(ctx, LlamaCppContext):
         return step

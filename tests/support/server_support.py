@@ -1,5 +1,6 @@
-"""What the server tests share: a tiny random model with SmolLM2's tokenizer, engines on
-both twins, greedy references, and a live server on a free localhost port."""
+"""What the server tests share: a tiny random model with SmolLM2's tokenizer, schedulers on
+both twins (and engines, their runtime), greedy references, and a live server on a free
+localhost port."""
 
 from __future__ import annotations
 
@@ -15,15 +16,12 @@ from accelerated.sampling import SamplerChain as MLXSamplerChain
 from llamaref.backends import make_context as backend_context
 from llamaref.backends import prepare_weights
 from llamaref.server.app import ServerState, build_app, start_engine
+from llamaref.server.engine import Engine
 from reference.batch import Batch
 from reference.context import Context
-from reference.tools.generate import Generator
 from reference.hparams import swa_pattern
 from reference.model_loader import default_model_path
 from reference.sampling import SamplerChain, SamplerParams
-from reference.tools.server.engine import Engine, EngineConfig
-from reference.tools.server.params import SlotParams
-from reference.tools.server.spans import user_delimiter
 from reference.testing import (
     random_gemma_weights,
     random_mamba_weights,
@@ -33,6 +31,10 @@ from reference.testing import (
     tiny_mamba_hparams,
 )
 from reference.tokenizer import Tokenizer
+from reference.tools.generate import Generator
+from reference.tools.server.params import SlotParams
+from reference.tools.server.scheduler import Scheduler, SchedulerConfig, StepReport
+from reference.tools.server.spans import user_delimiter
 
 N_VOCAB = 49152  # SmolLM2's vocabulary: the tiny models speak its tokens
 
@@ -85,13 +87,22 @@ def sampler_factory(backend: str):
     return make
 
 
-def make_engine(backend: str = "reference", kind: str = "llama", n_slots: int = 4,
-                n_ctx: int = 1024, kv_unified: bool = True, n_batch: int = 64,
-                n_ubatch: int = 32, swa_full: bool = False, **config) -> Engine:
+def make_scheduler(backend: str = "reference", kind: str = "llama", n_slots: int = 4,
+                   n_ctx: int = 1024, kv_unified: bool = True, n_batch: int = 64,
+                   n_ubatch: int = 32, swa_full: bool = False, clock=None,
+                   **config) -> Scheduler:
+    """A scheduler on a fresh Context; ``config``: more ``SchedulerConfig`` fields;
+    ``clock``: the scheduler's clock (None: ``time.perf_counter``)."""
     ctx = make_context(backend, kind, n_ctx=n_ctx, n_seq_max=n_slots, kv_unified=kv_unified,
                        n_batch=n_batch, n_ubatch=n_ubatch, swa_full=swa_full)
-    return Engine(ctx, tokenizer(), sampler_factory(backend),
-                  EngineConfig(n_slots=n_slots, swa_full=swa_full, **config))
+    return Scheduler(ctx, tokenizer(), sampler_factory(backend),
+                     SchedulerConfig(n_slots=n_slots, swa_full=swa_full, **config),
+                     clock=clock or time.perf_counter)
+
+
+def make_engine(*args, max_queue: int = 1024, **kw) -> Engine:
+    """The runtime around ``make_scheduler(*args, **kw)`` (no thread started)."""
+    return Engine(make_scheduler(*args, **kw), max_queue=max_queue)
 
 
 def greedy(n_predict: int, **kw) -> SlotParams:
@@ -120,13 +131,16 @@ def decode_all(ctx, tokens: list[int], seq: int = 0) -> np.ndarray:
     return np.asarray(ctx.get_logits_ith(0))
 
 
-def run_engine(engine: Engine, tasks, max_steps: int = 100_000) -> None:
+def run_scheduler(sched: Scheduler, tasks, max_steps: int = 100_000) -> list[StepReport]:
+    """Add ``tasks``, then step until the scheduler has nothing to do; the steps' reports."""
     for t in tasks:
-        engine.submit(t)
+        sched.add_task(t)
+    reports = []
     for _ in range(max_steps):
-        if not engine.step():
-            return
-    raise AssertionError("the engine did not finish")
+        reports.append(sched.step())
+        if not reports[-1].busy:
+            return reports
+    raise AssertionError("the scheduler did not finish")
 
 
 class LiveServer:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from reference.sampling import SamplerChain
 from reference.tools.batched import BatchedError, batched, n_kv_required, sampler_params
 from reference.tools.generate import Generator
-from reference.sampling import SamplerChain
 from tests.support.helpers import ARCHS, FLAVOURS, MLX, REF_F64, every_flavour, make, make_mamba
 
 PROMPT = [1, 5, 9, 2, 17]

@@ -45,8 +45,8 @@ class Greedy:
 
 def tiny_smol_gguf(path, n_layer=1):
     """A tiny random llama (n_embd 32) with SmolLM2's vocabulary, tokenizer and template."""
+    from reference.arch import llama_metadata
     from reference.gguf import read_gguf, write_gguf
-    from reference.hparams import llama_metadata
 
     smol = read_gguf(smollm2_path())
     vocab = {k: v for k, v in smol.metadata.items() if k.startswith("tokenizer.")}

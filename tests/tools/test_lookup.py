@@ -13,6 +13,7 @@ import struct
 import pytest
 
 from llamaref.cli import main
+from reference.testing import random_weights, tiny_hparams, write_tiny_gguf
 from reference.tools.lookup import (
     Lookup,
     NgramCacheError,
@@ -25,7 +26,6 @@ from reference.tools.lookup import (
     try_draft,
     try_draft_static,
 )
-from reference.testing import random_weights, tiny_hparams, write_tiny_gguf
 from tests.support.helpers import FLAVOURS, MLX, REF_F32, mamba_model
 from tests.tools.test_speculative import GREEDY, plain_greedy, target
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from reference.sampling import SamplerChain
 from reference.tools.batched import sampler_params
 from reference.tools.generate import Generator
 from reference.tools.parallel import (
@@ -26,7 +27,6 @@ from reference.tools.parallel import (
     Request,
     make_requests,
 )
-from reference.sampling import SamplerChain
 from tests.support.helpers import ARCHS, FLAVOURS, REF_F64, every_flavour, make, make_mamba
 
 

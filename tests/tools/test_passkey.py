@@ -15,6 +15,7 @@ import pytest
 
 from llamaref.cli import main
 from reference.context import Context
+from reference.tokenizer import load_tokenizer
 from reference.tools.passkey import (
     JUNK,
     PROMPT_PREFIX,
@@ -27,7 +28,7 @@ from reference.tools.passkey import (
     passkey_prompt,
     run_passkey,
 )
-from reference.tokenizer import load_tokenizer
+from tests.oracle.test_smollm2 import smollm2_path
 from tests.support.helpers import (
     REF_F32,
     assert_twins_agree,
@@ -37,9 +38,8 @@ from tests.support.helpers import (
     make,
     make_mamba,
 )
-from tests.tools.test_generate import cached_tokenizers  # noqa: F401  (an autouse fixture)
-from tests.oracle.test_smollm2 import smollm2_path
 from tests.support.tiny_models import random_weights, tiny_hparams
+from tests.tools.test_generate import cached_tokenizers  # noqa: F401  (an autouse fixture)
 
 
 def test_rand_key_and_place_are_passkey_cpp():
@@ -102,8 +102,8 @@ def test_long_prompt_is_shifted_in_as_passkey_cpp_does():
 
 def tiny_smol_gguf(path, n_ctx_train: int):
     """A tiny random llama with SmolLM2's vocabulary and a short trained context."""
+    from reference.arch import llama_metadata
     from reference.gguf import read_gguf, write_gguf
-    from reference.hparams import llama_metadata
 
     smol = read_gguf(smollm2_path())
     vocab = {k: v for k, v in smol.metadata.items() if k.startswith("tokenizer.")}

@@ -1,6 +1,7 @@
 """Perplexity and KL divergence (``reference.tools.perplexity``) on tiny models: the procedure
-against a brute-force statement of it, the base file's layout and round trip, the MLX twin,
-the CLI, and every bad input (a typed error, nothing written).
+against a brute-force statement of it, the base file's bytes and their round trip, the MLX
+twin, and every bad input (a typed error, nothing written). The base file by path, the console
+lines and the command: ``tests/app/test_perplexity.py``.
 
 The brute force decodes every chunk alone with ``reference.testing.reference_logits`` (the
 simple cache, no Context, no batching) and scores it with a float64 log-softmax: what the
@@ -9,27 +10,30 @@ procedure must equal however the chunks are batched.
 
 from __future__ import annotations
 
-import os
+import io
 
 import numpy as np
 import pytest
 
 from reference.common import MAX_NMSE_TWIN, LlamarefError
 from reference.context import Context
+from reference.testing import nmse, random_weights, reference_logits, tiny_hparams
 from reference.tools.perplexity import (
+    LOGITS_HEADER_SIZE,
     LOGITS_MAGIC,
+    LogitsFile,
     LogitsFileError,
     PerplexityError,
     context_params,
+    encode_logits_header,
     eval_chunks,
     kl_divergence,
     perplexity,
     plan_chunks,
     quantize_log_probs,
-    read_logits_file,
+    read_logits,
     record_len,
 )
-from reference.testing import nmse, random_weights, reference_logits, tiny_hparams
 
 BOS = 1
 N_VOCAB = 33  # odd: every record carries one uint16 of padding
@@ -107,38 +111,59 @@ def test_strided_perplexity_scores_the_last_stride_tokens_of_each_window(model, 
     assert res.ppl == pytest.approx(np.exp(want.mean()), rel=1e-5)
 
 
-def test_the_running_estimates_and_the_final_line_are_printed(model, text):
-    out, info = [], []
-    res = perplexity(make_ctx(model, 16, 32), text, 16, 32, 3, bos=BOS, out=out.append,
-                     info=info.append)
-    assert "".join(out) == "".join(f"[{i + 1}]{p:.4f}," for i, p in
-                                   enumerate(res.estimates)) + "\n"
-    assert info[-1] == f"Final estimate: PPL = {res.ppl:.4f} +/- {res.uncertainty:.5f}"
-    assert "n_ctx=16, batch_size=32, n_seq=2" in info[0]
+def test_on_chunk_sees_every_chunk_and_the_running_sums(model, text):
+    seen = []
+    res = perplexity(make_ctx(model, 16, 32), text, 16, 32, 3, bos=BOS,
+                     on_chunk=lambda i, sums: seen.append((i, sums.count, sums.ppl)))
+    assert [i for i, _, _ in seen] == [0, 1, 2]
+    assert [n for _, n, _ in seen] == [7, 14, 21]
+    assert [p for _, _, p in seen] == res.estimates
 
 
 # ---- the base file -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def base_file(model, text, tmp_path_factory):
-    path = tmp_path_factory.mktemp("kld") / "base.bin"
-    perplexity(make_ctx(model, 16, 32), text, 16, 32, bos=BOS, base_path=path)
-    return path
+def base_bytes(model, text):
+    """The base file of the text's chunks of 16, as bytes (written into a stream)."""
+    stream = io.BytesIO()
+    perplexity(make_ctx(model, 16, 32), text, 16, 32, bos=BOS, base=stream)
+    return stream.getvalue()
 
 
-def test_base_file_layout(model, text, base_file):
+def assert_base_file_layout(data: bytes, text: np.ndarray) -> None:
+    """``data`` is the base file of ``text``'s chunks of 16 over ``N_VOCAB`` tokens."""
     n_ctx, n_chunk, n_scored = 16, len(text) // 16, 16 - 1 - 8
-    data = base_file.read_bytes()
     assert data[:8] == LOGITS_MAGIC
     assert np.frombuffer(data[8:20], "<i4").tolist() == [n_ctx, N_VOCAB, n_chunk]
     tokens = np.frombuffer(data[20:20 + 4 * n_chunk * n_ctx], "<i4")
     np.testing.assert_array_equal(tokens, text[:n_chunk * n_ctx])  # BOS not substituted
     assert len(data) == 20 + 4 * n_chunk * n_ctx + 2 * n_chunk * n_scored * record_len(N_VOCAB)
-    assert not list(base_file.parent.glob(".*.tmp"))  # renamed, nothing left behind
 
 
-def test_base_file_reads_back_bit_exactly(model, text, base_file):
-    base = read_logits_file(base_file, N_VOCAB)
+def test_base_file_layout(text, base_bytes):
+    assert_base_file_layout(base_bytes, text)
+
+
+def test_the_header_encodes_and_reads_back(text):
+    head = encode_logits_header(16, N_VOCAB, 3, text)
+    assert len(head) == LOGITS_HEADER_SIZE + 4 * 3 * 16
+    records = bytes(2 * 3 * 7 * record_len(N_VOCAB))
+    base = read_logits(io.BytesIO(head + records), N_VOCAB)
+    assert (base.n_ctx, base.n_vocab, base.n_chunk, base.n_scored) == (16, N_VOCAB, 3, 7)
+    np.testing.assert_array_equal(base.tokens, text[:48])
+    assert base.expected_size() == len(head) + len(records)
+
+
+def test_records_past_the_end_of_the_stream_are_refused(text):
+    base = LogitsFile(16, N_VOCAB, 3, text[:48])
+    stream = io.BytesIO(encode_logits_header(16, N_VOCAB, 3, text))  # no records
+    with pytest.raises(LogitsFileError, match="ends inside the records of chunk 1"):
+        base.records(stream, 0)
+
+
+def test_base_file_reads_back_bit_exactly(model, text, base_bytes):
+    stream = io.BytesIO(base_bytes)
+    base = read_logits(stream, N_VOCAB)
     plan = plan_chunks(len(text), 16, 32)
     ctx = make_ctx(model, 16, 32)
     for i in range(0, base.n_chunk, plan.n_seq):
@@ -147,31 +172,32 @@ def test_base_file_reads_back_bit_exactly(model, text, base_file):
             first = plan.start(i + s) + plan.first
             want, _ = quantize_log_probs(logits[s, :plan.n_scored],
                                          text[first + 1:first + 1 + plan.n_scored])
-            np.testing.assert_array_equal(base.records(i + s), want)
-            assert (base.records(i + s)[:, -1] == 0).all()  # the padding of an odd vocabulary
+            np.testing.assert_array_equal(base.records(stream, i + s), want)
+            # the padding of an odd vocabulary
+            assert (base.records(stream, i + s)[:, -1] == 0).all()
 
 
-def test_the_same_model_against_its_own_base_file(model, base_file):
+def test_the_same_model_against_its_own_base_file(model, base_bytes):
     """KLD is 0 up to the 16-bit quantization: at most half a step, s/2 <= 8/65535 nats."""
-    base = read_logits_file(base_file, N_VOCAB)
-    out = []
-    stats = kl_divergence(make_ctx(model, 16, 32), base, 32, BOS, out=out.append)
+    stream = io.BytesIO(base_bytes)
+    base = read_logits(stream, N_VOCAB)
+    seen = []
+    stats = kl_divergence(make_ctx(model, 16, 32), base, stream, 32, BOS,
+                          on_chunk=lambda i, st: seen.append((i, st.count)))
     kld = np.concatenate(stats.kld_values)
     assert stats.count == base.n_chunk * 7 >= 100
     assert np.abs(kld).max() <= 8 / 65535 * 1.001
     assert stats.n_same_top == stats.count
     assert abs(stats.log_ppl_ratio()[0]) <= 8 / 65535
-    text = "".join(out)
-    for section in ("Perplexity statistics", "KL divergence statistics",
-                    "Token probability statistics"):
-        assert f"====== {section} ======" in text
-    assert "Same top p: 100.000 ± 0.000 %" in text
+    assert seen == [(i, 7 * (i + 1)) for i in range(base.n_chunk)]
+    assert stats.same_top() == (1.0, 0.0)
 
 
-def test_another_model_has_a_positive_kld(model, base_file):
+def test_another_model_has_a_positive_kld(model, base_bytes):
     hp, _ = model
     other = (hp, random_weights(hp, seed=5))
-    stats = kl_divergence(make_ctx(other, 16, 32), read_logits_file(base_file, N_VOCAB), 32, BOS)
+    stream = io.BytesIO(base_bytes)
+    stats = kl_divergence(make_ctx(other, 16, 32), read_logits(stream, N_VOCAB), stream, 32, BOS)
     assert stats.mean_kld()[0] > 0.1
     assert stats.n_same_top < stats.count
 
@@ -194,11 +220,18 @@ def test_twin_perplexity_matches_the_reference(model, text):
 
 # ---- bad input -----------------------------------------------------------------------------
 
-def test_a_short_text_is_refused_and_nothing_is_written(model, text, tmp_path):
-    path = tmp_path / "base.bin"
+def test_a_short_text_is_refused_and_nothing_is_written(model, text):
+    stream = io.BytesIO()
     with pytest.raises(PerplexityError, match="needs at least 64"):
-        perplexity(make_ctx(model, 32, 32), text[:63], 32, 32, base_path=path)
-    assert list(tmp_path.iterdir()) == []
+        perplexity(make_ctx(model, 32, 32), text[:63], 32, 32, base=stream)
+    assert stream.getvalue() == b""
+
+
+def test_a_base_file_needs_the_standard_mode(model, text):
+    stream = io.BytesIO()
+    with pytest.raises(PerplexityError, match="needs the standard mode"):
+        perplexity(make_ctx(model, 16, 32), text, 16, 32, ppl_stride=4, base=stream)
+    assert stream.getvalue() == b""
 
 
 def test_a_context_too_small_is_refused(model, text):
@@ -206,101 +239,44 @@ def test_a_context_too_small_is_refused(model, text):
         perplexity(make_ctx(model, 16, 16), text, 16, 32)
 
 
-def test_a_failed_decode_leaves_no_file(model, text, tmp_path):
-    class Failing(Context):
-        calls = 0
+class Failing(Context):
+    """A Context whose third decode finds no slot."""
 
-        def decode(self, batch):
-            Failing.calls += 1
-            return 1 if Failing.calls == 3 else super().decode(batch)
+    calls = 0
 
-    path = tmp_path / "base.bin"
+    def decode(self, batch):
+        Failing.calls += 1
+        return 1 if Failing.calls == 3 else super().decode(batch)
+
+
+def test_a_failed_decode_is_a_typed_error(model, text):
+    Failing.calls = 0
     with pytest.raises(PerplexityError, match="failed to decode"):
-        perplexity(make_ctx(model, 16, 16, cls=Failing), text, 16, 16, base_path=path)
-    assert list(tmp_path.iterdir()) == []
+        perplexity(make_ctx(model, 16, 16, cls=Failing), text, 16, 16, base=io.BytesIO())
 
 
-@pytest.mark.parametrize("damage, message", [
+#: ways to damage a base file, and what the refusal says
+DAMAGES = [
     (lambda d: d[:-1], "truncated"),
     (lambda d: d + b"\0\0", "truncated"),
     (lambda d: d[:20], "truncated"),
     (lambda d: b"_logitz_" + d[8:], "no _logits_ header"),
     (lambda d: d[:5], "no _logits_ header"),
     (lambda d: d[:8] + np.array([16, N_VOCAB, 0], "<i4").tobytes() + d[20:], "bad header"),
-])
-def test_a_damaged_base_file_is_refused(base_file, tmp_path, damage, message):
-    bad = tmp_path / "bad.bin"
-    bad.write_bytes(damage(base_file.read_bytes()))
+]
+
+
+@pytest.mark.parametrize("damage, message", DAMAGES)
+def test_a_damaged_base_file_is_refused(base_bytes, damage, message):
     with pytest.raises(LogitsFileError, match=message):
-        read_logits_file(bad, N_VOCAB)
+        read_logits(io.BytesIO(damage(base_bytes)), N_VOCAB)
 
 
-def test_a_base_file_of_another_vocabulary_is_refused(base_file):
+def test_a_base_file_of_another_vocabulary_is_refused(base_bytes):
     with pytest.raises(LogitsFileError, match=f"over {N_VOCAB} tokens, the model has 32"):
-        read_logits_file(base_file, 32)
+        read_logits(io.BytesIO(base_bytes), 32, "base.bin")
 
 
 def test_errors_are_typed():
     assert issubclass(LogitsFileError, PerplexityError)
     assert issubclass(PerplexityError, LlamarefError) and issubclass(PerplexityError, ValueError)
-
-
-# ---- the command ---------------------------------------------------------------------------
-
-CLI_VOCAB = 300  # every byte token: any text tokenizes
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    from reference.testing import write_tiny_gguf
-
-    hp = tiny_hparams(n_vocab=CLI_VOCAB, n_embd=16, n_ctx_train=256)
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", hp,
-                           random_weights(hp, seed=6))
-
-
-def run_cli(args, capsys):
-    from llamaref.cli import main
-
-    rc = main(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def test_cli_perplexity_and_kl_divergence(tiny_gguf, tmp_path, capsys):
-    text = tmp_path / "text.txt"
-    text.write_text("".join(chr(c) for c in np.random.default_rng(2).integers(97, 123, 300)))
-    base = tmp_path / "base.bin"
-    common = ["-m", str(tiny_gguf), "--backend", "reference"]
-    rc, out, err = run_cli(["perplexity", *common, "-f", str(text), "-c", "16", "-b", "64",
-                            "--kl-divergence-base", str(base)], capsys)
-    assert rc == 0, err
-    assert out.startswith("[1]") and out.endswith(",\n")
-    assert "Final estimate: PPL = " in err
-    assert read_logits_file(base, CLI_VOCAB).n_ctx == 16
-    rc, out, err = run_cli(["perplexity", *common, "--kl-divergence-base", str(base),
-                            "--kl-divergence"], capsys)
-    assert rc == 0, err
-    assert "KL Divergence" in out and "Mean    KLD:" in out and "Same top p: 100.000" in out
-
-
-@pytest.mark.parametrize("args, message", [
-    (["-c", "16", "--kl-divergence-base", "{base}"], "no text: give it with -f FILE"),
-    (["-f", "{text}", "-c", "0", "--kl-divergence-base", "{base}"], "requires a context > 0"),
-    (["-f", "{text}", "-c", "128", "--kl-divergence-base", "{base}"], "needs at least 256"),
-    (["--kl-divergence"], "--kl-divergence needs the base file"),
-    (["--kl-divergence", "--kl-divergence-base", "{text}"], "no _logits_ header"),
-    (["-f", "{text}", "--ppl-stride", "4", "--kl-divergence-base", "{base}"], "drop --ppl-stride"),
-    (["-f", "{text}", "-c", "16", "--ppl-stride", "16"], "--ppl-stride = 16 must be in"),
-])
-def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_gguf, tmp_path, capsys, args,
-                                                      message):
-    text = tmp_path / "text.txt"
-    text.write_text("abcdefghij" * 20)  # 201 tokens with BOS
-    base = tmp_path / "base.bin"
-    args = [a.format(text=text, base=base) for a in args]
-    rc, out, err = run_cli(["perplexity", "-m", str(tiny_gguf), "--backend", "reference",
-                            *args], capsys)
-    assert rc == 1
-    assert err.count("\n") == 1 and message in err, err
-    assert sorted(os.listdir(tmp_path)) == ["text.txt"]

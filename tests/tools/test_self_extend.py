@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 from reference.batch import Batch
 from reference.context import Context
-from reference.tools.generate import Generator
 from reference.hparams import rope_cparams
 from reference.ops import rope_ext
+from reference.ops.rope import RopeParams
+from reference.tools.generate import Generator
 from reference.tools.self_extend import (
     SelfExtendError,
     apply_group_attention,
@@ -135,8 +136,8 @@ def pairwise_attention(q, k, v, g, w_n, scale, rope):
     for i in range(n):
         d = np.array([i - j if i - j < w_n else i // g - j // g + w_n - w_n // g
                       for j in range(i + 1)])
-        qi = rope_ext(np.repeat(q[i : i + 1], i + 1, axis=0), d, **rope)  # (i + 1, n_head, d)
-        kj = rope_ext(k[: i + 1], np.zeros(i + 1, np.int64), **rope)  # (i + 1, n_head_kv, d)
+        qi = rope_ext(np.repeat(q[i : i + 1], i + 1, axis=0), d, rope)  # (i + 1, n_head, d)
+        kj = rope_ext(k[: i + 1], np.zeros(i + 1, np.int64), rope)  # (i + 1, n_head_kv, d)
         for h in range(n_head):
             s = scale * np.einsum("jd,jd->j", qi[:, h], kj[:, h // n_gqa])
             p = np.exp(s - s.max())
@@ -150,7 +151,7 @@ def test_paper_attention_is_its_pairwise_definition(g, w_n):
     q = rng.standard_normal((13, 4, 8))  # (n_tokens, n_head, d)
     k = rng.standard_normal((13, 2, 8))  # (n_tokens, n_head_kv, d): GQA
     v = rng.standard_normal((13, 2, 5))
-    rope = dict(n_dims=8, freq_base=100.0)
+    rope = RopeParams(n_dims=8, freq_base=100.0)
     got = self_extend_attention(q, k, v, np.arange(13), g, w_n, 0.3, rope)
     want = pairwise_attention(q, k, v, g, w_n, 0.3, rope)
     assert np.abs(got - want).max() < 1e-12
@@ -189,7 +190,7 @@ def test_one_layer_llamacpp_is_paper_with_growing_window(ga_n, ga_w, n):
 def test_rope_cparams_feed_the_paper_attention():
     """The forward uses the model's RoPE (not a default): a different base changes it."""
     hp, w = llama_model(1, np.dtype(np.float64))
-    assert rope_cparams(hp)["freq_base"] == hp.rope_freq_base_train
+    assert rope_cparams(hp).freq_base == hp.rope_freq_base_train
     assert math.isfinite(float(self_extend_forward(w, hp, [1, 2, 3], 2, 1).sum()))
 
 

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from reference.batch import Batch
 from reference.context import Context
+from reference.testing import random_weights, tiny_hparams
 from reference.tools.server.errors import InvalidRequest
 from reference.tools.server.prompt_cache import MIB, CacheEntry, PromptCache
-from reference.testing import random_weights, tiny_hparams
 
 HP = tiny_hparams()
 WEIGHTS = random_weights(HP)

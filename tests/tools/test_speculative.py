@@ -19,8 +19,9 @@ import pytest
 
 from reference.batch import Batch
 from reference.context import Context
-from reference.tools.generate import Generator
 from reference.sampling import Mt19937, SamplerChain, SamplerParams
+from reference.testing import random_weights, tiny_hparams
+from reference.tools.generate import Generator
 from reference.tools.speculative import (
     DraftVocabError,
     Speculative,
@@ -34,7 +35,6 @@ from reference.tools.speculative import (
     residual_llamacpp,
     verify_candidates,
 )
-from reference.testing import random_weights, tiny_hparams
 from tests.support.helpers import FLAVOURS, MLX, REF_F32, mamba_model
 
 GREEDY = SamplerParams(temp=0.0)

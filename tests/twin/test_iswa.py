@@ -1,18 +1,13 @@
-"""The iSWA memory's laws on the MLX Context, and the MLX Context against the reference on it.
+"""The MLX Context against the reference on the iSWA memory.
 
-The laws are written once, in ``tests/laws/test_kv_cache_iswa.py``, over the reference flavours;
-here the same law functions run on the MLX flavour (``tests.support.helpers.MLX``: its verdict is
-NMSE <= ``MAX_NMSE_SELF_F32`` between two MLX results), with their own strategies, on the
-same tiny ``llama``-arch models with a per-layer SWA pattern (1:1, 5:1, every layer SWA)
-and windows of 4 to 8:
-
-- batched == unbatched, token by token == prefill, ``seq_cp`` branches == independent
-  decodes, a decode with no slot in either cache changes nothing, a context shift only with
-  caches of equal size;
-
-and, twin against reference (NMSE <= ``MAX_NMSE_TWIN``): the same scenarios decoded by both,
-the small SWA cache that forgets masked cells, the K-shift with another RoPE base on the SWA
-layers, and graph reuse on == off bit for bit when the base cache holds no layer.
+The iSWA memory's laws run on every flavour, the MLX one included: those every model obeys in
+``tests/laws/test_decode.py``, ``test_memory.py`` and ``test_state.py`` (the ``iswa`` model of
+``tests/support/helpers.py``), its own in ``tests/laws/test_kv_cache_iswa.py``. Here, twin
+against reference (NMSE <= ``MAX_NMSE_TWIN``) on the same tiny ``llama``-arch models with a
+per-layer SWA pattern (1:1, 5:1, every layer SWA) and windows of 4 to 8: the same scenarios
+decoded by both, the small SWA cache that forgets masked cells, the K-shift with another RoPE
+base on the SWA layers, and graph reuse on == off bit for bit when the base cache holds no
+layer.
 """
 
 from __future__ import annotations
@@ -46,40 +41,6 @@ def assert_twin(want, got) -> None:
     assert nmse(want, got) <= MAX_NMSE_TWIN, f"NMSE {nmse(want, got):.3g}"
 
 
-# ---- the laws of tests/laws/test_kv_cache_iswa.py on the MLX flavour ------------------------------
-
-
-@few
-@given(pattern=patterns_st, n_swa=n_swa_st,
-       seqs=st.lists(tokens_st, min_size=2, max_size=3), n_ubatch=st.integers(1, 7))
-def test_batched_equals_unbatched(pattern, n_swa, seqs, n_ubatch):
-    laws.test_batched_equals_unbatched.hypothesis.inner_test(MLX, pattern, n_swa, seqs, n_ubatch)
-
-
-@few
-@given(pattern=patterns_st, n_swa=n_swa_st, tokens=tokens_st)
-def test_token_by_token_equals_prefill(pattern, n_swa, tokens):
-    laws.test_token_by_token_equals_prefill.hypothesis.inner_test(MLX, pattern, n_swa, tokens)
-
-
-@few
-@given(pattern=patterns_st, n_swa=n_swa_st, prefix=tokens_st,
-       tails=st.lists(st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6),
-                      min_size=2, max_size=3))
-def test_seq_cp_branches_equal_independent_decodes(pattern, n_swa, prefix, tails):
-    law = laws.test_seq_cp_branches_equal_independent_decodes.hypothesis.inner_test
-    law(MLX, pattern, n_swa, prefix, tails)
-
-
-@pytest.mark.parametrize("full", ["base", "swa"])
-def test_no_slot_in_either_cache_changes_nothing(full):
-    laws.test_no_slot_in_either_cache_changes_nothing(MLX, full)
-
-
-def test_context_shift_needs_equal_sizes():
-    laws.test_context_shift_needs_equal_sizes(MLX)
-
-
 # ---- the twin against the reference --------------------------------------------------------
 
 
@@ -89,7 +50,7 @@ def pair(pattern: str, n_swa: int, **kwargs):
                                                                             **kwargs)
 
 
-@pytest.mark.parametrize("pattern", sorted(laws.PATTERNS))
+@pytest.mark.parametrize("pattern", laws.LAW_PATTERNS)
 def test_the_graph_reads_the_caches_that_hold_layers(pattern):
     _, acc = pair(pattern, 4)
     parts = cache_parts(acc.memory)
@@ -146,7 +107,7 @@ def test_a_k_shift_with_its_own_swa_rope_base_equals_the_reference(pattern):
         assert_twin(ref.get_logits(), acc.get_logits())
 
 
-@pytest.mark.parametrize("pattern", sorted(laws.PATTERNS))
+@pytest.mark.parametrize("pattern", laws.LAW_PATTERNS)
 def test_reuse_on_and_off_are_bit_identical(pattern):
     hp, w = laws.iswa_model(pattern, 5, np.dtype(np.float32))
     kw = dict(n_ctx=256, n_seq_max=2, n_ubatch=3, kv_unified=False)

@@ -9,7 +9,7 @@ matmul formulations (dense transposed, the CPU default; quantized, the Metal def
 
 The *laws* (batched == unbatched, token by token == prefill, shifts, state crossings) are
 written once in the law files and run on every Context flavour, MLX included
-(``tests/laws/test_decode.py``, ``tests/laws/test_state.py``, ``tests/laws/test_context_mamba.py``);
+(``tests/laws/test_decode.py``, ``tests/laws/test_memory.py``, ``tests/laws/test_state.py``);
 the lock-step machine is ``tests/twin/test_lockstep.py``.
 """
 

@@ -1,12 +1,13 @@
 """Both twins in lock-step: the reference and the MLX Context driven by the same random steps.
 
-The laws run on every Context flavour one at a time (``tests/laws/test_decode.py``,
-``tests/laws/test_context_mamba.py``, ``tests/laws/test_state.py``, through ``tests/support/helpers.py``); this
-is the direct comparison. A hypothesis state machine draws a cache layout (one unified
-stream or one per sequence) and ``n_ubatch``, builds a float32 reference Context and an MLX
-Context, and applies every step to both: random decodes (valid and mostly invalid ones) and
-memory operations (``seq_rm`` / ``seq_cp`` / ``seq_keep`` / ``seq_add`` / ``seq_div``,
-context shift), the rules of ``tests/laws/test_decode_stateful.py``. After every step:
+The laws run on every Context flavour and model one at a time (``tests/laws/test_decode.py``,
+``tests/laws/test_memory.py``, ``tests/laws/test_state.py``, through
+``tests/support/helpers.py``); this is the direct comparison. A hypothesis state machine
+draws a cache layout (one unified stream or one per sequence) and ``n_ubatch``, builds a
+float32 reference Context and an MLX Context, and applies every step to both: random
+decodes (valid and mostly invalid ones) and memory operations (``seq_rm`` / ``seq_cp`` /
+``seq_keep`` / ``seq_add`` / ``seq_div``, context shift), the rules of
+``tests/laws/test_decode_stateful.py``. After every step:
 
 - both hold the same cells (positions, sequence sets, pending shifts) and heads;
 - every decode returns the same code on both, with logits that agree (NMSE <= 1e-6, the

@@ -1,7 +1,7 @@
 """The accelerated Mamba / Mamba-2 forward and recurrent memory against the reference.
 
-End to end on tiny random models (``tests.support.tiny_models``), float32: the twin's logits match the
-reference's to NMSE <= 1e-6 for one prefill, token by token, and multi-sequence
+End to end on tiny random models (``tests.support.tiny_models``), float32: the twin's logits match
+the reference's to NMSE <= 1e-6 for one prefill, token by token, and multi-sequence
 ``split_equal`` ubatches driven through both ``RecurrentMemory`` classes (copy on write
 included); on the accelerated path alone, chunked decoding equals one prefill.
 """

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import accelerated.ops as A
 import reference.ops as R
@@ -128,6 +130,11 @@ for dst_s, src_s, rows_s, dt in [((16, 24), (5, 24), (5,), F32),
         f"rows={_fmt(rows_s)})", R.set_rows, A.set_rows, _set_rows_init(dst_s, src_s, rows_s, dt)))
 
 
+@case("GET_ROWS_BACK(grad=[9,13],rows=[9],repeats,n_rows=6)", R.get_rows_back, A.get_rows_back)
+def _(rng):
+    return _same(_normal(rng, (9, 13)), rng.integers(0, 6, 9).astype(np.int32), 6) + ({},)
+
+
 # --- ADD / MUL / SCALE -------------------------------------------------------------------------
 for name, ref, twin in [("ADD", R.add, A.add), ("MUL", R.mul, A.mul)]:
     for a_shape, b_shape in [((5, 4, 64), (64,)), ((6, 8), (2, 4)), ((3, 6, 10), (1, 3, 5)),
@@ -230,19 +237,30 @@ CASES.append(Case("ALIBI_SLOPES(n_head=12,max_bias=8.0)", R_attn.alibi_slopes,
                   A_attn.alibi_slopes, lambda rng: ((12, 8.0), (12, 8.0), {})))
 
 
+for x_shape, sc in [((4, 7, 33), 0.125), ((11, 64), 1.0)]:
+    @case(f"SOFT_MAX_BACK(y=[{_fmt(x_shape)}],causal,scale={sc})", R.soft_max_ext_back,
+          A.soft_max_ext_back, 1e-6)
+    def _(rng, x_shape=x_shape, sc=sc):
+        n_tokens, n_kv = x_shape[-2:]
+        mask = _causal_mask(n_tokens, n_kv, n_kv - n_tokens)
+        y = R.soft_max_ext(_normal(rng, x_shape, 3.0), mask, sc)  # hidden keys: y = 0
+        return _same(_normal(rng, x_shape), y) + ({"scale": sc},)
+
+
 # --- ROPE --------------------------------------------------------------------------------------
 def _rope_init(x_shape, n_dims, pos_range, params, view=False):
     def init(rng):
         n_tokens = x_shape[-3]
         pos = rng.integers(pos_range[0], pos_range[1], n_tokens).astype(np.int32)
-        kw = dict(params)
-        if kw.pop("freq_factors", None):
+        rope = R_rope.RopeParams(n_dims, **{k: v for k, v in params.items() if k != "freq_factors"})
+        kw = {}
+        if params.get("freq_factors"):
             kw["freq_factors"] = rng.uniform(1.0, 8.0, n_dims // 2).astype(F32)
         if view:  # (n_tokens, n_head, head_dim) as a transposed view of (n_head, n_tokens, hd)
             base = _normal(rng, (x_shape[1], x_shape[0], x_shape[2]))
-            return ((base.transpose(1, 0, 2), pos, n_dims),
-                    (mx.array(base).transpose(1, 0, 2), pos, n_dims), kw)
-        return _same(_normal(rng, x_shape), pos, n_dims) + (kw,)
+            return ((base.transpose(1, 0, 2), pos, rope),
+                    (mx.array(base).transpose(1, 0, 2), pos, rope), kw)
+        return _same(_normal(rng, x_shape), pos, rope) + (kw,)
     return init
 
 
@@ -267,6 +285,15 @@ for mode in (R.ROPE_TYPE_NORM, R.ROPE_TYPE_NEOX):
             f"{',view' if view else ''})",
             R.rope_ext, A.rope_ext, _rope_init(x_shape, n_dims, pos_range,
                                                dict(extra, mode=mode), view)))
+
+
+for mode in (R.ROPE_TYPE_NORM, R.ROPE_TYPE_NEOX):
+    for extra in ({}, {"n_ctx_orig": 4096, "freq_scale": 0.25, "ext_factor": 1.0}):
+        kw_id = ",yarn" if extra else ""
+        CASES.append(Case(
+            f"ROPE_BACK(mode={_MODES[mode]},n_dims=48,head_dim=64,grad=[7,4,64],pos=[-50,200)"
+            f"{kw_id})", R.rope_back, A.rope_back,
+            _rope_init((7, 4, 64), 48, (-50, 200), dict(extra, mode=mode))))
 
 
 @case("ROPE_THETA(n_tokens=9,n_dims=64,base=10000)", R_rope.rope_theta, A_rope.rope_theta)
@@ -377,6 +404,30 @@ def _outputs(result):
     return list(result) if isinstance(result, tuple) else [result]
 
 
+# --- CROSS_ENTROPY_LOSS ------------------------------------------------------------------------
+def _cross_entropy_init(n_rows, n_classes, one_hot, grad=None):
+    """logits and labels (one-hot rows, or a probability row per token); ``grad`` first for
+    the backward."""
+    def init(rng):
+        logits = _normal(rng, (n_rows, n_classes), 4.0)
+        if one_hot:
+            labels = np.eye(n_classes, dtype=F32)[rng.integers(0, n_classes, n_rows)]
+        else:
+            labels = rng.dirichlet(np.ones(n_classes), n_rows).astype(F32)
+        return _same(*(() if grad is None else (grad,)), logits, labels) + ({},)
+    return init
+
+
+for n_rows, n_classes, one_hot in [(5, 32, True), (3, 200, False)]:
+    kind = "one_hot" if one_hot else "soft"
+    CASES.append(Case(f"CROSS_ENTROPY_LOSS(logits=[{n_rows},{n_classes}],labels={kind})",
+                      R.cross_entropy_loss, A.cross_entropy_loss,
+                      _cross_entropy_init(n_rows, n_classes, one_hot), 1e-6))
+    CASES.append(Case(f"CROSS_ENTROPY_LOSS_BACK(logits=[{n_rows},{n_classes}],labels={kind})",
+                      R.cross_entropy_loss_back, A.cross_entropy_loss_back,
+                      _cross_entropy_init(n_rows, n_classes, one_hot, grad=1.5), 1e-6))
+
+
 NMSE_MEASURED: dict[str, float] = {}
 
 
@@ -421,7 +472,8 @@ def test_nmse_check_rejects_nan_and_mismatched_infinities():
     (lambda m: m.set_rows(np.zeros((4, 2), F32), np.ones((2, 2), F32), np.array([1, 1])),
      OpIndexError),
     (lambda m: m.add(np.ones((4, 6), F32), np.ones((4,), F32)), OpShapeError),
-    (lambda m: m.rope_ext(np.ones((2, 1, 4), F32), np.array([0, 1]), 3), R_rope.RopeError),
+    (lambda m: m.rope_ext(np.ones((2, 1, 4), F32), np.array([0, 1]), R_rope.RopeParams(3)),
+     R_rope.RopeError),
     (lambda m: m.soft_max_ext(np.ones((2, 3), F32), None, 1.0, 8.0), OpShapeError),
     (lambda m: m.swiglu(np.ones(3, F32), np.ones(4, F32)), OpShapeError),
     (lambda m: m.ssm_conv(np.ones((1, 3, 1), F32), np.ones((3, 4), F32)), OpShapeError),
@@ -446,9 +498,10 @@ def test_rope_additivity_on_the_twin_test_rope_cpp_form():
     defaults = dict(n_ctx_orig=0, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0,
                     attn_factor=1.0, beta_fast=0.0, beta_slow=0.0)
     for mode in (R.ROPE_TYPE_NORM, R.ROPE_TYPE_NEOX):
-        r0 = A.rope_ext(x, n_past_0 + i, n_rot, mode, **defaults)
-        r1 = A.rope_ext(r0, np.full(73, n_past_2 - n_past_0, np.int32), n_rot, mode, **defaults)
-        r2 = A.rope_ext(x, n_past_2 + i, n_rot, mode, **defaults)
+        rope = R_rope.RopeParams(n_rot, mode, **defaults)
+        r0 = A.rope_ext(x, n_past_0 + i, rope)
+        r1 = A.rope_ext(r0, np.full(73, n_past_2 - n_past_0, np.int32), rope)
+        r2 = A.rope_ext(x, n_past_2 + i, rope)
         assert r1.dtype == mx.float32
         r1, r2 = np.array(r1, dtype=np.float64), np.array(r2, dtype=np.float64)
         diff = np.abs(r1 - r2).sum()
@@ -467,8 +520,62 @@ def test_rope_additivity_on_the_twin_large_shifts(extra):
     a = rng.integers(0, 4096, 16).astype(np.int32)
     for b in (-4000, -1, 1, 2500):
         for mode in (R.ROPE_TYPE_NORM, R.ROPE_TYPE_NEOX):
-            kw = dict(extra, mode=mode)
-            twice = A.rope_ext(A.rope_ext(x, a, 64, **kw), np.full(16, b, np.int32), 64, **kw)
-            once = A.rope_ext(x, a + b, 64, **kw)
+            rope = R_rope.RopeParams(64, mode, **extra)
+            twice = A.rope_ext(A.rope_ext(x, a, rope), np.full(16, b, np.int32), rope)
+            once = A.rope_ext(x, a + b, rope)
             twice, once = np.array(twice, np.float64), np.array(once, np.float64)
             assert np.abs(twice - once).sum() / np.abs(once).sum() < 1e-4
+
+
+# --- attend_visible, build_attn_mha's fast path: the twin's against the reference's ---------------
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@st.composite
+def sparse_attention(draw, max_kv: int = 40):
+    """q, k, v (float64), a 0/-inf mask (or ALiBi distances), kq_scale, max_bias, softcap."""
+    n_tokens, n_kv = draw(st.integers(1, 6)), draw(st.integers(1, max_kv))
+    n_head_kv, r, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = rng.standard_normal((n_tokens, n_head_kv * r, d))
+    k = rng.standard_normal((n_kv, n_head_kv, d))
+    v = rng.standard_normal((n_kv, n_head_kv, d))
+    density = draw(st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0]))
+    visible = rng.random((n_tokens, n_kv)) < density  # a row may see nothing
+    max_bias = draw(st.sampled_from([0.0, 0.0, 8.0]))
+    # with ALiBi the mask holds -|i - j| where visible (ggml's distances), else 0
+    dist = -np.abs(np.arange(n_kv)[None, :] - np.arange(n_tokens)[:, None]) if max_bias else 0.0
+    mask = np.where(visible, dist, -np.inf).astype(np.float64)
+    softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
+    return q, k, v, mask, d ** -0.5, max_bias, softcap
+
+
+@given(sparse_attention())
+def test_the_twin_attends_the_visible_cells_as_the_reference(inputs):
+    q, k, v, mask, kq_scale, max_bias, softcap = (
+        a.astype(np.float32) if isinstance(a, np.ndarray) else a for a in inputs)
+    ref = R_attn.attend_visible(q, k, v, mask, kq_scale, max_bias, softcap)
+    twin = np.array(A_attn.attend_visible(q, k, v, mx.array(mask), kq_scale, max_bias,
+                                               softcap))
+    # two float32 evaluations of the same sums (MLX's softmax sums in float32)
+    bound = 16 * EPS32 * np.max(np.abs(v)) * (1 + np.max(np.abs(q)) * np.max(np.abs(k)))
+    assert np.max(np.abs(twin - ref), initial=0) <= bound
+
+
+def test_both_twins_attend_in_the_same_blocks_and_refuse_the_same_shapes():
+    rng = np.random.default_rng(4)
+    n_tokens, n_kv = 40, 64  # each token sees 4 cells: blocks of 16 tokens in both twins
+    mask = np.full((n_tokens, n_kv), -np.inf, np.float32)
+    for t in range(n_tokens):
+        mask[t, rng.choice(n_kv, 4, replace=False)] = 0.0
+    q = rng.standard_normal((n_tokens, 4, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, n_kv, 2, 8)).astype(np.float32)
+    ref = R_attn.attend_visible(q, k, v, mask, 8 ** -0.5)
+    twin = np.array(A_attn.attend_visible(q, k, v, mx.array(mask), 8 ** -0.5))
+    np.testing.assert_allclose(twin, ref, rtol=0, atol=1e-5)
+    for attend in (R_attn.attend_visible, A_attn.attend_visible):
+        with pytest.raises(OpShapeError, match="one block"):
+            attend(q, k.reshape(2, 32, 2, 8), v.reshape(2, 32, 2, 8), mask, 1.0)  # 4-D: streams
+        with pytest.raises(OpShapeError):
+            attend(q, k[:, :1], v, mask, 1.0)  # k and v disagree

@@ -21,9 +21,9 @@ import pytest
 from accelerated import sampling as A
 from accelerated.context import Context as MLXContext
 from reference.batch import Batch
-from reference.tools.generate import Generator
 from reference.sampling import SamplerParams
 from reference.testing import random_mamba_weights
+from reference.tools.generate import Generator
 from tests.support.helpers import cells_of as cells
 from tests.support.tiny_models import random_weights, tiny_hparams, tiny_mamba_hparams
 

@@ -175,10 +175,12 @@ def test_the_in_graph_rope_is_rope_ext_bit_for_bit(kw):
 
     from accelerated.models.llama import rope_in_graph
     from accelerated.ops import rope_ext
+    from reference.ops.rope import RopeParams
 
     kw = dict(kw)
     ff = mx.array(np.linspace(1, 4, 8).astype(np.float32)) if kw.pop("ff", False) else None
     x = mx.random.normal((5, 3, 16), key=mx.random.key(1))
     pos = np.array([0, 3, 100, 4000, 7])
-    want = rope_ext(x, pos, freq_factors=ff, **kw)
-    assert mx.array_equal(rope_in_graph(x, mx.array(pos), freq_factors=ff, **kw), want).item()
+    rope = RopeParams(**kw)
+    want = rope_ext(x, pos, rope, ff)
+    assert mx.array_equal(rope_in_graph(x, mx.array(pos), rope, ff), want).item()

@@ -66,10 +66,12 @@ def _graph_rope_equals_rope_per_call(data):
     )
     if data.draw(st.booleans(), "yarn"):
         params.update(ext_factor=1.0, n_ctx_orig=2048, beta_fast=32.0, beta_slow=1.0)
+    ff = None
     if data.draw(st.booleans(), "freq_factors"):
-        params["freq_factors"] = mx.array(
+        ff = mx.array(
             data.draw(st.lists(st.floats(1.0, 8.0), min_size=half, max_size=half), "ff"),
             dtype=mx.float32)
+    rope = R_rope.RopeParams(n_dims, **params)
     # a graph's positions are a batch's: never negative (the batch checks refuse them, and
     # MLX's GPU rope kernel would turn them wrong: A_rope.fast_rope_fits)
     pos_np = np.array(data.draw(st.lists(st.integers(0, 40000), min_size=n_tokens,
@@ -78,12 +80,12 @@ def _graph_rope_equals_rope_per_call(data):
     q = mx.random.normal((n_tokens, n_head, head_dim), key=mx.random.key(seed))
     k = mx.random.normal((n_tokens, 1, head_dim), key=mx.random.key(seed + 1))
     pos = mx.array(pos_np)
-    turn = graph_rope(pos, n_dims, **params)
+    turn = graph_rope(pos, rope, ff)
     for x in (q, k):  # one cache, two tensors
         once = turn(x)
-        assert mx.array_equal(once, rope_in_graph(x, pos, n_dims, **params)).item()
-        assert mx.array_equal(once, A_rope.rope_ext(x, pos_np, n_dims, **params)).item()
-    compiled = mx.compile(lambda p, x: graph_rope(p, n_dims, **params)(x))
+        assert mx.array_equal(once, rope_in_graph(x, pos, rope, ff)).item()
+        assert mx.array_equal(once, A_rope.rope_ext(x, pos_np, rope, ff)).item()
+    compiled = mx.compile(lambda p, x: graph_rope(p, rope, ff)(x))
     assert mx.array_equal(compiled(pos, q), turn(q)).item()
 
 

@@ -1,6 +1,7 @@
-"""llama.cpp's server (``tools/server``) as semantics: slots on one Context, the decode loop
-that batches them, prompt reuse, checkpoints, stop strings and the RAM prompt cache.
+"""llama.cpp's server (``tools/server``) as semantics: slots on one Context, the scheduler's
+step that batches them, prompt reuse, checkpoints, stop strings and the RAM prompt cache.
 
-The HTTP surface lives in ``llamaref/server/``; everything that decides *what is decoded*
-lives here, so both twins serve the same way.
+Everything that decides *what is decoded* lives here, so both twins serve the same way; it
+owns no thread, queue or lock and knows no HTTP. The runtime that drives the scheduler (its
+thread, inbox and counters) and the HTTP surface live in ``llamaref/server/``.
 """

@@ -1,7 +1,7 @@
 r"""What one completion request asks of its slot: llama.cpp's ``task_params``.
 
 The HTTP layer parses a request body into a [`SlotParams`][] (field by field, with llama.cpp's
-names, aliases and limits); the engine reads nothing else. Defaults are the server's
+names, aliases and limits); the scheduler reads nothing else. Defaults are the server's
 (``tools/server/server-task.h:50-99`` and the sampling defaults of ``common/common.h``).
 """
 

@@ -1,4 +1,4 @@
-r"""What the engine sends back for a task: partial results while it generates, one final
+r"""What the scheduler sends back for a task: partial results while it generates, one final
 result, or an error. llama.cpp's ``server_task_result_cmpl_partial`` / ``_final``
 (``tools/server/server-task.cpp``), without the JSON: the HTTP layer writes the formats.
 """
@@ -49,25 +49,14 @@ class TokenOutput:
 
 @dataclass
 class Timings:
-    """``result_timings``: the prompt and generation phases of one task."""
+    """``result_timings``: the prompt and generation phases of one task (the HTTP layer
+    adds the per-token times and rates)."""
 
     cache_n: int = 0
     prompt_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
-
-    def to_json(self) -> dict:
-        """llama.cpp's ``timings`` object (per-token ms and tokens/s derived)."""
-        def per(n, ms):
-            return (ms / n if n else 0.0), (1e3 * n / ms if ms > 0 else 0.0)
-        p_tok, p_sec = per(self.prompt_n, self.prompt_ms)
-        g_tok, g_sec = per(self.predicted_n, self.predicted_ms)
-        return {"cache_n": self.cache_n, "prompt_n": self.prompt_n,
-                "prompt_ms": self.prompt_ms, "prompt_per_token_ms": p_tok,
-                "prompt_per_second": p_sec, "predicted_n": self.predicted_n,
-                "predicted_ms": self.predicted_ms, "predicted_per_token_ms": g_tok,
-                "predicted_per_second": g_sec}
 
 
 @dataclass

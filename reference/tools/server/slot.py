@@ -20,7 +20,6 @@ new prompt (above ``slot_prompt_similarity``), else the least recently used idle
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,14 +73,18 @@ class Task:
         id: unique per task.
         tokens: the prompt.
         params: the request's [`SlotParams`][reference.tools.server.params.SlotParams].
-        emit: called on the engine's thread with each result (``Partial``, ``Final`` or
-            ``Failed`` of [`reference.tools.server.results`][reference.tools.server.results]).
+        emit: called by the scheduler, during a step, with each result of the task
+            (``Partial``, ``Final`` or ``Failed`` of
+            [`reference.tools.server.results`][reference.tools.server.results]): llama.cpp's
+            ``send_partial_response`` / ``send_final_response`` to the queue of results
+            that the server's runtime owns.
         index: the choice index in the response (prompt index times ``n_cmpl`` plus the
             completion's number).
         id_parent: for a child of an ``n_cmpl > 1`` request, the parent's id (else -1).
         children: the children of a parent.
-        cancelled: set by the client's side (a disconnect); the slot is freed at the next
-            step.
+        cancelled: the client went away
+            ([`Scheduler.cancel`][reference.tools.server.scheduler.Scheduler.cancel]); the
+            slot is freed at the next step.
         user_starts: where the prompt's user messages start (a chat request;
             [`reference.tools.server.spans.user_starts`][reference.tools.server.spans.user_starts]):
             checkpoints are taken there.
@@ -96,7 +99,6 @@ class Task:
     children: list[Task] = field(default_factory=list)
     cancelled: bool = False
     user_starts: list[int] = field(default_factory=list)
-    t_queued: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -109,7 +111,8 @@ class Slot:
         tokens: the tokens the memory holds for this sequence, in position order
             (position ``i`` holds ``tokens[i]``).
         checkpoints: partial states, oldest first ([`Checkpoint`][]).
-        t_last_used: when the slot was last released (least-recently-used choice).
+        t_last_used: when the slot was last released, by the scheduler's clock
+            (least-recently-used choice).
     """
 
     id: int
