@@ -499,6 +499,10 @@ NOT_IN_LLAMA_CPP: dict[str, str] = {
     "reference.context.Context.decode_token": (
         "decode(Batch(token=[t], seq_id=[[s]])); the MLX twin takes a token still on the device"
     ),
+    "reference.context.Context.on_device": (
+        "whether the logits can stay on the device for a device sampler (ContextLike's "
+        "capability flag); False here, True on the MLX twin"
+    ),
 }
 """Public names that ``tests/docs/test_surface_map.py`` checks and llama.cpp has no name for:
 ``ours -> why``."""
