@@ -34,7 +34,7 @@ class BackendError(LlamarefError):
 
 
 # --8<-- [start:pick_backend]
-def pick_backend(name: str, hparams) -> str:
+def pick_backend(name: str, hparams: Any) -> str:
     """The backend that ``--backend name`` means on this machine.
 
     ``reference`` and ``accelerated`` are themselves. ``auto`` is ``accelerated`` when MLX's

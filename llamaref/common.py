@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from reference.common import LlamarefError
 from reference.model_loader import default_model_path
@@ -66,7 +67,7 @@ CONTEXT_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
 }
 
 
-def add_context_flags(container, names: list[str], **changes: dict):
+def add_context_flags(container: Any, names: list[str], **changes: dict) -> Any:
     """Add the named ``CONTEXT_FLAGS`` to ``container`` (a parser or one of its argument
     groups), in that order; returns ``container``.
 

@@ -88,6 +88,7 @@ import ctypes
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -263,7 +264,7 @@ class LlamaCppContext:
 
     # -- decoding ----------------------------------------------------------------------------
 
-    def decode(self, batch) -> int:
+    def decode(self, batch: Any) -> int:
         """``llama_decode`` of a batch given as our ``Batch`` (or any object / dict with the
         fields ``token``, ``pos``, ``seq_id``, ``logits``; ``None`` = llama.cpp's default).
 

@@ -235,8 +235,13 @@ def run_perplexity(ctx: Context, tokens: Sequence[int], n_ctx: int, n_batch: int
     file and its lines.
 
     Args:
-        ctx, tokens, n_ctx, n_batch, n_chunks, ppl_stride, bos: as
-            [`perplexity`][reference.tools.perplexity.perplexity].
+        ctx: as [`perplexity`][reference.tools.perplexity.perplexity].
+        tokens: as [`perplexity`][reference.tools.perplexity.perplexity].
+        n_ctx: as [`perplexity`][reference.tools.perplexity.perplexity].
+        n_batch: as [`perplexity`][reference.tools.perplexity.perplexity].
+        n_chunks: as [`perplexity`][reference.tools.perplexity.perplexity].
+        ppl_stride: as [`perplexity`][reference.tools.perplexity.perplexity].
+        bos: as [`perplexity`][reference.tools.perplexity.perplexity].
         base_path: write the base logits file there (``--kl-divergence-base``); standard
             mode only. Written to a temporary name and renamed once complete.
         out: receives what llama.cpp prints on stdout: the running ``[i]ppl,`` estimates,

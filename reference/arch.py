@@ -533,7 +533,8 @@ def mamba_hparams_from_gguf(
 
     Raises:
         GGUFError: another architecture, a missing required key (named), a value of the
-            wrong type, sizes that cannot describe a model ([`mamba_hparams_errors`][]).
+            wrong type, sizes that cannot describe a model
+            ([`mamba_hparams_errors`][reference.hparams.mamba_hparams_errors]).
 
     Examples:
         >>> md = {"mamba2.context_length": 1024, "mamba2.embedding_length": 16,

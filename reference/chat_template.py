@@ -20,7 +20,7 @@ follow.)
 
 The rendered prompt is then tokenized with ``parse_special=True`` so that ``<|im_start|>``
 becomes its control token, and ``add_special`` as the model asks
-([`reference.tokenizer.Tokenizer.apply_chat_template`][reference.tokenizer.Tokenizer.apply_chat_template],
+([`reference.tokenizer.Tokenizer.apply_chat_template`][reference.tokenizer.vocab.Tokenizer.apply_chat_template],
 which reports a [`ChatTemplateError`][] as a ``TokenizerError``).
 """
 

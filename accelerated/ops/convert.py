@@ -1,4 +1,5 @@
-"""The conversions every part of the twin makes: arrays ([`as_mx`][]) and dtypes
+"""The conversions every part of the twin makes: arrays
+([`as_mx`][accelerated.ops.convert.as_mx]) and dtypes
 ([`MX_DTYPES`][accelerated.ops.convert.MX_DTYPES], the twin's one map from NumPy dtypes to
 MLX's).
 

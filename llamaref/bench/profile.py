@@ -48,6 +48,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -198,8 +199,8 @@ class _MLXView:
 
 
 @contextmanager
-def mlx_calls(ctx, names: Sequence[str], wrap: Callable[[str, Callable], Callable]
-              ) -> Iterator[None]:
+def mlx_calls(ctx: accelerated_context.Context, names: Sequence[str],
+              wrap: Callable[[str, Callable], Callable]) -> Iterator[None]:
     """While inside, the ``mx.<name>`` calls of ``accelerated.context`` made during
     ``ctx.process_ubatch`` go through ``wrap(f"mx.{name}", mx.<name>)``.
 
@@ -338,7 +339,7 @@ def profile_table(stats: dict[str, list[float]], total: float, title: str) -> st
     return "\n".join(lines)
 
 
-def run_profile(runner, tokens: np.ndarray, n_gen: int) -> str:
+def run_profile(runner: Any, tokens: np.ndarray, n_gen: int) -> str:
     """Profile one ``pp`` run and ``n_gen`` tg steps (after a warm-up of each).
 
     Args:
@@ -371,7 +372,7 @@ PHASES = ("decode", "in decode: mx.array", "in decode: graph call", "in decode: 
 """The twin's phases, in the order of the table: ``decode`` holds the three below it."""
 
 
-def token_phases(runner, depth_tokens: np.ndarray, n_tokens: int) -> dict[str, list[float]]:
+def token_phases(runner: Any, depth_tokens: np.ndarray, n_tokens: int) -> dict[str, list[float]]:
     """The seconds of each phase of ``n_tokens`` generated tokens of the MLX Context.
 
     A plain loop, one token at a time (decode one token, take the argmax on the device, read
@@ -415,7 +416,7 @@ def token_phases(runner, depth_tokens: np.ndarray, n_tokens: int) -> dict[str, l
     return {phase: times[phase] for phase in PHASES if times[phase]}
 
 
-def mlx_lm_phases(model, depth_tokens: np.ndarray, n_tokens: int) -> dict[str, list[float]]:
+def mlx_lm_phases(model: Any, depth_tokens: np.ndarray, n_tokens: int) -> dict[str, list[float]]:
     """The seconds of each phase of ``n_tokens`` tokens of mlx-lm's model, as
     [`token_phases`][]: its model call (the graph built op by op), ``mx.async_eval`` of the
     argmax, and the read back.
@@ -612,7 +613,7 @@ def host_overlap(runners: dict[str, object], depth_tokens: np.ndarray, n_tokens:
 # ---------------------------------------------------------------------------------------------
 
 
-def count_nodes(runner, depth_tokens: np.ndarray, n_steps: int = 4) -> collections.Counter:
+def count_nodes(runner: Any, depth_tokens: np.ndarray, n_steps: int = 4) -> collections.Counter:
     """Primitive -> nodes in the graph the ``n_steps``-th one-token decode launches.
 
     What the MLX Context hands ``mx.async_eval`` at that step (the logits and what carries

@@ -421,7 +421,8 @@ def rotate_pairs(
 # --8<-- [end:rotate_pairs]
 
 
-def check_rope_args(x: np.ndarray, pos: np.ndarray, params: RopeParams, freq_factors) -> None:
+def check_rope_args(x: np.ndarray, pos: np.ndarray, params: RopeParams,
+                    freq_factors: np.ndarray | None) -> None:
     """Raise [`RopeError`][] for arguments ggml would assert on (or silently misuse).
 
     Shared by [`rope_ext`][], [`rope_back`][], the models' one-cache rope and the MLX twin.

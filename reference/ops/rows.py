@@ -67,7 +67,7 @@ def check_get_rows(a_shape: tuple, rows: np.ndarray) -> None:
     _check_row_indices(rows, a_shape[-2], "get_rows")
 
 
-def set_rows_targets(dst, src, rows: np.ndarray) -> np.ndarray:
+def set_rows_targets(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``set_rows``'s target rows ``(..., n)``: checked, then tiled over ``src``'s leading dims.
 
     Shapes, range and repeated targets are all checked here, on the host, before anything is

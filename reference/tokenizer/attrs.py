@@ -33,3 +33,4 @@ TOKEN_TYPE_ATTR = {
     5: ATTR_UNUSED,
     6: ATTR_BYTE,
 }
+"""``tokenizer.ggml.token_type`` (``llama_token_type``) -> the attribute bits a token gets."""

@@ -75,6 +75,7 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool, bool]] = {
     **{name: ((QWEN2_REGEX,), True, False, False) for name in ("stablelm2", "megrez")},
 }
 # --8<-- [end:PRE_TOKENIZERS]
+"""``tokenizer.ggml.pre`` -> the pre-tokenizer: its split regexes and flags."""
 
 
 # --8<-- [start:bpe_merge]

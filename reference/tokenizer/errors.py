@@ -1,4 +1,5 @@
-"""The tokenizer's error: every refusal of the package is a [`TokenizerError`][]."""
+"""The tokenizer's error: every refusal of the package is a
+[`TokenizerError`][reference.tokenizer.errors.TokenizerError]."""
 
 from __future__ import annotations
 

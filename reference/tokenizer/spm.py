@@ -16,6 +16,7 @@ import heapq
 from reference.tokenizer.errors import TokenizerError
 
 SPM_SPACE = "\u2581"  # ▁, how SentencePiece writes a space
+"""U+2581 (``▁``): how SentencePiece writes a space in its pieces."""
 
 
 # --8<-- [start:spm_tokenize]
