@@ -637,12 +637,12 @@ def mirostat(cur: TokenDataArray, rng: Mt19937, mu: float, n_vocab: int, tau: fl
     """
     softmax(cur, do_sort=True)
     sum_ti_bi, sum_ti_sq = F32(0), F32(0)
-    for i in range(min(m - 1, cur.size - 1)):
-        t_i = _logf(F32(i + 2) / F32(i + 1))
-        b_i = _logf(cur.p[i] / cur.p[i + 1])
-        sum_ti_bi += t_i * b_i
-        sum_ti_sq += t_i * t_i
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"):  # p = 0 (a -inf logit) makes b_i inf, quietly in C
+        for i in range(min(m - 1, cur.size - 1)):
+            t_i = _logf(F32(i + 2) / F32(i + 1))
+            b_i = _logf(cur.p[i] / cur.p[i + 1])
+            sum_ti_bi += t_i * b_i
+            sum_ti_sq += t_i * t_i
         s_hat = sum_ti_bi / sum_ti_sq
         eps_hat = s_hat - F32(1)
         num = eps_hat * F32(_powf(2, mu))
@@ -774,7 +774,8 @@ def dry(cur: TokenDataArray, last_tokens: Sequence[int], dry_multiplier: float, 
         exp = max_repeat[tok] - dry_allowed_length
         if max_exponent > 0 and exp > max_exponent:
             exp = max_exponent
-        z[i] = z[i] - F32(float(mult) * float(base) ** exp)
+        with np.errstate(over="ignore"):  # a penalty beyond FLT_MAX is inf, quietly in C
+            z[i] = z[i] - F32(float(mult) * float(base) ** exp)
     cur.logits = z
     cur.sorted = False
 
@@ -961,7 +962,9 @@ class SamplerChain:
         n_vocab: the vocabulary size.
         stages: the chain's sampler names in order (``logit_bias`` first when there are
             biases, ``dist``/``mirostat``/``mirostat_v2`` last).
-        history: accepted tokens, most recent last (long enough for every sampler).
+        history: the last ``max(32, n_prev, penalty_last_n, dry_penalty_last_n)`` accepted
+            tokens, most recent last (llama.cpp's ring buffers of ``common_sampler``,
+            ``penalties`` and ``dry`` in one).
         rng_dist, rng_xtc, rng_mirostat: the ``std::mt19937`` of ``dist``, ``xtc`` and
             mirostat, each seeded by its own ``get_rng_seed(seed)`` call, as in llama.cpp.
         mu: mirostat's $\mu$ (``2 tau`` after a reset); updated by ``sample``.

@@ -139,6 +139,17 @@ def test_fill_pos_coupled_token_advances_only_its_first_sequence():
     assert allocr(ok, memory=FakeMemory()).batch.pos.tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("n_tokens", [1, 2])
+def test_fill_pos_reaches_the_largest_int32_and_no_further(n_tokens):
+    """Positions run up to ``2**31 - 1`` (the largest ``llama_pos``) and no further, for one
+    token (a generation step) and for several."""
+    last = 2**31 - 1
+    a = allocr(Batch(token=[1] * n_tokens), memory=FakeMemory({0: (0, last - n_tokens)}))
+    assert a.batch.pos.tolist() == list(range(last - n_tokens + 1, last + 1))
+    refused(Batch(token=[1] * n_tokens), "int32",
+            memory=FakeMemory({0: (0, last - n_tokens + 1)}))
+
+
 def test_fill_pos_without_memory_starts_at_zero():
     assert allocr(Batch(token=[1, 2], seq_id=[[3], [3]])).batch.pos.tolist() == [0, 1]
 

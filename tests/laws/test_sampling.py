@@ -93,8 +93,8 @@ def test_discrete_distribution_normalizes_and_takes_the_lower_bound(u, index):
 
 def test_the_default_seed_is_random():
     assert S.get_rng_seed(1234) == 1234
-    seeds = {S.get_rng_seed(S.LLAMA_DEFAULT_SEED) for _ in range(8)}
-    assert len(seeds) > 1
+    seeds = {S.get_rng_seed(S.LLAMA_DEFAULT_SEED) for _ in range(64)}
+    assert len(seeds) > 1 and all(0 <= s < 2**32 for s in seeds)  # a 32-bit seed
 
 def test_copy_is_independent():
     rng = S.Mt19937(3)
@@ -117,6 +117,22 @@ def test_softmax_of_nothing_is_refused():
     empty = S.TokenDataArray(np.zeros(0, np.int32), np.zeros(0, F32), np.zeros(0, F32))
     with pytest.raises(S.SamplingError, match="^softmax of an empty candidates array$"):
         S.softmax(empty, do_sort=True)
+
+
+def test_candidates_are_int32_ids_and_float32_logits():
+    """``llama_token_data``: ``int32_t id``, ``float logit``, ``float p``; one row of logits."""
+    cur = S.TokenDataArray.from_logits(np.array([[0.1, 0.2, 0.3]]))  # (1, 3) float64
+    assert (cur.ids.dtype, cur.logits.dtype, cur.p.dtype) == (np.int32, F32, F32)
+    assert cur.ids.tolist() == [0, 1, 2] and cur.logits.shape == (3,)
+
+
+def test_sorting_keeps_ties_in_their_current_order():
+    """A stable sort (llama.cpp's ``partial_sort`` leaves ties unspecified; we fix the order)."""
+    z = np.zeros(100, F32)
+    z[::3] = 1
+    cur = S.TokenDataArray.from_logits(z)
+    S.top_k(cur, 100)
+    assert cur.ids.tolist() == [*range(0, 100, 3), *(i for i in range(100) if i % 3)]
 
 
 @given(z=logits, k=st.integers(-2, 250))
@@ -289,6 +305,28 @@ def test_powf_takes_float32_arguments(monkeypatch, libm):
         assert S._powf(2, 0.5) == float(F32(np.sqrt(2.0)))
 
 
+@pytest.mark.parametrize("libm", [True, False])
+def test_float_helpers_take_a_float_argument_and_stay_quiet(monkeypatch, libm):
+    """The argument is rounded to float32 first (a C ``float`` parameter): ``logf(0.7f)`` is
+    not ``log(0.7)`` rounded. Overflow and NaN come back as C gives them, with no warning."""
+    if not libm:
+        monkeypatch.setattr(S, "_LIBM", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert S._logf(0.7) == F32(-0.35667497) != F32(np.log(0.7))
+        assert S._expf(89.0) == np.inf
+        assert np.isnan(S._logf(-1.0)) and np.isnan(S._log2f(-1.0))
+
+
+def test_sum_f32_adds_left_to_right_in_float32():
+    """``float s = 0; for (...) s += x[i];``: 1 + 2^-24 rounds back to 1 at every step, where a
+    pairwise sum (``np.sum``) adds the small terms first; nothing sums to 0."""
+    x = np.array([1.0] + [2.0**-24] * 16, F32)
+    assert S._sum_f32(x) == F32(1) and np.sum(x) > F32(1)
+    empty = S._sum_f32(np.zeros(0, F32))
+    assert empty == 0 and empty.dtype == F32
+
+
 def test_exp_is_the_c_librarys_double_exp():
     x = np.array([[-0.5, 0.0], [-700.0, -1e-3]])
     got = S._exp(x)
@@ -317,6 +355,28 @@ def test_dry_sequence_breaker_limits_the_repeat():
     broken = S.TokenDataArray.from_logits(np.zeros(4, np.float32))
     S.dry(broken, history, 1.0, 2.0, 2, 64, {d: [()]})
     assert free.logits[c] == -(2.0 ** (6 - 2)) and broken.logits[c] == -1.0
+
+X, Y, W = 3, 4, 5  # "x y w": a breaker of three tokens, head x and tail (y, w)
+
+
+@pytest.mark.parametrize("history, breakers, penalties", [
+    # the repeat "x y w a b" is cut at the breaker: only "a b" counts, 2 ** (2 - 1)
+    ([X, Y, W, 0, 1, X, Y, W, 0, 1], {X: [(Y, W)]}, {X: 2.0}),
+    ([X, Y, W, 0, 1, X, Y, W, 0, 1], {}, {X: 2.0 ** (5 - 1)}),
+    # a breaker that ends the history leaves nothing to repeat
+    ([0, X, Y, W, 0, X, Y, W], {X: [(Y, W)]}, {}),
+    # a head without its tail is no breaker
+    ([0, 1, X, 0, 1], {X: [(Y,)]}, {X: 2.0}),
+])
+def test_dry_multi_token_breaker_limits_the_repeat(history, breakers, penalties):
+    """The repeat may not reach back past the most recent complete breaker (head, then its
+    tail in order, llama.cpp's ``rat(i - offset - 1)``); allowed length 1, base 2."""
+    cur = S.TokenDataArray.from_logits(np.zeros(8, F32))
+    S.dry(cur, history, 1.0, 2.0, 1, 64, breakers)
+    want = np.zeros(8, F32)
+    want[list(penalties)] = [-v for v in penalties.values()]
+    np.testing.assert_array_equal(cur.logits, want)
+
 
 def test_dry_sequence_breakers_read_special_token_text():
     """``common_token_to_piece(vocab, i, true)``: a breaker can match a special token's text."""
@@ -349,12 +409,14 @@ class PieceVocab:
 def test_dry_sequence_breakers_every_token_and_every_prefix():
     """``get_overlapping_token_sequences``: every token that contains the breaker (not only the
     first), and in a token every position from which the rest of it is a prefix of the
-    breaker ("xaa" ends with both "aa" and "a" of "aab": tails "b" and "ab"); not "ab", where
-    the breaker's start is followed by something else."""
-    a, b, xaa, za, qn, nn, _ = range(7)
-    vocab = PieceVocab(b"a", b"b", b"xaa", b"za", b"q\n", b"\n\n", b"ab")
+    breaker ("xaa" ends with both "aa" and "a" of "aab": tails "b" and "ab"; "xaaa" with the
+    same two, after a start that fails); not "ab", where the breaker's start is followed by
+    something else."""
+    a, b, xaa, za, qn, nn, _, xaaa = range(8)
+    vocab = PieceVocab(b"a", b"b", b"xaa", b"za", b"q\n", b"\n\n", b"ab", b"xaaa")
     assert S.dry_sequence_breakers(vocab, ["aab", "\n"]) == {
-        a: [(a, b)], xaa: [(b,), (a, b)], za: [(a, b)], qn: [()], nn: [()]}
+        a: [(a, b)], xaa: [(b,), (a, b)], za: [(a, b)], xaaa: [(b,), (a, b)], qn: [()],
+        nn: [()]}
 
 
 def test_dry_sequence_breakers_are_cut_at_40_bytes():
@@ -390,17 +452,125 @@ def test_same_seed_same_tokens_and_reset_replays(seed):
     chain.reset()
     assert run() == first
 
+LETTERS = PieceVocab(*[bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz:*ABCDEFGHIJKL"])  # 40
+HISTORY = [0, 1, 2, 26, 3, 4, 5, 6, 0, 3, 4, 5]  # ends repeating "3 4 5" (then 6); ":" is 26
+
+
+BREAKERS = S.dry_sequence_breakers(LETTERS, ["\n", ":"])
+STAGES = {  # each sampler with the parameters of CHAIN_PARAMS written out
+    "penalties": lambda cur, history, rngs: S.penalties(cur, history, 8, 1.3, 0.2, 0.1),
+    "dry": lambda cur, history, rngs: S.dry(cur, history, 0.8, 1.5, 1, 12, BREAKERS),
+    "top_n_sigma": lambda cur, history, rngs: S.top_n_sigma(cur, 1.0),
+    "top_k": lambda cur, history, rngs: S.top_k(cur, 5),
+    "typ_p": lambda cur, history, rngs: S.typical(cur, 0.2, 6),
+    "top_p": lambda cur, history, rngs: S.top_p(cur, 0.3, 6),
+    "min_p": lambda cur, history, rngs: S.min_p(cur, 0.4, 6),
+    "xtc": lambda cur, history, rngs: S.xtc(cur, 0.6, 0.04, 6, rngs["xtc"]),
+    "temperature": lambda cur, history, rngs: S.temp_ext(cur, 0.9, 0.3, 1.5),
+}
+CHAIN_PARAMS = dict(
+    penalty_last_n=8, penalty_repeat=1.3, penalty_freq=0.2, penalty_present=0.1,
+    dry_multiplier=0.8, dry_base=1.5, dry_allowed_length=1, dry_penalty_last_n=12,
+    dry_sequence_breakers=["\n", ":"], top_n_sigma=1.0, top_k=5, typ_p=0.2, top_p=0.3,
+    min_p=0.4, min_keep=6, xtc_probability=0.6, xtc_threshold=0.04, temp=0.9,
+    dynatemp_range=0.3, dynatemp_exponent=1.5, mirostat_tau=4.0, mirostat_eta=0.2)
+
+
+def _by_hand(stage: str, z, history, rngs, mu):
+    """The chain of one ``stage`` (with ``logit_bias`` first), each sampler called by hand;
+    returns the candidates and mirostat's new mu."""
+    cur = S.TokenDataArray.from_logits(z)
+    S.logit_bias(cur, {2: 1.5, 7: -np.inf})
+    if stage == "mirostat":
+        S.temp(cur, 0.9)
+        return cur, S.mirostat(cur, rngs["mirostat"], mu, 40, 4.0, 0.2)
+    if stage == "mirostat_v2":
+        S.temp(cur, 0.9)
+        return cur, S.mirostat_v2(cur, rngs["mirostat"], mu, 4.0, 0.2)
+    STAGES[stage](cur, history, rngs)
+    S.dist(cur, rngs["dist"])
+    return cur, mu
+
+
+@pytest.mark.parametrize("stage", [*S.DEFAULT_SAMPLERS, "mirostat", "mirostat_v2"])
+def test_the_chain_runs_each_sampler_with_its_parameters(stage):
+    """``common_sampler_sample`` with one sampler (then ``dist``; or mirostat 1 or 2): that
+    sampler called with its own parameters, the RNGs advancing step after step. Each
+    parameter bites here (``min_keep`` above what the filters keep, a history ending in a
+    repeat)."""
+    mirostat = {"mirostat": 1, "mirostat_v2": 2}.get(stage, 0)
+    samplers = [] if mirostat else [stage]
+    params = S.SamplerParams(seed=7, logit_bias={2: 1.5, 7: -np.inf}, samplers=samplers,
+                             mirostat=mirostat, **CHAIN_PARAMS)
+    chain = S.SamplerChain.from_params(params, 40, tokenizer=LETTERS)
+    rngs = {name: S.Mt19937(7) for name in ("dist", "xtc", "mirostat")}
+    history, mu = list(HISTORY), chain.mu
+    for t in history:
+        chain.accept(t)
+    for step in range(6):
+        z = distinct_logits(step, 40, 2.0)
+        z[6] = z.max() + 1  # the token DRY penalizes first
+        token = chain.sample(z)
+        cur, mu = _by_hand(stage, z, history, rngs, mu)
+        assert token == cur.ids[cur.selected] and chain.mu == mu
+        got = chain.cur
+        assert (got.ids.tolist(), got.selected, got.sorted) == (cur.ids.tolist(), cur.selected,
+                                                              cur.sorted)
+        np.testing.assert_array_equal(got.logits, cur.logits)
+        np.testing.assert_array_equal(got.p, cur.p)
+        chain.accept(token)
+        history.append(token)
+
+
+@pytest.mark.parametrize("kw, keep", [
+    ({}, 64), (dict(n_prev=10, penalty_last_n=5, dry_penalty_last_n=0), 32),
+    (dict(n_prev=100), 100), (dict(penalty_last_n=100), 100), (dict(dry_penalty_last_n=100), 100),
+])
+def test_the_history_keeps_what_every_sampler_reads(kw, keep):
+    """``max(32, n_prev, penalty_last_n, dry_penalty_last_n)`` tokens, the most recent last (the
+    ring buffers of common_sampler, penalties and DRY in one); no candidates before a sample."""
+    chain = S.SamplerChain.from_params(S.SamplerParams(seed=0, **kw), 10)
+    assert chain.cur is None
+    for t in range(300):
+        chain.accept(t % 10)
+    assert len(chain.history) == keep and chain.history[-1] == 9
+
+
 @pytest.mark.parametrize("change, message", [
     ({"penalty_repeat": 0.0}, "penalty_repeat"),
     ({"penalty_freq": float("inf")}, "penalty_freq"),
     ({"mirostat": 3}, "mirostat"),
     ({"samplers": ["top_k", "nucleus"]}, "unknown sampler"),
     ({"logit_bias": {10: 1.0}}, "outside"),
+    ({"logit_bias": {-1: 1.0}}, "outside"),
     ({"dry_multiplier": 0.8}, "tokenizer"),
+    ({"penalty_repeat": 1e-310}, "penalty_repeat"),  # 1 / r overflows
+    ({"dry_multiplier": 0.8, "dry_base": 1.0}, "tokenizer"),  # DRY on at base 1
+    ({"dry_multiplier": 0.8, "dry_penalty_last_n": 1}, "tokenizer"),
 ])
 def test_invalid_params_are_refused(change, message):
     with pytest.raises(S.SamplingError, match=message):
         S.SamplerChain.from_params(S.SamplerParams(**change), 10)
+
+
+@pytest.mark.parametrize("change", [
+    {"penalty_repeat": 1e-308}, {"logit_bias": {0: 1.0, 9: -1.0}},
+    {"dry_multiplier": 0.8, "dry_base": 0.99}, {"dry_multiplier": 0.8, "dry_penalty_last_n": 0},
+])
+def test_params_on_the_edge_are_accepted(change):
+    """Accepted: a tiny penalty whose inverse is finite, the first and last token biased, and
+    DRY settings that turn it off (then no tokenizer is needed)."""
+    S.SamplerChain.from_params(S.SamplerParams(**change), 10)
+
+
+def test_the_refusals_say_what_to_do():
+    with pytest.raises(S.SamplingError, match=r"^n_vocab must be positive, got 0$"):
+        S.SamplerChain.from_params(S.SamplerParams(), 0)
+    assert S.SamplerChain.from_params(S.SamplerParams(seed=0), 1).sample(np.zeros(1, F32)) == 0
+    with pytest.raises(S.SamplingError) as e:
+        S.SamplerChain.from_params(S.SamplerParams(dry_multiplier=0.8), 10)
+    assert str(e.value) == ("DRY (dry_multiplier != 0) needs a tokenizer for its sequence "
+                            "breakers; pass tokenizer=")
 
 def test_invalid_inputs_are_refused_before_any_change():
     chain = S.SamplerChain.from_params(S.SamplerParams(seed=1), 10)

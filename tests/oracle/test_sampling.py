@@ -413,8 +413,22 @@ def test_min_p_when_every_logit_is_minus_infinity():
 # typical: the first running sum > p (strictly), in order of |-log p - H|
 # ---------------------------------------------------------------------------------------------
 
+def _typicality(cur: S.TokenDataArray) -> tuple[S.TokenDataArray, np.ndarray]:
+    """typical's first steps: the sorted softmax, and each candidate's float32
+    ``|-logf(p) - H|`` (the C library's ``logf``, as llama.cpp)."""
+    ref = copy(cur)
+    S.softmax(ref, do_sort=True)
+    logp = S._logf(ref.p)
+    entropy = np.cumsum(-ref.p * logp, dtype=F32)[-1]
+    return ref, np.abs(-logp - entropy)
+
+
 @given(cur=candidates(), p=probability, keep=min_keep)
 def test_typical(cur, p, keep):
+    """Candidates whose typicality ties (equal p, or equally far either side of H) are left
+    out, as ties of logits are: llama.cpp's ``std::sort`` orders them as it happens to."""
+    score = _typicality(cur)[1]
+    assume(np.unique(score).size == score.size)
     check(llama_cpp.llama_sampler_init_typical(p, keep), lambda c: S.typical(c, p, keep), cur)
 
 
@@ -436,11 +450,8 @@ def test_typical_needs_a_running_sum_strictly_above_p(k, p, keep, sorted_):
 
 def _typical_running_sums(cur: S.TokenDataArray) -> np.ndarray:
     """typical's steps: sorted softmax, entropy, order by |-log p - H|, float32 running sums."""
-    ref = copy(cur)
-    S.softmax(ref, do_sort=True)
-    logp = np.log(ref.p.astype(np.float64)).astype(F32)
-    entropy = np.cumsum(-ref.p * logp, dtype=F32)[-1]
-    order = np.argsort(np.abs(-logp - entropy), kind="stable")
+    ref, score = _typicality(cur)
+    order = np.argsort(score, kind="stable")
     return np.cumsum(ref.p[order], dtype=F32)
 
 
@@ -820,6 +831,51 @@ def test_dry(vocab, data, multiplier, base, allowed, last_n, breakers):
     ours = copy(cur)
     S.dry(ours, history, multiplier, base, allowed, last_n, processed)
     assert_same(ours, theirs.apply(cur))
+
+@pytest.mark.parametrize("history, allowed, penalties", [
+    ([0, 0, 0, 0], 2, {0: 2.0}),  # a run: the match one token back is 3 long, 2 ** (3 - 2)
+    ([0, 1], 0, {1: 1.0}),  # allowed length 0: a match of length 0 still counts, 2 ** 0
+    ([0, 1, 0, 1, 0], 0, {0: 1.0, 1: 8.0}),
+    ([0, 1, 2, 3, 0, 1, 2], 1, {3: 4.0}),
+])
+def test_dry_runs_and_allowed_length_zero(vocab, history, allowed, penalties):
+    """Explicit histories (no breakers): llama.cpp's penalties, and ours the same."""
+    theirs = LcSampler(llama_cpp.llama_sampler_init_dry(
+        vocab.vocab, 1.0, 2.0, allowed, 64, (ctypes.c_char_p * 1)(), 0))
+    for t in history:
+        theirs.accept(t)
+    cur = S.TokenDataArray.from_logits(np.zeros(8, F32))
+    ours = copy(cur)
+    S.dry(ours, history, 1.0, 2.0, allowed, 64, {})
+    got = theirs.apply(cur)
+    assert_same(ours, got)
+    want = np.zeros(8, F32)
+    want[list(penalties)] = [-v for v in penalties.values()]
+    np.testing.assert_array_equal(got.logits, want)
+
+
+@pytest.mark.parametrize("history, base, allowed, last_n", [
+    ([0, 1, 2, 0, 1, 2, 0, 1], 1.0000001, 1, 64),  # base at most 1.000001: exponent not clamped
+    ([0, 1], 2.0, 0, 1),  # one token to look at: nothing repeats, but the pass runs
+    ([0, 1], 2.0, 2, 64),  # no more tokens than the allowed length: nothing runs
+    ([0, 1, 0], 2.0, 2, 64),
+    # repeats longer than FLOAT_MAX_LOG / log(base): the exponent is clamped there, and the
+    # penalty stays finite (3^80, 1.5^218, 1e20^1); base 2 reaches inf all the same
+    ([0, 1] * 60, 3.0, 2, 200), ([0, 1] * 115, 1.5, 2, 300), ([0, 1] * 4, 1e20, 1, 64),
+    ([0, 1] * 80, 2.0, 2, 200),
+])
+def test_dry_edges_and_the_sorted_flag(vocab, history, base, allowed, last_n):
+    """Sorted input: llama.cpp clears ``sorted`` only when the penalty pass runs."""
+    theirs = LcSampler(llama_cpp.llama_sampler_init_dry(
+        vocab.vocab, 1.0, base, allowed, last_n, (ctypes.c_char_p * 1)(), 0))
+    for t in history:
+        theirs.accept(t)
+    cur = S.TokenDataArray.from_logits(np.arange(8, dtype=F32)[::-1].copy())
+    S.top_k(cur, 8)
+    ours = copy(cur)
+    S.dry(ours, history, 1.0, base, allowed, last_n, {})
+    assert_same(ours, theirs.apply(cur))
+
 
 # ---------------------------------------------------------------------------------------------
 # empty candidates: the samplers llama.cpp applies to an empty array
