@@ -4,7 +4,10 @@
   enough for a CI run of a few minutes, except for the stateful machines and the state laws
   (save/restore, states crossing between the twins), which take ``ci-deep``: more examples
   and steps, still derandomized (:func:`tests.support.helpers.deep`). ``dev`` is the default;
-  ``thorough`` digs deeper.
+  ``thorough`` digs deeper. ``mutation`` is ``ci`` without the shrink phase (and
+  ``mutation-deep`` is ``ci-deep`` without it), for mutation runs (``docs/mutation.md``): a
+  mutant is killed by the first failing example, and shrinking it only spends the run's time
+  limit.
 - Tests marked ``oracle`` compare against an external implementation. When
   ``LLAMAREF_REQUIRE_ORACLES=1`` (set by ``.ci/run``) every skipped test is reported as a
   failure, oracles above all (an oracle that did not run proved nothing); the one exception
@@ -19,7 +22,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # One BLAS thread per test process: `pytest -n 2` on 2 cores otherwise over-subscribes the CPU
 # (a SmolLM2 decode goes from ~0.17 s to ~0.95 s). Set before NumPy loads OpenBLAS
@@ -52,6 +55,11 @@ settings.register_profile(
     parent=settings.get_profile("ci"),
     max_examples=100,
     stateful_step_count=50,
+)
+_NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
+settings.register_profile("mutation", parent=settings.get_profile("ci"), phases=_NO_SHRINK)
+settings.register_profile(
+    "mutation-deep", parent=settings.get_profile("ci-deep"), phases=_NO_SHRINK
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)

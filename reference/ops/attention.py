@@ -123,15 +123,15 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
         raise OpShapeError(f"alibi_slopes: n_head must be at least 1, got {n_head}")
     if max_bias <= 0.0:
         return np.ones(n_head, dtype=np.float32)
+    f32 = np.float32
     n_head_log2 = 1 << int(np.floor(np.log2(n_head)))  # largest power of 2 <= n_head
-    m0 = np.float32(2.0) ** np.float32(-max_bias / n_head_log2)
-    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n_head_log2)
-    h = np.arange(n_head)
-    return np.where(
-        h < n_head_log2,
-        m0 ** (h + 1).astype(np.float32),
-        m1 ** (2 * (h - n_head_log2) + 1).astype(np.float32),
-    ).astype(np.float32)  # (n_head,)
+    # One float32 power per head, as ggml's powf: NumPy's scalar float32 power is C's powf,
+    # its vectorized loop over an array is not (one ulp off, e.g. head 9 of 12 at bias 8).
+    m0 = f32(2.0) ** f32(-max_bias / n_head_log2)
+    m1 = f32(2.0) ** f32(-(max_bias / 2.0) / n_head_log2)
+    slopes = [m0 ** f32(h + 1) if h < n_head_log2 else m1 ** f32(2 * (h - n_head_log2) + 1)
+              for h in range(n_head)]
+    return np.array(slopes, dtype=f32)  # (n_head,)
 
 
 # --8<-- [end:alibi_slopes]

@@ -154,6 +154,49 @@ def test_alibi_slopes_match_the_formula(n_head, max_bias):
                                rtol=1e-6)  # float32 powf
 
 
+@pytest.mark.parametrize("n_head", [1, 3, 8, 12])
+@pytest.mark.parametrize("max_bias", [8.0, 1.0, 0.5, 0.0, -2.0])
+def test_alibi_slopes_are_float32_and_one_unless_max_bias_is_positive(n_head, max_bias):
+    """ggml computes the slopes in float32 (``powf``) only for ``max_bias > 0``; any other
+    bias, negative included, gives slope 1 (a small positive bias does not)."""
+    got = alibi_slopes(n_head, max_bias)
+    assert got.dtype == np.float32 and got.shape == (n_head,)
+    if max_bias > 0.0:
+        np.testing.assert_allclose(got, _alibi_formula(n_head, max_bias), rtol=1e-6)
+        assert (got < 1.0).all()
+    else:
+        np.testing.assert_array_equal(got, 1.0)
+
+
+def _powf(x: float, y: float) -> np.float32:
+    """C's ``powf``, as ggml calls it (through ctypes: NumPy may round differently)."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.powf.argtypes, libm.powf.restype = [ctypes.c_float, ctypes.c_float], ctypes.c_float
+    return np.float32(libm.powf(x, y))
+
+
+@pytest.mark.parametrize("n_head, max_bias", [(12, 8.0), (24, 8.0), (40, 8.0), (7, 0.3)])
+def test_alibi_slopes_are_cs_powf_bit_for_bit(n_head, max_bias):
+    """``ggml_compute_forward_soft_max_f32``: ``m0 = powf(2, -max_bias/H)``,
+    ``m1 = powf(2, -max_bias/2/H)``, slope ``powf(m0, h+1)`` or ``powf(m1, 2(h-H)+1)``, each a
+    float32 ``powf``; a power taken in double and rounded once differs in the last bit for
+    these heads (12 heads: head 9)."""
+    big_h = 1 << int(np.floor(np.log2(n_head)))
+    m0 = _powf(2.0, np.float32(-max_bias / big_h))
+    m1 = _powf(2.0, np.float32(-(max_bias / 2.0) / big_h))
+    expected = [_powf(m0, h + 1) if h < big_h else _powf(m1, 2 * (h - big_h) + 1)
+                for h in range(n_head)]
+    np.testing.assert_array_equal(alibi_slopes(n_head, max_bias), np.array(expected))
+
+
+def test_alibi_slopes_need_a_head():
+    with pytest.raises(OpShapeError, match="n_head must be at least 1, got 0"):
+        alibi_slopes(0, 8.0)
+
+
 def test_alibi_slopes_for_12_heads_explicitly():
     """n_head = 12: H = 8, m0 = 2^-1, m1 = 2^-1/2; heads 8.. take the odd powers of m1."""
     expected = [2.0 ** -(h + 1) for h in range(8)] + [2.0 ** -(k / 2) for k in (1, 3, 5, 7)]

@@ -39,6 +39,7 @@ from reference.ops.rope import (
     rope_ext,
     rope_theta,
     rope_yarn_corr_dims,
+    rope_yarn_ramp,
 )
 from tests.support.ggml_cpu import ggml_cpu
 from tests.support.helpers import Flavour, every_flavour
@@ -292,6 +293,33 @@ def test_corr_dims_match_the_c_formula():
     assert rope_yarn_corr_dims(8, 1_000_000, 10.0, 32.0, 1.0) == (14.0, 7.0)
     # n_ctx_orig = 0 (ggml_rope's default): log(0) = -inf, exactly as in C
     assert rope_yarn_corr_dims(128, 0, 10000.0, 32.0, 1.0) == (0.0, -math.inf)
+
+
+def _ramp_in_c(low: float, high: float, i0: int, dt: type) -> float:
+    """``rope_yarn_ramp`` of ``ops.cpp`` one pair at a time, every step in ``dt``:
+    ``y = (i0 / 2 - low) / MAX(0.001f, high - low); return 1 - MIN(1, MAX(0, y))``."""
+    y = (dt(i0 // 2) - dt(low)) / max(dt(0.001), dt(high) - dt(low))
+    return dt(1) - min(dt(1), max(dt(0), y))
+
+
+@given(low=st.floats(-4, 40, width=32), width=st.floats(0, 40, width=32),
+       dtype=st.sampled_from([np.float32, np.float64]))
+def test_yarn_ramp_is_computed_in_its_dtype_pair_by_pair(low, width, dtype):
+    """Each step rounds to ``dtype`` (float32 in ggml) and so does the result: evaluating in
+    double and rounding once differs for non-integer corrections."""
+    high = low + width
+    i0 = np.arange(0, 96, 2)
+    got = rope_yarn_ramp(low, high, i0, dtype)
+    assert got.dtype == dtype and got.shape == i0.shape
+    expected = np.array([_ramp_in_c(low, high, i, dtype) for i in i0], dtype=dtype)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_yarn_ramp_at_a_non_integer_low():
+    """The case that separates float32 from double: 1 - (7 - 0.3f) / (9.7f - 0.3f) is
+    0.287234 in float32 and 0.28723404 when evaluated in double and rounded once."""
+    got = rope_yarn_ramp(0.3, 9.7, np.array([14]))
+    assert got.dtype == np.float32 and got[0] == np.float32(0.287234)
 
 
 @pytest.mark.parametrize(

@@ -156,10 +156,12 @@ def assert_twins_agree(flavour: Flavour, got, scenario: Callable[[Flavour], np.n
 
 def deep(**kwargs) -> settings:
     """Settings of the stateful machines and the state laws: the ``ci-deep`` profile
-    when ``HYPOTHESIS_PROFILE=ci`` (more examples, still derandomized), else the loaded
-    profile (``dev``, ``thorough``); ``kwargs`` override either."""
-    if os.environ.get("HYPOTHESIS_PROFILE") == "ci":
-        return settings(settings.get_profile("ci-deep"), **kwargs)
+    when ``HYPOTHESIS_PROFILE=ci`` (more examples, still derandomized), ``mutation-deep``
+    when it is ``mutation``, else the loaded profile (``dev``, ``thorough``); ``kwargs``
+    override either."""
+    profile = os.environ.get("HYPOTHESIS_PROFILE")
+    if profile in ("ci", "mutation"):
+        return settings(settings.get_profile(f"{profile}-deep"), **kwargs)
     return settings(settings(), **kwargs)
 
 
