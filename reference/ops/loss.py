@@ -10,7 +10,8 @@ $$ L = -\frac{1}{n_{rows}} \sum_{t} \sum_{c} \ell_{t,c}\, \log\mathrm{softmax}(z
 Its backward, ``ggml_cross_entropy_loss_back``, is where the gradient of training starts
 ([`reference.training.llama_grad`][reference.training.llama_grad]). As ggml's CPU kernels
 (``ggml_compute_forward_cross_entropy_loss_f32`` and its ``_back``), the sums over a row are
-accumulated in double.
+accumulated in double; the loss's ``expf`` and ``logf`` are C's, rounded once to float (see
+[`libm`][reference.ops.rope.libm]), so that the float32 loss is ggml's bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from reference.ops.errors import OpShapeError
+from reference.ops.rope import libm
 
 
 def check_cross_entropy_args(logits_shape: tuple, labels_shape: tuple, op: str) -> None:
@@ -47,10 +49,14 @@ def check_cross_entropy_args(logits_shape: tuple, labels_shape: tuple, op: str) 
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    """``ggml_vec_log_soft_max_f32``: ``x - max - log(sum(exp(x - max)))``, the sum in double."""
+    """``ggml_vec_log_soft_max_f32``: ``x - max - log(sum(exp(x - max)))``, the sum in double.
+
+    ggml sums ``expf(x - max)`` in double and returns ``logf(sum)``: C converts the double sum
+    to float for ``logf``, hence the rounding of the sum to the logits' dtype before the log.
+    """
     shifted = logits - np.max(logits, axis=-1, keepdims=True)  # (n_rows, n_classes)
-    log_sum = np.log(np.sum(np.exp(shifted), axis=-1, dtype=np.float64, keepdims=True))
-    return shifted - log_sum.astype(logits.dtype)  # (n_rows, n_classes)
+    total = np.sum(libm(np.exp, shifted), axis=-1, dtype=np.float64, keepdims=True)  # (n_rows, 1)
+    return shifted - libm(np.log, total.astype(logits.dtype))  # (n_rows, n_classes)
 
 
 # --8<-- [start:cross_entropy_loss]
@@ -61,7 +67,9 @@ def cross_entropy_loss(logits: np.ndarray, labels: np.ndarray) -> np.floating:
 
     with $\ell$ a probability row per token (llama.cpp's labels are one-hot rows of the next
     token). The log-softmax is $z - \max z - \log\sum e^{z - \max z}$, its sum accumulated in
-    double (``ggml_compute_forward_cross_entropy_loss_f32``).
+    double, and so is each row's sum over the classes (``ggml_vec_sum_f32``); the rows' sums
+    are then added in the logits' dtype and scaled by $-1/n_{rows}$
+    (``ggml_compute_forward_cross_entropy_loss_f32``).
 
     Args:
         logits: $z$, ``(n_rows, n_classes)`` (``(n_tokens, n_vocab)``).
@@ -79,7 +87,8 @@ def cross_entropy_loss(logits: np.ndarray, labels: np.ndarray) -> np.floating:
         1.3862943611198906
     """
     check_cross_entropy_args(logits.shape, labels.shape, "cross_entropy_loss")
-    per_row = np.sum(_log_softmax(logits) * labels.astype(logits.dtype), axis=-1)  # (n_rows,)
+    terms = _log_softmax(logits) * labels.astype(logits.dtype)  # (n_rows, n_classes)
+    per_row = np.sum(terms, axis=-1, dtype=np.float64).astype(logits.dtype)  # ggml_vec_sum_f32
     t = logits.dtype.type
     return t(np.sum(per_row, dtype=logits.dtype) * (t(-1) / t(logits.shape[0])))
 

@@ -162,6 +162,9 @@ def rope_yarn_corr_dims(
     $$
 
     With ``n_ctx_orig == 0`` (ggml's default), $\ln 0 = -\infty$ gives ``(0.0, -inf)``, as in C.
+    The clamps are C's ``MAX``/``MIN`` macros (``a > b ? a : b``), through which a NaN passes:
+    ``n_ctx_orig == 0`` with a zero $\beta$ ($0/0$) or with ``n_dims == 0`` ($0 \cdot \ln 0$)
+    gives ``(nan, nan)``, as in ggml (YaRN's angles are then NaN).
 
     Args:
         n_dims: number of rotated dimensions.
@@ -189,7 +192,10 @@ def rope_yarn_corr_dims(
 
     start = np.floor(corr_dim(beta_fast))
     end = np.ceil(corr_dim(beta_slow))
-    return float(max(dt(0), start)), float(min(dt(n_dims - 1), end))
+    # C's MAX(a, b) is `a > b ? a : b` and MIN(a, b) `a < b ? a : b`: a NaN passes through
+    low = dt(0) if dt(0) > start else start
+    high = dt(n_dims - 1) if dt(n_dims - 1) < end else end
+    return float(low), float(high)
 
 
 # --8<-- [end:rope_yarn_corr_dims]

@@ -107,6 +107,20 @@ def test_attention_without_a_cap_is_bit_identical_and_with_a_cap_caps_the_scores
     assert np.abs(capped - plain).max() > 1e-2
 
 
+@pytest.mark.parametrize("cap", [1.0, 0.5])
+def test_attention_caps_the_scores_with_a_cap_of_one_or_less(cap):
+    """Any cap > 0 is applied (``softcap > 0`` in ``build_attn_mha``), however small."""
+    rng = np.random.default_rng(2)
+    q, k, v = rng.normal(0, 3, (3, 2, 8)), rng.normal(0, 3, (4, 1, 8)), rng.normal(size=(4, 1, 3))
+    mask = np.triu(np.full((3, 4), -np.inf), 2)
+    s = cap * np.tanh(q.transpose(1, 0, 2) @ k.transpose(1, 2, 0) / cap) * 0.5 + mask
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    expected = (w @ v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(3, -1)
+    np.testing.assert_allclose(build_attn_mha(q, k, v, mask, 0.5, softcap=cap), expected,
+                               atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # GGUF keys
 

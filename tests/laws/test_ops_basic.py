@@ -14,7 +14,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from reference.ops import add, geglu, gelu, get_rows, mul, mul_mat, scale, set_rows, silu, swiglu
+from reference.ops import (
+    add,
+    geglu,
+    gelu,
+    get_rows,
+    get_rows_back,
+    mul,
+    mul_mat,
+    scale,
+    set_rows,
+    silu,
+    swiglu,
+)
 from reference.ops import matmul as R_matmul
 from reference.ops.errors import OpError, OpIndexError, OpShapeError, OpTypeError
 from tests.support.ggml_cpu import ggml_cpu
@@ -90,6 +102,55 @@ def test_op_errors_are_the_builtin_kinds():
     assert issubclass(OpIndexError, IndexError) and issubclass(OpTypeError, TypeError)
 
 
+def test_mul_mat_2d_weight_serves_every_matrix_of_a_3d_b():
+    w = np.arange(12.0).reshape(3, 4)
+    x = np.arange(24.0).reshape(2, 3, 4)  # two sequences of three rows
+    out = mul_mat(w, x)
+    assert out.shape == (2, 3, 3)
+    np.testing.assert_array_equal(out, x @ w.T)
+
+
+def test_mul_mat_single_3d_matrix_against_a_2d_b():
+    """ggml pads both to 4 dims; the result has as many dims as the larger operand."""
+    a = np.arange(6.0).reshape(1, 3, 2)  # one matrix, ne2 = 1
+    b = np.array([[1.0, 10.0], [2.0, 20.0]])
+    out = mul_mat(a, b)
+    assert out.shape == (1, 2, 3)
+    np.testing.assert_array_equal(out[0], b @ a[0].T)
+
+
+@pytest.mark.parametrize("n", [1, R_matmul.FEW_ROWS - 1, R_matmul.FEW_ROWS, 100])
+def test_mul_mat_2d_is_every_dot_product_below_and_beyond_few_rows(n):
+    """Small integers: every dot product is exact, whatever the summation order."""
+    rng = np.random.default_rng(n)
+    a = rng.integers(-4, 5, (7, 5)).astype(np.float64)
+    b = rng.integers(-4, 5, (n, 5)).astype(np.float64)
+    out = mul_mat(a, b)
+    expected = np.array([[sum(a[m, k] * b[i, k] for k in range(5)) for m in range(7)]
+                         for i in range(n)])
+    assert out.shape == (n, 7)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype",
+                         [(np.float16, np.float32), (np.float64, np.float32),
+                          (np.float32, np.float64)])
+@pytest.mark.parametrize("n", [2, R_matmul.FEW_ROWS + 1])
+def test_mul_mat_result_dtype_is_numpy_promotion_of_both(a_dtype, b_dtype, n):
+    a, b = np.ones((3, 4), dtype=a_dtype), np.ones((n, 4), dtype=b_dtype)
+    out = mul_mat(a, b)
+    assert out.dtype == np.result_type(a_dtype, b_dtype)
+    np.testing.assert_array_equal(out, 4)
+
+
+def test_mul_mat_empty_batches():
+    """A leading dim of b is a multiple of a's: 0 is a multiple of any, only 0 of 0."""
+    assert mul_mat(np.zeros((0, 3, 4)), np.zeros((0, 2, 4))).shape == (0, 2, 3)
+    assert mul_mat(np.zeros((2, 3, 4)), np.zeros((0, 2, 4))).shape == (0, 2, 3)
+    with pytest.raises(OpShapeError, match="multiple"):
+        mul_mat(np.zeros((0, 3, 4)), np.zeros((1, 2, 4)))
+
+
 # ----------------------------------------------------------------------------- get_rows / set_rows
 
 
@@ -125,6 +186,37 @@ def test_get_rows_rejects_float_rows():
         get_rows(np.zeros((4, 2)), np.array([1.0]))
 
 
+def test_get_rows_keeps_the_dtype_of_integer_tables():
+    """Only a floating ``a`` narrower than float32 is widened (ggml's I32 get_rows stays I32)."""
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
+        out = get_rows(np.arange(6, dtype=dtype).reshape(3, 2), np.array([2, 0]))
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out, [[4, 5], [0, 1]])
+
+
+def test_get_rows_needs_a_matrix_and_matching_leading_dims():
+    with pytest.raises(OpShapeError, match=r"^get_rows: need a \(\.\.\., n_rows, n_cols\)"):
+        get_rows(np.zeros(4), np.array([0]))
+    with pytest.raises(OpShapeError, match=r"a\.shape=\(2, 4, 3\), rows\.shape=\(2,\)$"):
+        get_rows(np.zeros((2, 4, 3)), np.array([0, 1]))
+
+
+def test_row_errors_name_the_op_the_range_and_the_culprits():
+    with pytest.raises(OpIndexError,
+                       match=r"^get_rows: row index out of range \[0, 4\): min=-1, max=4$"):
+        get_rows(np.zeros((4, 2)), np.array([4, -1]))
+    with pytest.raises(OpIndexError,
+                       match=r"^set_rows: row index out of range \[0, 3\): min=0, max=3$"):
+        set_rows(np.zeros((3, 2)), np.ones((2, 2)), np.array([0, 3]))
+    with pytest.raises(OpTypeError,
+                       match=r"^get_rows: rows must be integers \(ggml I32/I64\), got float64$"):
+        get_rows(np.zeros((4, 2)), np.array([1.0]))
+    with pytest.raises(OpTypeError, match=r"^set_rows: rows must be integers"):
+        set_rows(np.zeros((3, 2)), np.ones((1, 2)), np.array([1.0]))
+    with pytest.raises(OpIndexError, match=r"^set_rows: a target row repeats: rows\[\]=\[1 1\]$"):
+        set_rows(np.zeros((3, 2)), np.ones((2, 2)), np.array([1, 1]))
+
+
 def test_set_rows_writes_in_place_and_converts_dtype():
     dst = np.zeros((5, 2), dtype=np.float16)
     src = np.array([[1.0001, 2.0], [3.0, 65519.0]], dtype=np.float32)  # 65519 rounds to 65504
@@ -155,6 +247,45 @@ def test_set_rows_tiles_rows_over_leading_dims():
         np.testing.assert_array_equal(dst[i2, rows[i2 % 2], 0], src[i2, :, 0])
 
 
+def test_set_rows_one_set_of_rows_serves_every_leading_index():
+    dst = np.zeros((3, 4, 2))  # (ne2=3, n_rows=4, n_cols=2)
+    src = np.arange(1.0, 13.0).reshape(3, 2, 2)  # (ne2=3, n=2, 2)
+    set_rows(dst, src, np.array([3, 1]))  # rows (n,): ne11 = 1, the same rows for every i2
+    for i2 in range(3):
+        np.testing.assert_array_equal(dst[i2, [3, 1]], src[i2])
+        np.testing.assert_array_equal(dst[i2, [0, 2]], 0)
+
+
+def test_set_rows_4d_tiles_rows_modulo_both_leading_dims():
+    dst = np.zeros((4, 3, 5, 1))  # (ne3=4, ne2=3, n_rows=5, n_cols=1)
+    src = np.arange(1.0, 25.0).reshape(4, 3, 2, 1)  # (ne3=4, ne2=3, n=2, 1)
+    rows = np.array([[[0, 1], [2, 3], [4, 0]], [[1, 2], [3, 4], [0, 2]]])  # (ne12=2, ne11=3, 2)
+    set_rows(dst, src, rows)
+    for i3, i2 in np.ndindex(4, 3):
+        r = rows[i3 % 2, i2 % 3]  # i12 = i03 % ne12, i11 = i02 % ne11
+        np.testing.assert_array_equal(dst[i3, i2, r, 0], src[i3, i2, :, 0])
+        np.testing.assert_array_equal(np.delete(dst[i3, i2, :, 0], r), 0)
+
+
+@pytest.mark.parametrize(
+    "dst_shape, src_shape, rows_shape",
+    [
+        ((3, 2), (2, 3), (2,)),  # n_cols differ
+        ((3, 2), (2, 2), (3,)),  # n differs
+        ((3, 2), (2, 2), ()),  # rows is a scalar
+        ((3, 2), (2, 2), (1, 2)),  # rows has more leading dims than src has
+        ((4, 3, 2), (4, 2, 2), (3, 2)),  # 3 sets of rows do not tile 4 matrices
+        ((4, 3, 2), (4, 2, 2), (0, 2)),  # no set of rows at all
+        ((2, 3, 2), (4, 2, 2), (2,)),  # src has other leading dims than dst
+    ],
+)
+def test_set_rows_rejects_shapes_that_do_not_fit(dst_shape, src_shape, rows_shape):
+    dst = np.zeros(dst_shape)
+    with pytest.raises(OpShapeError, match=r"^set_rows: need dst \(\.\.\., n_rows, n_cols\)"):
+        set_rows(dst, np.ones(src_shape), np.zeros(rows_shape, dtype=np.int64))
+    assert not dst.any()
+
+
 @given(st.data(), st.integers(1, 8), st.integers(1, 4))
 def test_get_rows_after_set_rows_reads_back(data, n_rows, n_cols):
     n = data.draw(st.integers(0, n_rows))
@@ -164,6 +295,38 @@ def test_get_rows_after_set_rows_reads_back(data, n_rows, n_cols):
     set_rows(dst, src, rows)
     np.testing.assert_array_equal(get_rows(dst, rows.astype(np.int32)), src)
     assert np.isnan(np.delete(dst, rows, axis=0)).all()  # other rows untouched
+
+
+@given(st.data(), st.integers(1, 6), st.integers(1, 3))
+def test_get_rows_back_adds_each_gradient_row_into_its_source_row(data, n_rows, n_cols):
+    rows = np.array(data.draw(st.lists(st.integers(0, n_rows - 1), max_size=8)), dtype=np.int64)
+    grad = data.draw(hnp.arrays(np.float32, (len(rows), n_cols),
+                                elements=st.floats(-10, 10, width=32)))
+    out = get_rows_back(grad, rows, n_rows)
+    expected = np.zeros((n_rows, n_cols), dtype=np.float32)
+    for i, r in enumerate(rows):
+        expected[r] += grad[i]
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_get_rows_back_of_no_rows_is_zero():
+    out = get_rows_back(np.zeros((0, 3), dtype=np.float32), np.array([], dtype=np.int32), 4)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, np.zeros((4, 3)))
+
+
+def test_get_rows_back_rejects_what_get_rows_cannot_have_produced():
+    g = np.ones((2, 3))
+    for grad, rows in [(np.ones(3), [0, 1, 2]), (np.ones((2, 3, 1)), [0, 1]), (g, [0])]:
+        with pytest.raises(OpShapeError, match=r"^get_rows_back: need grad \(n, n_cols\)"):
+            get_rows_back(grad, np.array(rows), 4)
+    with pytest.raises(OpTypeError, match=r"^get_rows_back: rows must be integers, got float64$"):
+        get_rows_back(g, np.array([0.0, 1.0]), 4)
+    for bad in ([-1, 0], [0, 4]):
+        with pytest.raises(OpIndexError,
+                           match=rf"^get_rows_back: row index out of range \[0, 4\): \{bad}$"):
+            get_rows_back(g, np.array(bad), 4)
 
 
 # ----------------------------------------------------------------------------- add / mul / scale
@@ -213,6 +376,24 @@ def test_add_mul_reject_unrepeatable_b(b_shape):
         add(a, np.zeros(b_shape))
     with pytest.raises(OpShapeError):
         mul(a, np.zeros(b_shape))
+
+
+@pytest.mark.parametrize("op, name", [(add, "add"), (mul, "mul")])
+def test_add_mul_errors_name_the_op(op, name):
+    with pytest.raises(OpShapeError, match=rf"^{name}: b cannot be repeated into a, it has more"):
+        op(np.zeros((2, 3)), np.zeros((1, 2, 3)))
+    with pytest.raises(OpShapeError, match=rf"^{name}: b cannot be repeated into a \(ggml_can"):
+        op(np.zeros((2, 3)), np.zeros((4,)))
+
+
+def test_add_mul_an_empty_b_repeats_only_into_an_empty_a():
+    """Per dimension, a 0 of b repeats only into a 0 of a (0 = k * 0), with no division by 0."""
+    a, b = np.zeros((0, 3)), np.zeros((0, 3))
+    for op in (add, mul):
+        assert op(a, b).shape == (0, 3)
+        assert op(np.zeros((2, 0, 3)), b).shape == (2, 0, 3)
+        with pytest.raises(OpShapeError, match="multiple"):
+            op(np.zeros((1, 3)), b)
 
 
 def test_result_has_a_dtype():
@@ -279,6 +460,13 @@ def test_glu_reject_different_shapes():
         swiglu(np.zeros(3), np.zeros(4))
     with pytest.raises(OpShapeError, match="geglu"):
         geglu(np.zeros((2, 3)), np.zeros((3, 2)))
+
+
+@pytest.mark.parametrize("op, name", [(swiglu, "swiglu"), (geglu, "geglu")])
+def test_glu_errors_name_the_op_and_both_shapes(op, name):
+    with pytest.raises(OpShapeError, match=rf"^{name}: a and b must have the same shape, "
+                                           r"got \(2, 3\) and \(3, 2\)$"):
+        op(np.zeros((2, 3)), np.zeros((3, 2)))
 
 
 @pytest.mark.oracle

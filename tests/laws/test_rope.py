@@ -12,9 +12,10 @@ a magnitude $M$ other than one, additivity fails by exactly a factor $M$. float6
 (``sum|r1 - r2| / sum|r| < 1e-4``), at positions of a few thousands, where float32 angles
 keep that bound.
 
-Oracles: ggml's own CPU ``ggml_rope_ext`` (the ``libggml`` that llama-cpp-python ships, called
-through ctypes), HF transformers' ``apply_rotary_pos_emb`` (rotate_half) and HF's YaRN
-frequencies (``_compute_yarn_parameters``).
+Oracles: ggml's own CPU ``ggml_rope_ext`` and ``ggml_rope_yarn_corr_dims`` (the ``libggml``
+that llama-cpp-python ships, called through ctypes), C's ``powf`` for the angles' recurrence,
+HF transformers' ``apply_rotary_pos_emb`` (rotate_half) and HF's YaRN frequencies
+(``_compute_yarn_parameters``).
 
 The fast path of a forward's RoPE, ``graph_rope`` (one cos/sin cache per forward), is
 ``rope_ext`` bit for bit (NORM and NEOX, YaRN, frequency factors, float32 and float64).
@@ -22,8 +23,12 @@ The fast path of a forward's RoPE, ``graph_rope`` (one cos/sin cache per forward
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import importlib
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -36,6 +41,8 @@ from reference.ops.rope import (
     ROPE_TYPE_NORM,
     RopeError,
     RopeParams,
+    rope_back,
+    rope_cache,
     rope_ext,
     rope_theta,
     rope_yarn_corr_dims,
@@ -268,6 +275,34 @@ def test_theta_recurrence_error_bound_float32(n_dims, freq_base, p):
     assert np.all(np.abs(got64 - exact) <= 1e-14 * np.abs(exact))
 
 
+@functools.cache
+def _libm() -> ctypes.CDLL:
+    """C's math library, whose ``powf`` ``ggml_rope_cache_init`` calls."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.powf.argtypes, libm.powf.restype = [ctypes.c_float, ctypes.c_float], ctypes.c_float
+    return libm
+
+
+@pytest.mark.parametrize("freq_base", [10000.0, 500000.0, 1e6, 100.0])
+def test_theta_is_ggml_float32_recurrence_bit_for_bit(freq_base):
+    """``theta_scale = powf(freq_base, -2.0f/n_dims)`` (C's powf, through ctypes), then
+    ``theta *= theta_scale`` once per pair, every product rounded to float32: the angles of
+    ``ggml_rope_cache_init`` exactly, for every even ``n_dims`` up to 256. (NumPy's own float32
+    ``power`` is one ulp off for some of these exponents, e.g. base 1e4 and n_dims 64; a float64
+    recurrence rounded at the end is within the error bound above but not these bits.)"""
+    pos = np.array([0, 1, -7, 4099, 123457, -(2**24) + 3])
+    for n_dims in range(2, 258, 2):
+        scale = np.float32(_libm().powf(freq_base, np.float32(-2.0) / np.float32(n_dims)))
+        want = np.empty((len(pos), n_dims // 2), np.float32)
+        theta = pos.astype(np.float32)
+        for j in range(n_dims // 2):
+            want[:, j] = theta
+            theta = theta * scale  # float32 * float32: one rounding
+        got = rope_theta(pos, n_dims, freq_base, np.float32)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want, err_msg=f"n_dims={n_dims}")
+
+
 def test_float16_input_is_computed_in_float32_and_rounded_back():
     x = np.random.default_rng(1).standard_normal((3, 2, 8)).astype(np.float16)
     pos = np.array([0, 5, -9])
@@ -275,6 +310,98 @@ def test_float16_input_is_computed_in_float32_and_rounded_back():
     assert y.dtype == np.float16
     assert np.array_equal(y, rope_ext(x.astype(np.float32), pos, RopeParams(8, ROPE_TYPE_NEOX))
                           .astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("yarn", [False, True])
+def test_angles_and_cos_sin_cache_are_in_the_compute_dtype(dtype, yarn):
+    """float32 (ggml) or float64 throughout, whatever the dtype of ``freq_factors``."""
+    other = np.float64 if dtype == np.float32 else np.float32
+    params = RopeParams(16, n_ctx_orig=512, freq_scale=0.25 if yarn else 1.0,
+                        ext_factor=1.0 if yarn else 0.0, attn_factor=0.9)
+    pos = np.array([0, 3, -17, 4000])
+    assert rope_theta(pos, 16, 10000.0, dtype).dtype == dtype
+    for freq_factors in (None, np.linspace(1.0, 4.0, 8, dtype=other)):
+        cos_theta, sin_theta = rope_cache(pos, params, freq_factors, dtype)
+        assert cos_theta.dtype == sin_theta.dtype == dtype
+        assert cos_theta.shape == sin_theta.shape == (4, 8)
+
+
+@pytest.mark.parametrize("mode", [ROPE_TYPE_NORM, ROPE_TYPE_NEOX])
+def test_float32_pairs_rotate_in_float32(mode):
+    """ggml's ``rotate_pairs`` in float32: ``x_a c - x_b s`` and ``x_a s + x_b c`` with every
+    product and sum rounded to float32 (no wider intermediate), ``s`` negated for the backward;
+    the result has the input's dtype."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 3, 20)).astype(np.float32)
+    pos = rng.integers(-3000, 3000, 6)
+    params = RopeParams(16, mode, attn_factor=0.9)
+    if mode == ROPE_TYPE_NORM:
+        a, b = np.s_[..., 0:16:2], np.s_[..., 1:16:2]
+    else:
+        a, b = np.s_[..., 0:8], np.s_[..., 8:16]
+    cos_theta, sin_theta = rope_cache(pos, params)
+    c = cos_theta[:, None, :]
+    for op, s in ((rope_ext, sin_theta[:, None, :]), (rope_back, -sin_theta[:, None, :])):
+        y = op(x, pos, params)
+        assert y.dtype == np.float32
+        np.testing.assert_array_equal(y[a], x[a] * c - x[b] * s)
+        np.testing.assert_array_equal(y[b], x[a] * s + x[b] * c)
+        np.testing.assert_array_equal(y[..., 16:], x[..., 16:])
+        wide = (x[a].astype(np.float64) * c - x[b].astype(np.float64) * s).astype(np.float32)
+        assert not np.array_equal(y[a], wide)  # the rounding of each step shows
+
+
+def test_zero_n_dims_and_a_zero_context_compute_quietly():
+    """``n_dims = 0`` (no pairs: ``-2/0`` in theta_scale, ``0 * log 0`` in the correction dims)
+    and ggml_rope's ``n_ctx_orig = 0`` (``log 0 = -inf``; ``0/0`` with test-rope.cpp's zero
+    betas) are legal arguments: rope copies or rotates as C does, without a floating-point
+    warning."""
+    x = np.random.default_rng(3).standard_normal((3, 2, 8))
+    pos = np.array([0, 7, -2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype in (np.float32, np.float64):
+            xd = x.astype(dtype)
+            for mode in (ROPE_TYPE_NORM, ROPE_TYPE_NEOX):
+                np.testing.assert_array_equal(rope_ext(xd, pos, RopeParams(0, mode)), xd)
+                np.testing.assert_array_equal(rope_back(xd, pos, RopeParams(0, mode)), xd)
+            for betas in (dict(), dict(beta_fast=0.0, beta_slow=0.0)):
+                y = rope_ext(xd, pos, RopeParams(8, n_ctx_orig=0, **betas))
+                np.testing.assert_allclose(head_norms(y), head_norms(xd), rtol=1e-6)
+                assert not np.array_equal(y[1:], xd[1:])
+
+
+def _yarn_angles_in_double(pos, n_dims, n_ctx_orig, freq_base, freq_scale, ext_factor,
+                           beta_fast, beta_slow):
+    """YaRN's angles from its formulas, in double: the closed form p b^(-2j/n), the correction
+    dims of ggml_rope_yarn_corr_dims (math.log), the ramp, the blend."""
+    def corr_dim(beta):
+        return n_dims * math.log(n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(n_dims - 1.0, math.ceil(corr_dim(beta_slow)))
+    j = np.arange(n_dims // 2)
+    extrap = pos[:, None] * freq_base ** (-2.0 * j / n_dims)
+    mix = (1.0 - np.clip((j - low) / max(0.001, high - low), 0.0, 1.0)) * ext_factor
+    return freq_scale * extrap * (1.0 - mix) + extrap * mix
+
+
+@pytest.mark.parametrize("n_ctx_orig", [4096, 17206])
+@pytest.mark.parametrize("ext_factor", [1.0, 0.5])
+def test_yarn_in_float64_is_its_formulas_in_double(n_ctx_orig, ext_factor):
+    """float64 YaRN is computed in float64 all the way, correction dims and ramp included: at
+    n_ctx_orig 17206 float32's correction dims would be (30, 55), double's are (30, 56)."""
+    n_dims, base, scale, attn = 128, 10000.0, 0.25, 0.9
+    x = np.random.default_rng(4).standard_normal((43, 1, n_dims))
+    pos = np.arange(0, 43 * 97, 97)
+    got = rope_ext(x, pos, RopeParams(n_dims, ROPE_TYPE_NORM, n_ctx_orig, base, scale,
+                                      ext_factor, attn, 32.0, 1.0))
+    theta = _yarn_angles_in_double(pos, n_dims, n_ctx_orig, base, scale, ext_factor, 32.0, 1.0)
+    m = attn * (1.0 + 0.1 * math.log(1.0 / scale))
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * m * np.exp(1j * theta)[:, None, :]
+    np.testing.assert_allclose(got[..., 0::2], z.real, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(got[..., 1::2], z.imag, rtol=0, atol=1e-9)
 
 
 def test_extra_leading_dims():
@@ -293,6 +420,36 @@ def test_corr_dims_match_the_c_formula():
     assert rope_yarn_corr_dims(8, 1_000_000, 10.0, 32.0, 1.0) == (14.0, 7.0)
     # n_ctx_orig = 0 (ggml_rope's default): log(0) = -inf, exactly as in C
     assert rope_yarn_corr_dims(128, 0, 10000.0, 32.0, 1.0) == (0.0, -math.inf)
+
+
+def ggml_rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
+    """ggml's own ``ggml_rope_yarn_corr_dims`` (``ggml.c``), through ctypes."""
+    fn = ggml_cpu().base.ggml_rope_yarn_corr_dims
+    fn.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 3 + [ctypes.c_void_p]
+    fn.restype = None
+    dims = np.zeros(2, np.float32)
+    fn(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, dims.ctypes.data)
+    return float(dims[0]), float(dims[1])
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "args",
+    [
+        (128, 4096, 10000.0, 32.0, 1.0),
+        (64, 2048, 500000.0, 32.0, 1.0),
+        (8, 64, 10.0, 32.0, 1.0),  # low clamped at 0
+        (8, 1_000_000, 10.0, 32.0, 1.0),  # high clamped at n_dims - 1, below low
+        # d(beta_slow) = 55.0000008 in double: float32's logf gives ceil 55, double would give 56
+        (128, 17206, 10000.0, 32.0, 1.0),
+        (128, 218548, 500000.0, 32.0, 1.0),  # the same at base 5e5: 51, not 52
+        (128, 0, 10000.0, 32.0, 1.0),  # ggml_rope's n_ctx_orig = 0: (0, -inf)
+        (128, 0, 10000.0, 0.0, 0.0),  # test-rope.cpp's betas: 0/0, NaN through MAX and MIN
+        (0, 0, 10000.0, 32.0, 1.0),  # no rotated dims: 0 * log(0)
+    ],
+)
+def test_corr_dims_match_ggml(args):
+    np.testing.assert_array_equal(rope_yarn_corr_dims(*args), ggml_rope_yarn_corr_dims(*args))
 
 
 def _ramp_in_c(low: float, high: float, i0: int, dt: type) -> float:
@@ -322,25 +479,30 @@ def test_yarn_ramp_at_a_non_integer_low():
     assert got.dtype == np.float32 and got[0] == np.float32(0.287234)
 
 
+@pytest.mark.parametrize("op", [rope_ext, rope_back])
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(n_dims=3), "even"),
+        (dict(n_dims=3), r"^n_dims must be even and in \[0, head_dim=16\], got 3$"),
         (dict(n_dims=18), "head_dim=16"),
         (dict(n_dims=-2), "even"),
-        (dict(mode=1), "mode"),
+        (dict(mode=1), r"^mode must be ROPE_TYPE_NORM \(0\) or ROPE_TYPE_NEOX \(2\), got 1 "
+                       r"\(multi-section rope is not part of this specification\)$"),
         (dict(mode=8), "mode"),
         (dict(pos=np.arange(3)), r"pos must have shape \(n_tokens,\) = \(2,\)"),
         (dict(pos=np.array([0.0, 1.0])), "integer"),
-        (dict(freq_factors=np.ones(3)), "freq_factors"),
+        (dict(freq_factors=np.ones(3)), r"^freq_factors must have shape \(>= 4,\), got \(3,\)$"),
+        (dict(freq_factors=np.ones((4, 1))), r"^freq_factors must have shape \(>= 4,\)"),
         (dict(x=np.ones((2, 16))), "n_tokens, n_head, head_dim"),
     ],
 )
-def test_errors(kwargs, match):
+def test_errors(op, kwargs, match):
+    """rope_ext and its backward refuse the same arguments, with the same messages."""
     args = dict(x=np.ones((2, 1, 16), np.float32), pos=np.arange(2), n_dims=8)
     args.update(kwargs)
+    x, pos, freq_factors = args.pop("x"), args.pop("pos"), args.pop("freq_factors", None)
     with pytest.raises(RopeError, match=match) as info:
-        rope(**args)
+        op(x, pos, RopeParams(**args), freq_factors)
     assert isinstance(info.value, ValueError)
 
 
@@ -373,6 +535,9 @@ GGML_CASES = {
     "yarn-neox-half": dict(n_dims=128, mode=ROPE_TYPE_NEOX, ext_factor=0.5, freq_scale=0.125,
                            n_ctx_orig=2048, attn_factor=0.9, freq_base=500000.0),
     "yarn-ctx0": dict(n_dims=64, ext_factor=1.0, freq_scale=0.5),
+    # correction dims (30, 55) in float32, (30, 56) in double: see test_corr_dims_match_ggml
+    "yarn-corr-dims-float32": dict(n_dims=128, ext_factor=1.0, freq_scale=0.25,
+                                   n_ctx_orig=17206),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -136,6 +137,55 @@ def test_groups_are_blocks_of_consecutive_heads():
     C = np.array([1.0, 2.0]).reshape(1, 1, n_group, 1)  # group 0 -> 1, group 1 -> 2
     y, _ = ssm_scan(s, x, dt, A, B, C, np.array([0]))
     np.testing.assert_array_equal(y.ravel(), [30.0, 30.0, 60.0, 60.0])
+
+
+SCAN_ARG_NAMES = ("s", "x", "dt", "A", "B", "C")
+
+
+@pytest.mark.parametrize("wide", [None, *SCAN_ARG_NAMES])
+def test_scan_computes_in_the_common_dtype_of_its_float_inputs(wide):
+    """One float64 input among float32 ones makes the whole scan float64: the result is the
+    all-float64 scan of the same values, bit for bit; all float32 stays float32."""
+    rng = np.random.default_rng(11)
+    case = dict(zip(SCAN_ARG_NAMES, (
+        rng.standard_normal((2, 4, 2, 3)), rng.standard_normal((2, 3, 4, 2)),
+        rng.uniform(-3, 3, (2, 3, 4)), -np.exp(rng.standard_normal((4, 3))),
+        rng.standard_normal((2, 3, 2, 3)), rng.standard_normal((2, 3, 2, 3)),
+    ), strict=True))
+    narrow = {k: v.astype(np.float32) for k, v in case.items()}
+    mixed = {k: case[k] if k == wide else narrow[k] for k in SCAN_ARG_NAMES}
+    ids = np.array([1, 0])
+    y, states = ssm_scan(**mixed, ids=ids)
+    want_dtype = np.float32 if wide is None else np.float64
+    assert y.dtype == want_dtype and states.dtype == want_dtype
+    y_want, states_want = ssm_scan(**{k: v.astype(want_dtype) for k, v in mixed.items()},
+                                   ids=ids)
+    np.testing.assert_array_equal(y, y_want)
+    np.testing.assert_array_equal(states, states_want)
+
+
+def test_float32_scan_rounds_every_step_in_float32():
+    """float32 in: every product and sum is a float32 one (ggml's float kernel), checked
+    bit for bit against a loop over np.float32 scalars. dt > 20 and A = 0 keep the softplus
+    and the decay exact (Δ = dt, e^0 = 1); d_state = 2 makes the sum order irrelevant."""
+    f = np.float32
+    rng = np.random.default_rng(4)
+    n_seqs, n_t, n_head, head_dim, d_state = 2, 4, 2, 3, 2
+    s = rng.standard_normal((n_seqs, n_head, head_dim, d_state)).astype(f)
+    x = rng.standard_normal((n_seqs, n_t, n_head, head_dim)).astype(f)
+    dt = rng.uniform(21, 30, (n_seqs, n_t, n_head)).astype(f)
+    A = np.zeros((n_head, 1), f)
+    B = rng.standard_normal((n_seqs, n_t, 1, d_state)).astype(f)
+    C = rng.standard_normal((n_seqs, n_t, 1, d_state)).astype(f)
+    y, states = ssm_scan(s, x, dt, A, B, C, np.arange(n_seqs))
+    h = s.copy()
+    for i, t, hd, p in np.ndindex(n_seqs, n_t, n_head, head_dim):
+        x_dt = x[i, t, hd, p] * dt[i, t, hd]  # np.float32 * np.float32: a float32 rounding
+        for n in range(d_state):
+            h[i, hd, p, n] = h[i, hd, p, n] + B[i, t, 0, n] * x_dt
+        want = h[i, hd, p, 0] * C[i, t, 0, 0] + h[i, hd, p, 1] * C[i, t, 0, 1]
+        assert y[i, t, hd, p] == want, (i, t, hd, p)
+    np.testing.assert_array_equal(states, h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +347,96 @@ def test_errors():
         ssm_conv(np.zeros((1, 3, 2)), np.zeros((3, 4)))
     with pytest.raises(OpShapeError, match="conv_dim"):
         ssm_conv(np.zeros((1, 3)), np.zeros((3, 4)))
+
+
+def _raises_exactly(error, message):
+    """pytest.raises that wants the whole message, not a substring of it."""
+    return pytest.raises(error, match="^" + re.escape(message) + "$")
+
+
+def test_conv_error_counts_the_columns_sx_needs():
+    with _raises_exactly(OpShapeError, (
+        "ssm_conv: sx (1, 3, 2) does not fit c (3, 4): need sx.shape[1] == c.shape[0] and "
+        "at least d_conv - 1 = 3 columns in sx"
+    )):
+        ssm_conv(np.zeros((1, 3, 2)), np.zeros((3, 4)))
+
+
+def _scan_args(n_rs=2, n_head=4, head_dim=1, d_state=3, n_group=2, n_seqs=1, n_t=2):
+    """Zeros of the shapes ssm_scan accepts; callers break one of them."""
+    return dict(
+        s=np.zeros((n_rs, n_head, head_dim, d_state)),
+        x=np.zeros((n_seqs, n_t, n_head, head_dim)),
+        dt=np.zeros((n_seqs, n_t, n_head)),
+        A=np.zeros((n_head, d_state)),
+        B=np.zeros((n_seqs, n_t, n_group, d_state)),
+        C=np.zeros((n_seqs, n_t, n_group, d_state)),
+        ids=np.zeros(n_seqs, dtype=np.int32),
+    )
+
+
+@pytest.mark.parametrize("name", ["s", "x", "dt", "A", "B"])
+def test_scan_rejects_a_wrong_rank_naming_every_expected_layout(name):
+    """Any one array of the wrong rank: the message lists all the layouts and all the shapes."""
+    args = _scan_args()
+    args[name] = args[name][..., None]  # one axis too many
+    got = {k: args[k].shape for k in ("s", "x", "dt", "A", "B")}
+    with _raises_exactly(OpShapeError, (
+        "ssm_scan: need s (n_rs, n_head, head_dim, d_state), x (n_seqs, n_seq_tokens, "
+        "n_head, head_dim), dt (n_seqs, n_seq_tokens, n_head), A (n_head, d_state or 1), "
+        f"B and C (n_seqs, n_seq_tokens, n_group, d_state); got s {got['s']}, x {got['x']}, "
+        f"dt {got['dt']}, A {got['A']}, B {got['B']}"
+    )):
+        ssm_scan(**args)
+
+
+def test_scan_shape_errors_name_every_problem_in_one_message():
+    """s, dt, A and B (with C equal to it) all wrong: one OpShapeError, the four problems."""
+    args = _scan_args()
+    args["s"] = np.zeros((2, 5, 1, 3))
+    args["dt"] = np.zeros((1, 2, 5))
+    args["A"] = np.zeros((4, 2))
+    args["B"] = args["C"] = np.zeros((1, 3, 2, 3))
+    with _raises_exactly(OpShapeError, (
+        "ssm_scan: s (2, 5, 1, 3) must be (n_rs, 4, 1, d_state); "
+        "dt (1, 2, 5) must be (1, 2, 4); "
+        "A (4, 2) must be (4, 3) or (4, 1); "
+        "B (1, 3, 2, 3) and C (1, 3, 2, 3) must both be (1, 2, 'n_group', 3)"
+    )):
+        ssm_scan(**args)
+
+
+@pytest.mark.parametrize("n_group", [0, 3])
+def test_scan_wants_heads_in_whole_groups(n_group):
+    args = _scan_args(n_group=n_group)
+    with _raises_exactly(OpShapeError,
+                         f"ssm_scan: n_head = 4 must be a multiple of n_group = {n_group}"):
+        ssm_scan(**args)
+
+
+def test_scan_error_on_ids_of_the_wrong_length():
+    with _raises_exactly(OpShapeError, "ssm_scan: ids (2,) must be (1,)"):
+        ssm_scan(**{**_scan_args(), "ids": np.array([0, 1])})
+
+
+@pytest.mark.parametrize("ids", [[-1], [3], [0, 3], [-1, 0]])
+def test_scan_rejects_ids_outside_the_state_rows(ids):
+    """Negative ids too (NumPy would wrap them); the message counts the rows of s (n_rs = 3)."""
+    args = _scan_args(n_rs=3, n_seqs=len(ids))
+    with _raises_exactly(OpIndexError, f"ssm_scan: ids {ids} outside the 3 rows of s"):
+        ssm_scan(**{**args, "ids": np.array(ids)})
+
+
+def test_scan_error_on_float_ids():
+    with _raises_exactly(OpTypeError,
+                         "ssm_scan: ids must be integers (ggml: I32), got float64"):
+        ssm_scan(**{**_scan_args(), "ids": np.array([0.0])})
+
+
+def test_scan_of_zero_sequences_returns_empty_outputs():
+    """An empty ubatch (no ids at all) is not an index error."""
+    y, states = ssm_scan(**_scan_args(n_seqs=0))
+    assert y.shape == (0, 2, 4, 1) and states.shape == (0, 4, 1, 3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,9 +21,12 @@ r"""The backward ops and the Llama gradient: finite differences, torch autograd,
 
 from __future__ import annotations
 
+import ctypes
+import re
+
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from reference.hf import gguf_tensor_name, load_hf, permute
@@ -262,6 +265,143 @@ def test_bad_inputs_raise_typed_errors():
         cross_entropy_loss(np.ones((2, 3)), np.ones((2, 4)))
 
 
+def test_cross_entropy_takes_only_one_2d_shape():
+    for shape in [(4,), (1, 2, 3)]:  # the same shape for both, but not (n_rows, n_classes)
+        with pytest.raises(OpShapeError, match="must both be"):
+            cross_entropy_loss(np.ones(shape), np.ones(shape))
+        with pytest.raises(OpShapeError, match="must both be"):
+            cross_entropy_loss_back(1.0, np.ones(shape), np.ones(shape))
+
+
+def test_cross_entropy_shape_errors_name_the_op_and_both_shapes():
+    got = "got logits.shape=(2, 3), labels.shape=(2, 4)"
+    for name, call in [
+        ("cross_entropy_loss", lambda z, y: cross_entropy_loss(z, y)),
+        ("cross_entropy_loss_back", lambda z, y: cross_entropy_loss_back(1.0, z, y)),
+    ]:
+        message = f"{name}: logits and labels must both be (n_rows, n_classes); {got}"
+        with pytest.raises(OpShapeError, match="^" + re.escape(message) + "$"):
+            call(np.ones((2, 3)), np.ones((2, 4)))
+
+
+@given(seeds, st.integers(2, 4), st.integers(2, 6), st.sampled_from([np.float32, np.float64]))
+def test_cross_entropy_ignores_a_constant_added_to_a_row(seed, n_rows, n_classes, dtype):
+    """Each row counts only through its differences, even shifted far past exp's range.
+
+    The logits are multiples of 1/8 and the shifts +-1024, so the shifted logits are exact and
+    ``z - max z`` is the same bit for bit: so must the loss and its gradient be. A row's own max
+    keeps ``exp`` finite: e^2048 overflows, and e^-2048 (a row 2048 below another) underflows.
+    """
+    rng = _rng(seed)
+    z = (rng.integers(-16, 17, (n_rows, n_classes)) / 8).astype(dtype)
+    labels = rng.dirichlet(np.ones(n_classes), n_rows).astype(dtype)
+    shifted = z + (1024 * (-1) ** np.arange(n_rows))[:, None].astype(dtype)
+    assert cross_entropy_loss(shifted, labels) == cross_entropy_loss(z, labels)
+    np.testing.assert_array_equal(cross_entropy_loss_back(1.5, shifted, labels),
+                                  cross_entropy_loss_back(1.5, z, labels))
+
+
+def test_cross_entropy_float32_sums_the_softmax_denominator_in_double():
+    """One class at 1 and 1023 each below half an ulp of 1: a float32 sum would drop some.
+
+    ggml accumulates ``sum(exp(z - max))`` in ``ggml_float`` (double): every tiny term counts,
+    and the loss of the big class, ``log(sum)`` ~ 5e-5, is off by no more than the rounding of
+    the sum to float (an ulp of 1, 1.2e-7) where a float32 accumulator that starts at 1 drops
+    whole runs of the 5e-8 terms (7.6e-7 here).
+    """
+    z = np.full((1, 1024), -16.8, dtype=np.float32)  # e^-16.8 ~ 5.1e-8 < 2**-24
+    z[0, 0] = 0.0
+    labels = np.eye(1024, dtype=np.float32)[[0]]
+    total = np.sum(np.exp(z.astype(np.float64)))
+    loss = cross_entropy_loss(z, labels)
+    assert loss.dtype == np.float32
+    assert abs(loss - np.log(total)) < 1.5e-7
+    grad = cross_entropy_loss_back(1.0, z, labels)
+    assert grad.dtype == np.float32
+    expected = np.exp(z.astype(np.float64)) / total - labels
+    assert np.abs(grad - expected).max() < 1.5e-7  # the big class's 1/sum - 1, to ~1 ulp of 1
+
+
+def test_cross_entropy_loss_back_rounds_each_step_to_float32_like_ggml():
+    """All-zero logits: the softmax is exactly float32(1/3); then the float32 steps of ggml.
+
+    ``ggml_vec_scale_f32(1.0/sum)`` scales by the float of the double reciprocal, then
+    ``ggml_vec_sub_f32`` subtracts the labels and ``ggml_vec_scale_f32(d_by_nr)`` scales, each
+    rounded to float32; in double, ``(1/3 - 1) * 1.5`` would round to -1 instead.
+    """
+    f = np.float32
+    third = f(1.0 / 3.0)
+    expected = np.array([[(third - f(1)) * f(1.5), third * f(1.5), third * f(1.5)]])
+    ours = cross_entropy_loss_back(1.5, np.zeros((1, 3), f), np.eye(3, dtype=f)[[0]])
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, expected)
+    assert ours[0, 0] != f(-1.0)
+
+
+def test_cross_entropy_loss_sums_each_row_over_the_classes_in_double():
+    """Soft labels: one big term and 1023 each below half an ulp of it, summed in double.
+
+    ggml rounds each ``label * log_softmax`` to float (``ggml_vec_mul_f32``) and adds them in
+    ``ggml_float`` (``ggml_vec_sum_f32``); a float32 sum would drop some small terms (~2 ulps).
+    All-zero logits make every log-softmax ``-logf(1024)``.
+    """
+    labels = np.full((1, 1024), 1e-8, dtype=np.float32)  # 6.9e-8 terms; half an ulp of 6.9: 2.4e-7
+    labels[0, 0] = 1 - 1023e-8
+    terms = -np.float32(np.log(1024.0)) * labels  # float32 products
+    expected = -np.float32(np.sum(terms, dtype=np.float64))
+    assert cross_entropy_loss(np.zeros((1, 1024), np.float32), labels) == expected
+    assert np.float32(np.sum(terms)) != -expected  # float32's own sum is not it
+
+
+def test_cross_entropy_loss_subtracts_the_log_sum_in_float32():
+    """``ggml_vec_log_soft_max_f32`` by hand: ``(x - max) - logf(sum)``, each rounded to float.
+
+    Here the difference rounded once from double (``x - max - log(sum)``) is one ulp away.
+    """
+    f = np.float32
+    z = np.array([[0.0, -1.0625, 1.0, 0.25]], f)
+    shifted = z[0] - z.max()
+    total = np.sum(np.exp(shifted.astype(np.float64)).astype(f), dtype=np.float64)  # expf
+    log_sum = f(np.log(np.float64(f(total))))  # logf of the float sum
+    expected = -(shifted[1] - log_sum)
+    assert cross_entropy_loss(z, np.eye(4, dtype=f)[[1]]) == expected
+    assert f(np.log(total) - shifted[1]) != expected
+
+
+@given(seeds, st.booleans())
+def test_cross_entropy_takes_the_labels_in_the_precision_of_the_logits(seed, one_hot):
+    """float64 labels with float32 logits: the same as the labels rounded to float32 first."""
+    rng = _rng(seed)
+    z = (3 * rng.standard_normal((3, 7))).astype(np.float32)
+    labels = np.eye(7)[rng.integers(0, 7, 3)] if one_hot else rng.dirichlet(np.ones(7), 3)
+    labels32 = labels.astype(np.float32)
+    assert cross_entropy_loss(z, labels) == cross_entropy_loss(z, labels32)
+    back = cross_entropy_loss_back(1.5, z, labels)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, cross_entropy_loss_back(1.5, z, labels32))
+
+
+@given(seeds, st.integers(2, 7), st.integers(2, 60), st.booleans())
+@example(seed=4, n_rows=7, n_classes=50, one_hot=True)  # a case where the order shows
+def test_cross_entropy_loss_accumulates_the_rows_in_order(seed, n_rows, n_classes, one_hot):
+    """The mean over rows is a float32 running sum of the rows' losses, like ggml's one thread.
+
+    ``ggml_compute_forward_cross_entropy_loss_f32`` adds each row's sum to a float, in row order,
+    then scales by ``-1/nr``; so the loss of n rows is the running float32 sum of the one-row
+    losses times ``1/n``, bit for bit (up to 7 rows, where NumPy's sum is sequential too).
+    """
+    rng = _rng(seed)
+    z = (4 * rng.standard_normal((n_rows, n_classes))).astype(np.float32)
+    if one_hot:
+        labels = np.eye(n_classes, dtype=np.float32)[rng.integers(0, n_classes, n_rows)]
+    else:
+        labels = rng.dirichlet(np.ones(n_classes), n_rows).astype(np.float32)
+    running = np.float32(0)
+    for i in range(n_rows):
+        running = running + cross_entropy_loss(z[i : i + 1], labels[i : i + 1])
+    assert cross_entropy_loss(z, labels) == running * (np.float32(1) / np.float32(n_rows))
+
+
 # ---------------------------------------------------------------------------------------------
 # the whole model against finite differences (float64)
 
@@ -416,6 +556,45 @@ def test_rope_softmax_attention_loss_backwards_match_torch_autograd():
     _close(cross_entropy_loss_back(1.0, z, onehot), zt.grad.numpy(), TORCH_RTOL)
     assert abs(cross_entropy_loss(z, onehot) - torch.nn.functional.cross_entropy(
         torch.tensor(z), torch.tensor(labels)).item()) < 1e-14
+
+
+def _ggml_with_loss_ops():
+    """ggml's CPU backend (see ``tests.support.ggml_cpu``) with the two loss ops declared."""
+    from tests.support.ggml_cpu import ggml_cpu
+
+    ggml = ggml_cpu()
+    for name, n_args in [("ggml_cross_entropy_loss", 3), ("ggml_cross_entropy_loss_back", 4)]:
+        fn = getattr(ggml.base, name)
+        fn.argtypes, fn.restype = [ctypes.c_void_p] * n_args, ctypes.c_void_p
+    return ggml
+
+
+@pytest.mark.oracle
+def test_cross_entropy_matches_ggml_cpu():
+    """ggml itself: the loss bit-exact, its gradient to a few float32 ulps.
+
+    The loss takes C's ``expf`` and ``logf`` of single values, sums each row in double and, up
+    to 7 rows, adds the rows in order as NumPy does. The gradient's softmax goes through
+    ggml's SIMD ``ggml_v_expf``, which may differ from ``expf`` in the last bit.
+    """
+    ggml = _ggml_with_loss_ops()
+    rng = _rng(13)
+    for n_rows, n_classes in [(1, 3), (3, 7), (5, 100), (7, 1000), (4, 5000)]:
+        z = (3 * rng.standard_normal((n_rows, n_classes))).astype(np.float32)
+        onehot = np.eye(n_classes, dtype=np.float32)[rng.integers(0, n_classes, n_rows)]
+        soft = rng.dirichlet(np.full(n_classes, 0.3), n_rows).astype(np.float32)
+        assert ggml("cross_entropy_loss", z, onehot)[0, 0] == cross_entropy_loss(z, onehot)
+        assert ggml("cross_entropy_loss", z, soft)[0, 0] == cross_entropy_loss(z, soft)
+        for labels in (onehot, soft):
+            ref = ggml("cross_entropy_loss_back", np.array([1.5], np.float32), z, labels)
+            ours = cross_entropy_loss_back(1.5, z, labels)
+            assert ours.dtype == np.float32
+            assert np.abs(ours - ref).max() <= 4e-7 * np.abs(ref).max()
+    # all-zero logits: expf(0) = 1 exactly, so here the gradient is bit-exact too
+    z, onehot = np.zeros((2, 3), np.float32), np.eye(3, dtype=np.float32)[[0, 2]]
+    np.testing.assert_array_equal(
+        ggml("cross_entropy_loss_back", np.array([1.5], np.float32), z, onehot),
+        cross_entropy_loss_back(1.5, z, onehot))
 
 
 # ---------------------------------------------------------------------------------------------

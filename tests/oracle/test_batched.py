@@ -10,8 +10,6 @@ token for token: greedy, and seeded sampling at llama.cpp's default temperature.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -46,22 +44,12 @@ def smol_f32(tmp_path_factory):
     f32.unlink()
 
 
-def llamacpp_tokenize(model, text: str) -> list[int]:
-    """``common_tokenize(vocab, text, add_special=true)``."""
-    ll = llama_cpp
-    vocab = ll.llama_model_get_vocab(model)
-    buf = (ll.llama_token * 256)()
-    n = ll.llama_tokenize(vocab, text.encode(), len(text.encode()), buf, 256, True, False)
-    return list(buf[:n])
-
-
 def llamacpp_batched(path, n_predict: int, n_parallel: int, seed: int, temp: float):
     """batched.cpp:59-231 over llama.cpp's context and samplers; the streams' tokens."""
     ll = llama_cpp
     with LlamaCppContext(path, n_ctx=256, n_batch=max(n_predict, n_parallel), n_ubatch=512,
                          n_seq_max=n_parallel, kv_unified=True, n_threads=2) as lc:
-        tokens = llamacpp_tokenize(lc._model, PROMPT)
-        vocab = ll.llama_model_get_vocab(lc._model)
+        tokens = lc.tokenize(PROMPT)  # common_tokenize(vocab, text, add_special=true)
         chains = []
         for _ in range(n_parallel):  # :76-85
             smpl = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
@@ -82,8 +70,8 @@ def llamacpp_batched(path, n_predict: int, n_parallel: int, seed: int, temp: flo
             for i in range(n_parallel):
                 if i_batch[i] < 0:
                     continue
-                tok = ll.llama_sampler_sample(chains[i], ctypes.c_void_p(lc._ctx), i_batch[i])
-                if ll.llama_vocab_is_eog(vocab, tok) or n_cur == n_predict:
+                tok = lc.sampler_sample(chains[i], i_batch[i])
+                if lc.is_eog(tok) or n_cur == n_predict:
                     i_batch[i] = -1
                     continue
                 streams[i].append(tok)

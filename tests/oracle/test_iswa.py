@@ -16,8 +16,6 @@ the formats are not compatible, ``reference/memory/state.py``.)
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -186,21 +184,6 @@ def test_llamacpp_prepare_leaks_the_swa_purge_divergence(models):
 # ---- the extended state API: a partial checkpoint, as a server keeps one -----------------------
 
 
-def llamacpp_seq_state(ll: LlamaCppContext, seq_id: int, flags: int) -> bytes:
-    """``llama_state_seq_get_size_ext`` + ``llama_state_seq_get_data_ext``."""
-    lib = ll._ll
-    n = lib.llama_state_seq_get_size_ext(ll._ctx, seq_id, flags)
-    buf = (ctypes.c_uint8 * n)()
-    assert lib.llama_state_seq_get_data_ext(ll._ctx, buf, n, seq_id, flags) == n
-    return bytes(buf)
-
-
-def llamacpp_seq_restore(ll: LlamaCppContext, blob: bytes, dest: int, flags: int) -> int:
-    """``llama_state_seq_set_data_ext``: bytes read, 0 on failure."""
-    buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-    return int(ll._ll.llama_state_seq_set_data_ext(ll._ctx, buf, len(blob), dest, flags))
-
-
 @pytest.mark.oracle
 @pytest.mark.parametrize("n_prompt", [20, 270])
 def test_partial_checkpoint_equals_llamacpp(models, n_prompt):
@@ -212,26 +195,17 @@ def test_partial_checkpoint_equals_llamacpp(models, n_prompt):
     prompt, detour, tail = toks(30, n_prompt), toks(31, 260), toks(32, 5)
     results = []
     with LlamaCppContext(path, **kw) as ll:
-        for ctx, get, put in ((ll, llamacpp_seq_state, llamacpp_seq_restore),
-                              (Context(hp, weights, **kw), _our_state, _our_restore)):
+        for ctx in (ll, Context(hp, weights, **kw)):  # the same extended state API
             for i in range(0, n_prompt, 100):
                 assert ctx.decode(Batch(token=list(prompt[i:i + 100]))) == 0
-            blob = get(ctx, 0, 1)
+            blob = ctx.state_seq_get_data_ext(0, 1)  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
             for i in range(0, len(detour), 100):
                 assert ctx.decode(Batch(token=list(detour[i:i + 100]))) == 0
             assert ctx.memory.seq_rm(0, n_prompt, -1)
-            assert put(ctx, blob, 0, 1) == len(blob)
+            assert ctx.state_seq_set_data_ext(blob, 0, 1) == len(blob)
             pos = (ctx.memory.seq_pos_min(0), ctx.memory.seq_pos_max(0))
             assert ctx.decode(Batch(token=list(tail), logits=[True] * len(tail))) == 0
             results.append((pos, np.array(ctx.get_logits(), dtype=np.float32)))
     (pos_ll, logits_ll), (pos_ours, logits_ours) = results
     assert pos_ll == pos_ours == (n_prompt - N_SWA, n_prompt - 1)
     assert nmse(logits_ll, logits_ours) <= MAX_NMSE
-
-
-def _our_state(ctx: Context, seq_id: int, flags: int) -> bytes:
-    return ctx.state_seq_get_data_ext(seq_id, flags)
-
-
-def _our_restore(ctx: Context, blob: bytes, dest: int, flags: int) -> int:
-    return ctx.state_seq_set_data_ext(blob, dest, flags)
