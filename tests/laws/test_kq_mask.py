@@ -206,6 +206,26 @@ def test_a_token_after_its_sequence_needs_no_causal_term(p_token):
     assert fast.shape == (1, 10)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("other", ["its own sequence", "the token's sequence"])
+def test_a_token_sees_nothing_in_another_streams_block(dtype, other):
+    """A generation step in stream 0 (the prefix shortcut) with stream 1 in the slot too:
+    stream 1's block is all -inf for the token, whatever its cells hold (its own
+    sequence, or cells labelled with the token's sequence at earlier positions), and the
+    mask has the slot's dtype."""
+    cells = [KVCells(4), KVCells(4)]
+    for i in range(3):
+        cells[0].pos_set(i, i)
+        cells[0].seq_add(i, 0)
+        cells[1].pos_set(i, i)
+        cells[1].seq_add(i, 1 if other == "its own sequence" else 0)
+    case = (cells, [0, 1, 2, 3], np.array([3]), ((0,),), (0, 1), 4, 0, SWA_TYPE_NONE)
+    expected = np.array([[0, 0, 0, -np.inf] + [-np.inf] * 4], dtype=dtype)
+    for mask in (set_input_kq_mask(*case, dtype=dtype), set_input_kq_mask_fast(*case, dtype=dtype)):
+        assert mask.dtype == dtype
+        assert np.array_equal(mask, expected)
+
+
 @st.composite
 def conversation_case(draw):
     """One stream in which a conversation (sequence 0, maybe also 1) fills the first cells,
@@ -248,7 +268,9 @@ def test_a_visible_prefix_is_the_mask_of_the_rule(case):
     way."""
     v_cells, seq_to_stream, pos, seq_id, strm, n_kv, n_swa, swa_type = case
     rule = set_input_kq_mask(*case)
-    assert np.array_equal(set_input_kq_mask_fast(*case), rule)
+    fast = set_input_kq_mask_fast(*case)
+    assert fast.dtype == rule.dtype == np.float32
+    assert np.array_equal(fast, rule)
     s_tok = np.array([ids[0] for ids in seq_id])
     u = visible_prefix(v_cells[0], s_tok, pos, n_swa, swa_type)
     if u is not None:

@@ -24,7 +24,9 @@ from reference.hparams import (
 from reference.memory import (
     KVCache,
     KVCacheError,
+    MemoryStatus,
     SlotInfo,
+    StateError,
     k_shift_rope_params,
     kv_size_swa,
     n_ctx_seq,
@@ -188,6 +190,22 @@ def test_seq_add_noops(shift, p0, p1):
     assert snapshot(cache) == before and not cache.get_has_shift()
 
 
+def test_seq_div_refuses_d_below_one_and_visits_position_zero():
+    """``d < 1`` is refused before any change (llama.cpp divides by it); ``p0 < 0`` means
+    0, so a cell at position 0 is divided too (to 0, shift 0) and sets the cells'
+    ``has_shift`` flag, as llama.cpp's ``pos_div`` does for every cell it visits: the next
+    ``init_update`` has an update to run (one that turns no key)."""
+    cache = filled_cache([(0, {0}), (4, {1})])
+    before = snapshot(cache)
+    with pytest.raises(KVCacheError, match=r"^seq_div needs d >= 1, got 0$"):
+        cache.seq_div(0, 0, -1, 0)
+    assert snapshot(cache) == before
+    assert cache.init_update().get_status() == MemoryStatus.NO_UPDATE
+    cache.seq_div(0, -1, -1, 2)
+    assert snapshot(cache) == before and not cache.get_has_shift()
+    assert cache.init_update().get_status() == MemoryStatus.SUCCESS
+
+
 def test_seq_cp_shares_cells_without_copying():
     cache = filled_cache([(0, {0}), (1, {0}), (2, {0})])
     k_before = cache.k_l[0].copy()
@@ -219,6 +237,17 @@ def test_clear():
     assert cache.k_l[0].max() == 0.0 and cache.can_shift()
 
 
+def test_state_read_checks_its_flags_first():
+    """``state_read`` refuses flags other than NONE and PARTIAL_ONLY before reading."""
+    cache = filled_cache([(0, {0}), (1, {0})])
+    data = cache.state_write(HP)
+    cache.seq_rm(0, 1, -1)
+    before = snapshot(cache)
+    with pytest.raises(StateError, match=r"^state flags 2 not supported: 0 \(NONE\) or 1 "):
+        cache.state_read(HP, data, flags=2)
+    assert snapshot(cache) == before
+
+
 # ---- slot search -------------------------------------------------------------------------
 
 
@@ -239,6 +268,27 @@ def test_find_slot_cont_needs_consecutive_cells():
     assert cache.find_slot(make_ubatch([2, 3], [0, 0]), cont=True).idxs == ((2, 3),)
     assert cache.find_slot(make_ubatch([2, 3, 4], [0, 0, 0]), cont=True) is None
     assert cache.find_slot(make_ubatch([2, 3, 4], [0, 0, 0])).idxs == ((0, 2, 3),)
+
+
+@pytest.mark.parametrize(
+    "head,n_tokens,cont,found",
+    [
+        (2, 1, False, [2]),  # head == used + 2 n_tokens: the search starts at the head
+        (3, 1, False, [0]),  # head > used + 2 n_tokens: it starts at 0
+        (4, 2, False, [4, 5]),
+        (5, 2, False, [0, 1]),
+        (2, 2, True, [2, 3]),  # cont: the first window at or after the head
+        (6, 3, True, [0, 1, 2]),  # none fits after the head: the first one
+    ],
+)
+def test_slot_search_starts_at_head_unless_far_past_the_used_cells(head, n_tokens, cont, found):
+    """llama.cpp's ``find_slot``: ``head_cur > get_used() + 2 n_tokens`` sends the search to
+    cell 0; otherwise it starts at the head (the rule, its fast path and the loop agree)."""
+    cache = filled_cache([None] * 8, kv_size=8)
+    cache.v_heads[0] = head
+    assert cache._find_cells(0, n_tokens, cont) == found
+    assert cache._find_cells_fast(0, n_tokens, cont) == found
+    assert cell_by_cell_search(cache, n_tokens, cont) == found
 
 
 def cell_by_cell_search(cache: KVCache, n_tokens: int, cont: bool) -> list[int] | None:

@@ -296,3 +296,96 @@ def test_vectorized_slot_search_equals_the_loop(init, head, n_tokens, cont, swa_
     cache.v_heads[0] = min(head, len(init))
     loop = find_cells_loop(cache, 0, n_tokens, cont)
     assert cache._find_cells_fast(0, n_tokens, cont) == cache._find_cells(0, n_tokens, cont) == loop
+
+
+# ---- the one-cell methods' contracts, and what equality compares --------------------------
+
+
+def test_one_cell_methods_at_positions_zero_and_one():
+    """Each one-cell method on cells at positions 0 and 1 (positions, not -1 markers)."""
+    cells, _ = build([(0, {0, 1}), (1, {0, 1}), (1, {2})] + [None] * (N_CELLS - 3))
+    assert cells.seq_rm(1, 0) is False and row(cells, 1) == (1, {1}, 0)
+    cells.seq_add(1, 2)
+    assert row(cells, 1) == (1, {1, 2}, 0)
+    assert cells.pos_add(1, 0) is False and row(cells, 1) == (1, {1, 2}, 0)
+    cells.pos_div(1, 2)
+    assert row(cells, 1) == (0, {1, 2}, -1)
+    cells.pos_div(0, 3)
+    assert row(cells, 0) == (0, {0, 1}, 0)
+    cells.shift_set(2, 5)
+    assert row(cells, 2) == (1, {2}, 5) and cells.get_has_shift()
+    cells.rm(2)
+    assert cells.is_empty(2)
+    check_invariants(cells)
+
+
+def test_shift_set_records_a_restored_shift():
+    """``shift_set`` gives a cell its pending shift; only a non-zero one sets ``has_shift``."""
+    cells, _ = build([(4, {0}), (5, {0})] + [None] * (N_CELLS - 2))
+    cells.shift_set(0, 0)
+    assert row(cells, 0) == (4, {0}, 0) and not cells.get_has_shift() and cells.n_shifted == 0
+    cells.shift_set(1, -3)
+    assert row(cells, 1) == (5, {0}, -3) and cells.get_has_shift() and cells.n_shifted == 1
+    check_invariants(cells)
+
+
+def test_one_cell_methods_refuse_what_llamacpp_asserts():
+    """llama.cpp's ``assert``s on the cell (empty or not, has ``seq_id`` or not) hold here,
+    checked before anything changes."""
+    cells, _ = build([(3, {0}), None] + [None] * (N_CELLS - 2))
+    cells.pos_set(2, 7)  # a position, no sequence yet
+    before = cells.copy()
+    refused = [
+        lambda: cells.rm(1),  # empty
+        lambda: cells.seq_rm(1, 0),  # empty
+        lambda: cells.seq_rm(0, 1),  # lacks seq 1
+        lambda: cells.seq_add(1, 0),  # empty
+        lambda: cells.seq_add(0, 0),  # has seq 0 already
+        lambda: cells.pos_set(0, 4),  # not empty
+        lambda: cells.pos_set(2, 4),  # has a position (no sequence yet)
+        lambda: cells.pos_add(1, 1),  # empty
+        lambda: cells.pos_div(1, 2),  # empty
+        lambda: cells.shift_set(1, 1),  # empty
+    ]
+    for k, call in enumerate(refused):
+        with pytest.raises(AssertionError):
+            call()
+        assert cells == before, k
+
+
+def test_pos_div_is_integer_division_at_any_position():
+    """Positions are int64: the division is exact beyond float64's 2**53 as well."""
+    p = 2**62 + 1
+    cells, _ = build([None] * N_CELLS)
+    cells.pos_set(0, p)
+    cells.seq_add(0, 0)
+    cells.pos_div(0, 3)
+    assert (cells.pos_get(0), cells.get_shift(0)) == (p // 3, p // 3 - p)
+    check_invariants(cells)
+
+
+def test_equality_compares_every_field():
+    """Cells that differ in one field only compare unequal (the tests' snapshots rely on it)."""
+
+    def one_cell(pos=5, seqs=(0,), shift=0, has_shift=False) -> KVCells:
+        cells = KVCells(2)
+        cells.pos_set(0, pos)
+        for s in seqs:
+            cells.seq_add(0, s)
+        if shift:
+            cells.shift_set(0, shift)
+        cells.has_shift = has_shift or bool(shift)
+        return cells
+
+    base = one_cell()
+    assert base == one_cell() and base == base.copy()
+    assert base != one_cell(seqs=(1,))  # seq (and seq_pos) only
+    assert one_cell(seqs=()) != one_cell(pos=6, seqs=())  # pos only: same counts, no seq_pos
+    assert one_cell(shift=1) != one_cell(shift=2)  # shift only: same n_shifted, same flag
+    assert base != one_cell(has_shift=True)  # the flag only
+    counts = base.copy()
+    counts.n_used += 1
+    assert base != counts
+    pairs = base.copy()
+    pairs.seq_pos[0] = []
+    assert base != pairs

@@ -39,7 +39,7 @@ from reference.memory import (
 )
 from reference.memory.interface import Memory, MemoryContextError, MemoryStatus
 from reference.memory.recurrent import RecurrentMemoryError
-from reference.testing import tiny_hparams
+from reference.testing import tiny_hparams, tiny_mamba_hparams
 from tests.support.helpers import (
     CELLS,
     K_SHIFT,
@@ -126,6 +126,31 @@ def test_the_declared_capabilities_are_the_memorys(model, flavour):
     streams = model.make(flavour, n_seq_max=2, kv_unified=False)
     if model.has(STREAMS):
         assert all(c.get_n_stream() == 2 for c in kv_caches(streams.memory))
+
+
+def test_create_memory_defaults():
+    """What ``create_memory`` builds when told only the context size: one sequence in one
+    unified stream (any id up to ``LLAMA_MAX_SEQ``), the full context in the SWA cache,
+    float32 tensors, and a SWA cache sized for ubatches of 512 when not full; a dtype given
+    reaches the tensors of every memory."""
+    kv = create_memory(tiny_hparams(), n_ctx_seq=64)
+    iswa = create_memory(tiny_hparams(n_swa=4), n_ctx_seq=64)
+    for cache in (kv, iswa.kv_base, iswa.kv_swa):
+        assert (cache.get_size(), cache.get_n_stream(), cache.n_seq_max) == (64, 1, 1)
+        assert cache.seq_pos_max(LLAMA_MAX_SEQ - 1) == -1  # unified: every id is in range
+        assert all(t.dtype == np.float32 for t in cache.k_l + cache.v_l)
+    full = create_memory(tiny_hparams(n_swa=4), n_ctx_seq=1024)  # not PAD(4 + 512, 256) = 768
+    assert full.kv_swa.get_size() == 1024
+    # a window of 256 for one sequence: PAD(256 + 512, 256) = 768 cells (513 would need 1024)
+    swa = create_memory(tiny_hparams(n_swa=256), n_ctx_seq=2048, swa_full=False)
+    assert (swa.kv_base.get_size(), swa.kv_swa.get_size()) == (2048, 768)
+    rec = create_memory(tiny_mamba_hparams("mamba"), n_ctx_seq=64)
+    assert (rec.get_size(), rec.n_seq_max) == (1, 1)
+    assert all(t.dtype == np.float32 for t in rec.r_l + rec.s_l)
+    kv, iswa, rec = (create_memory(hp, n_ctx_seq=64, dtype=np.float64) for hp in (
+        tiny_hparams(), tiny_hparams(n_swa=4), tiny_mamba_hparams("mamba")))
+    tensors = kv.k_l + kv.v_l + iswa.kv_base.k_l + iswa.kv_swa.v_l + rec.r_l + rec.s_l
+    assert all(t.dtype == np.float64 for t in tensors)  # a dtype given reaches every memory
 
 
 @for_models(RECURRENT)
@@ -232,7 +257,7 @@ def test_remove_ubatch_puts_the_memory_back(model, flavour):
     mem = ctx.memory
     before = snapshot(ctx)
     mctx = mem.init_batch(balloc_of(mem, [4, 5], [1, 0]), n_ubatch=4)
-    mctx.apply()
+    assert mctx.apply() is True
     assert mem.seq_pos_max(1) == 1  # the first ubatch holds the token of sequence 1
     mctx.remove_ubatch()
     assert_same(before, snapshot(ctx))
@@ -274,10 +299,24 @@ def test_init_update_statuses(model, flavour):
     assert mem.init_update().get_status() is MemoryStatus.NO_UPDATE
 
 
+@pytest.mark.parametrize("memory", ["kv", "iswa"])
+def test_a_batch_that_cannot_be_split_is_refused(memory):
+    """Coupled sequences on one stream per sequence have no split: ``FAILED_PREPARE`` with
+    the split's own reason, the memory untouched."""
+    hp = tiny_hparams(n_swa=4 if memory == "iswa" else 0)
+    mem = create_memory(hp, n_ctx_seq=16, n_seq_max=2, kv_unified=False)
+    batch = Batch(token=[1, 2], seq_id=[[0, 1], [0, 1]])
+    balloc = BatchAllocr(batch, n_vocab=N_VOCAB, n_seq_max=2, memory=mem)
+    mctx = mem.init_batch(balloc, n_ubatch=4)
+    assert mctx.get_status() is MemoryStatus.FAILED_PREPARE and mctx.memory is mem
+    assert mctx.error == balloc.split_error and "coupled sequences" in mctx.error
+    assert (mem.seq_pos_max(0), mem.seq_pos_max(1)) == (-1, -1)
+
+
 def test_a_failed_memory_context_cannot_apply():
     cache = create_memory(tiny_hparams(), n_ctx_seq=4)
     mctx = cache.init_batch(balloc_of(cache, [1] * 5, [0] * 5), n_ubatch=8)
-    assert mctx.get_status() is MemoryStatus.FAILED_PREPARE
+    assert mctx.get_status() is MemoryStatus.FAILED_PREPARE and mctx.memory is cache
     assert mctx.error == "failed to find a memory slot for a batch of 5"
     with pytest.raises(MemoryContextError, match="failed memory context"):
         mctx.apply()

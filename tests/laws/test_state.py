@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -1039,3 +1040,312 @@ def test_cancelled_shift_is_not_pending():
     assert cache.get_has_shift()
     cache.seq_add(0, 3, -1, -2)  # back where they were: shift 0
     assert not cache.get_has_shift() and cache.update() is False
+
+
+# ---------------------------------------------------------------------------------------------
+# the byte layout, written by hand from state_write's table; crafted blobs (checksum valid)
+# ---------------------------------------------------------------------------------------------
+
+HP_SMALL = tiny_hparams(n_layer=1, n_embd=8, n_head=2, n_head_kv=1)  # rows of 4 elements
+
+
+def hand_blob(cells, k, v, *, hp=HP_SMALL, seq_id=-1, n_stream=1, k_type=0, v_type=0,
+              v_trans=0, layers=None, extra=b"", arch=None, fields=None, more=()) -> bytes:
+    """A memory blob written field by field as ``state_write``'s docstring lays it out:
+    stream 0 holds ``cells`` ``[(pos, shift, seq_ids)]`` and the f32 rows ``k`` and ``v``
+    ``(cell_count, width)`` of one layer, the streams of ``more`` (each ``(cells, k, v)``)
+    come next, the others hold nothing. ``layers`` replaces stream 0's layer blocks
+    ``[(type, size_row, rows)]``; ``fields`` sets a u32 as written (``n_stream``,
+    ``cell_count``, ``n_seq_id``, ``n_layer``: a value no writer writes); ``extra`` goes
+    before the checksum."""
+    from reference.memory.blob import BlobWriter, seal
+    from reference.memory.state import hparams_fingerprint
+
+    fields = fields or {}
+    body = BlobWriter()
+    body.write_string(hp.arch if arch is None else arch)
+    body.write_bytes(hparams_fingerprint(hp))
+    body.write("iiIi", k_type, v_type, fields.get("n_stream", n_stream), seq_id)
+    for i, (cells_s, k_s, v_s) in enumerate([(cells, k, v), *more]):
+        body.write("I", fields.get("cell_count", len(cells_s)) if i == 0 else len(cells_s))
+        if not cells_s:
+            continue
+        for pos, shift, ids in cells_s:
+            body.write("iIi", pos, fields.get("n_seq_id", len(ids)), shift)
+            for s in ids:
+                body.write("i", s)
+        blocks = layers if layers is not None and i == 0 else [
+            (0, 4 * r.shape[1], r) for r in (np.float32(k_s), np.float32(v_s))]
+        body.write("II", v_trans, fields.get("n_layer", len(blocks) // 2))
+        for t, size_row, rows in blocks:
+            body.write("iQ", t, size_row)
+            body.write_bytes(np.ascontiguousarray(rows).tobytes())
+    for _ in range(n_stream - 1 - len(more)):
+        body.write("I", 0)
+    body.write_bytes(extra)
+    return seal(b"LRKV", 1, body.getvalue())
+
+
+def ragged_cache(**kwargs) -> KVCache:
+    """Cells ``0: (0, {0})``, a hole, ``2: (2, {0, 1})``, ``3: pos 3 of {2}, shift 3``; key
+    row ``i`` is ``i, i + .25, ...``, value rows the negatives."""
+    cache = KVCache(HP_SMALL, kv_size=8, n_seq_max=3, **kwargs)
+    ub = _ubatch([0, 1, 2, 0], [0, 0, 0, 2])
+    cache.apply_ubatch(cache.prepare([ub])[0], ub)
+    cache.k_l[0][0, :4] = np.arange(16).reshape(4, 4) / 4
+    cache.v_l[0][0, :4] = -cache.k_l[0][0, :4]
+    cache.seq_rm(0, 1, 2)  # the hole: cell 1
+    cache.seq_cp(0, 1, 2, -1)  # cell 2 shared
+    cache.seq_add(2, 0, -1, 3)  # cell 3 moved, its K-shift pending
+    return cache
+
+
+def test_blob_bytes_are_the_documented_layout():
+    """Whole and per-sequence blobs are byte for byte the table of ``state_write``: the
+    non-empty cells in cell order with their shift and sorted ids (one id for a sequence),
+    then ``v_trans = 0``, ``n_layer``, each layer's type, row size and rows; parsed back field
+    by field; a restore compacts them and writes the same bytes again."""
+    cache = ragged_cache()
+    k, v = cache.k_l[0][0], cache.v_l[0][0]
+    whole = state_write(cache, HP_SMALL)
+    assert whole == hand_blob([(0, 0, (0,)), (2, 0, (0, 1)), (3, 3, (2,))], k[[0, 2, 3]],
+                              v[[0, 2, 3]])
+    assert state_write(cache, HP_SMALL, seq_id=0) == hand_blob(
+        [(0, 0, (0,)), (2, 0, (0,))], k[[0, 2]], v[[0, 2]], seq_id=0)
+    assert state_write(cache, HP_SMALL, seq_id=2) == hand_blob(
+        [(3, 3, (2,))], k[[3]], v[[3]], seq_id=2)
+    assert state_write(cache, HP_SMALL, seq_id=1) == hand_blob(
+        [(2, 0, (1,))], k[[2]], v[[2]], seq_id=1)
+    empty = hand_blob([], None, None, seq_id=0)
+    assert state_write(KVCache(HP_SMALL, kv_size=8, n_seq_max=3), HP_SMALL, seq_id=0) == empty
+    emptied = ragged_cache()
+    state_read(emptied, HP_SMALL, empty, dest_seq_id=0)  # an empty sequence empties dest_seq_id
+    assert cell_table(emptied) == [(2, (1,)), (3, (2,))]
+
+    state = state_parse(whole)
+    assert (state.arch, state.k_type, state.v_type, state.n_stream, state.seq_id) == (
+        "llama", 0, 0, 1, -1)
+    from reference.memory.state import hparams_fingerprint
+    assert state.fingerprint == hparams_fingerprint(HP_SMALL)
+    (st,) = state.streams
+    assert (st.cell_count, st.pos, st.shift, st.seq_ids) == (3, [0, 2, 3], [0, 0, 3],
+                                                             [(0,), (0, 1), (2,)])
+    assert [r.tobytes() for r in st.k + st.v] == [k[[0, 2, 3]].tobytes(), v[[0, 2, 3]].tobytes()]
+    assert st.k[0].dtype == np.float32 and st.k[0].shape == (3, 4)
+
+    fresh = KVCache(HP_SMALL, kv_size=8, n_seq_max=3)
+    state_read(fresh, HP_SMALL, whole)
+    c = fresh.v_cells[0]
+    assert cell_table(fresh) == [(0, (0,)), (2, (0, 1)), (3, (2,))]
+    assert c.pos[:4].tolist() == [0, 2, 3, -1]  # compacted
+    assert [c.get_shift(i) for i in range(3)] == [0, 0, 3] and fresh.get_has_shift()
+    assert fresh.k_l[0][0, :3].tobytes() == k[[0, 2, 3]].tobytes()
+    assert fresh.v_l[0][0, :3].tobytes() == v[[0, 2, 3]].tobytes()
+    assert not fresh.k_l[0][0, 3:].any() and fresh.v_heads == [0]
+    assert state_write(fresh, HP_SMALL) == whole
+
+
+ROW = np.zeros((1, 4), np.float32)
+TRUNCATED = r"state blob truncated at byte \d+: {} bytes needed at offset \d+"  # (a pattern)
+#: name: (hand_blob's arguments, dest_seq_id, the whole message); the checksum is valid, so
+#: each blob reaches the rule it breaks; the target is ragged_cache() (8 cells, 3 sequences)
+CRAFTED = {
+    "unknown row type": (dict(cells=[], k=None, v=None, k_type=99),
+                         -1, "unsupported row type ggml type 99"),
+    "unknown value type": (dict(cells=[], k=None, v=None, v_type=99),
+                           -1, "unsupported row type ggml type 99"),
+    "too many seq ids": (dict(cells=[(0, 0, range(2**16 + 1))], k=ROW, v=ROW),
+                         -1, "a cell lists 65537 sequences"),
+    "transposed V": (dict(cells=[(0, 0, (0,))], k=ROW, v=ROW, v_trans=1),
+                     -1, "transposed V rows (v_trans = 1) are not supported"),
+    "key type": (dict(cells=[(0, 0, (0,))], k=None, v=None,
+                      layers=[(1, 8, ROW.astype(np.float16)), (0, 16, ROW)]),
+                 -1, "layer 0 key rows are float16 (ggml type 1), the header says float32 "
+                     "(ggml type 0)"),
+    "value row size": (dict(cells=[(0, 0, (0,))], k=None, v=None,
+                            layers=[(0, 16, ROW), (0, 15, ROW)]),
+                       -1, "layer 0 value row size 15 is not a whole number of float32 "
+                           "elements"),
+    "bytes left": (dict(cells=[(0, 0, (0,))], k=ROW, v=ROW, extra=b"\0\0"),
+                   -1, "state blob has 2 unread bytes before its checksum"),
+    "too many cells": (dict(cells=[(i, 0, (0,)) for i in range(9)], k=np.zeros((9, 4)),
+                            v=np.zeros((9, 4))),
+                       -1, "does not fit: stream 0 needs 9 cells, the cache has 8"),
+    "two layers": (dict(cells=[(0, 0, (0,))], k=None, v=None, layers=[(0, 16, ROW)] * 4),
+                   -1, "blob has 2 layers, the cache 1"),
+    "key width": (dict(cells=[(0, 0, (0,))], k=np.zeros((1, 8)), v=ROW),
+                  -1, "layer 0: rows of 8/4 elements (K/V), the cache holds 4/4"),
+    "value width": (dict(cells=[(0, 0, (0,))], k=ROW, v=np.zeros((1, 2))),
+                    -1, "layer 0: rows of 4/2 elements (K/V), the cache holds 4/4"),
+    "negative position": (dict(cells=[(0, 0, (0,)), (-1, 0, (0,))], k=np.zeros((2, 4)),
+                               v=np.zeros((2, 4))),
+                          -1, "stream 0 cell 1: position -1 < 0"),
+    "no seq id": (dict(cells=[(0, 0, ())], k=ROW, v=ROW),
+                  -1, "stream 0 cell 0: sequence ids () not ascending and unique"),
+    "seq ids descending": (dict(cells=[(0, 0, (0,)), (1, 0, (1, 0))], k=np.zeros((2, 4)),
+                                v=np.zeros((2, 4))),
+                           -1, "stream 0 cell 1: sequence ids (1, 0) not ascending and unique"),
+    "seq id twice": (dict(cells=[(0, 0, (1, 1))], k=ROW, v=ROW),
+                     -1, "stream 0 cell 0: sequence ids (1, 1) not ascending and unique"),
+    "seq id out of range": (dict(cells=[(0, 0, (0, 3))], k=ROW, v=ROW),
+                            -1, "stream 0 cell 0: seq_id 3 out of range [0, 3)"),
+    "seq id below 0": (dict(cells=[(0, 0, (-1,))], k=ROW, v=ROW),
+                       -1, "stream 0 cell 0: seq_id -1 out of range [0, 3)"),
+    "another seq's cell": (dict(cells=[(0, 0, (1,))], k=ROW, v=ROW, seq_id=2),
+                           0, "stream 0 cell 0: sequence ids (1,) in a blob of sequence 2"),
+    "a shared cell": (dict(cells=[(0, 0, (1, 2))], k=ROW, v=ROW, seq_id=2),
+                      0, "stream 0 cell 0: sequence ids (1, 2) in a blob of sequence 2"),
+    "another architecture": (dict(cells=[], k=None, v=None, arch="qwen2"),
+                             -1, "blob written for architecture 'qwen2', this model is 'llama'"),
+    "f16 cache": (dict(cells=[], k=None, v=None, k_type=1, v_type=1),
+                  -1, "cache dtype mismatch: blob K float16 (ggml type 1), V float16 (ggml "
+                      "type 1); this cache float32 (ggml type 0)"),
+    "f16 values": (dict(cells=[], k=None, v=None, v_type=1),
+                   -1, "cache dtype mismatch: blob K float32 (ggml type 0), V float16 (ggml "
+                       "type 1); this cache float32 (ggml type 0)"),
+    "two streams": (dict(cells=[], k=None, v=None, n_stream=2),
+                    -1, "n_stream mismatch: blob 2, cache 1"),
+    "whole into a sequence": (dict(cells=[], k=None, v=None),
+                              1, "blob holds the whole memory: restore it with dest_seq_id -1"),
+    "sequence as whole": (dict(cells=[], k=None, v=None, seq_id=2),
+                          -1, "blob holds sequence 2: restore it with dest_seq_id >= 0"),
+    "dest below 0": (dict(cells=[], k=None, v=None, seq_id=2),
+                     -2, "dest_seq_id=-2 out of range [0, 256) or -1"),
+    "dest too large": (dict(cells=[], k=None, v=None, seq_id=2),
+                       256, "dest_seq_id=256 out of range [0, 256) or -1"),
+    # u32 fields at values no writer writes (beyond int32): read as unsigned, never negative
+    "n_stream 2**32 - 1": (dict(cells=[], k=None, v=None, fields=dict(n_stream=2**32 - 1)),
+                           -1, TRUNCATED.format(4)),
+    "cell_count 2**32 - 1": (dict(cells=[(0, 0, (0,))], k=ROW, v=ROW,
+                                  fields=dict(cell_count=2**32 - 1)), -1, TRUNCATED.format(12)),
+    "n_seq_id 2**32 - 1": (dict(cells=[(0, 0, (0,))], k=ROW, v=ROW,
+                                fields=dict(n_seq_id=2**32 - 1)),
+                           -1, "a cell lists 4294967295 sequences"),
+    "n_layer 2**32 - 1": (dict(cells=[(0, 0, (0,))], k=ROW, v=ROW,
+                               fields=dict(n_layer=2**32 - 1)), -1, TRUNCATED.format(12)),
+    "key type -1": (dict(cells=[(0, 0, (0,))], k=None, v=None,
+                         layers=[(-1, 16, ROW), (0, 16, ROW)]),
+                    -1, "layer 0 key rows are ggml type -1, the header says float32 (ggml type 0)"),
+    "row size 2**63 + 16": (dict(cells=[(0, 0, (0,))], k=None, v=None,
+                                 layers=[(0, 2**63 + 16, ROW), (0, 16, ROW)]),
+                            -1, TRUNCATED.format(2**63 + 16)),
+    "65536 seq ids are listed": (dict(cells=[(0, 0, range(2**16))], k=ROW, v=ROW),
+                                 -1, "stream 0 cell 0: seq_id 3 out of range [0, 3)"),
+    "no room": (dict(cells=[(i, 0, (2,)) for i in range(7)], k=np.zeros((7, 4)),
+                     v=np.zeros((7, 4)), seq_id=2),
+                0, "does not fit: sequence needs 7 cells, stream 0 has 5 free (+2 of sequence 0 "
+                   "it replaces)"),
+}
+
+
+@pytest.mark.parametrize("name", CRAFTED)
+def test_refuses_crafted_blobs_with_their_exact_message(name):
+    """A blob that passes the checksum but breaks one rule of ``state_parse`` /
+    ``state_check`` / the slot search: ``StateError`` with exactly its message, the memory
+    unchanged (its pending shift, hole and shared cell included)."""
+    kwargs, dest, message = CRAFTED[name]
+    target = ragged_cache()
+    pattern = message if "truncated" in message else re.escape(message)
+    _refused(target, HP_SMALL, hand_blob(**kwargs), f"^{pattern}$", dest)
+    assert cell_table(target) == [(0, (0,)), (2, (0, 1)), (3, (2,))]
+
+
+def test_refusals_say_exactly_why_and_a_full_cache_restores():
+    """The messages of ``state_write`` and ``state_check`` word for word; a sequence blob
+    with cells in two streams is refused; a blob exactly as large as the cache restores."""
+    from reference.memory.state import hparams_fingerprint
+
+    def exactly(message: str) -> str:
+        return f"^{re.escape(message)}$"
+
+    cache = ragged_cache()
+    for seq_id in (256, -2):
+        with pytest.raises(StateError, match=exactly(f"seq_id={seq_id} out of range [0, 256) "
+                                                     "or -1")):
+            state_write(cache, HP_SMALL, seq_id=seq_id)
+    with pytest.raises(StateError, match=exactly("hparams are not those of this memory")):
+        state_write(cache, tiny_hparams())
+    whole = state_write(cache, HP_SMALL)
+    _refused(cache, tiny_hparams(), whole, exactly("hparams are not those of this memory"))
+    _refused(cache, HP_SMALL, whole[:10],
+             exactly("state blob truncated at byte 10: the header needs 16 bytes"))
+    other = dataclasses.replace(HP_SMALL, rope_freq_base_train=5e5)
+    fp_blob, fp = hand_blob([], None, None, hp=other), hparams_fingerprint
+    _refused(cache, HP_SMALL, state_write(KVCache(other, kv_size=8), other), exactly(
+        f"blob written for other hyperparameters (fingerprint {fp(other).hex()[:16]}..., "
+        f"this model {fp(HP_SMALL).hex()[:16]}...): another model"))
+    assert state_write(KVCache(other, kv_size=8, n_seq_max=3), other) == fp_blob
+
+    split = KVCache(HP_SMALL, kv_size=8, n_seq_max=2, kv_unified=False)  # seq s in stream s
+    two = hand_blob([(0, 0, (0,))], ROW, ROW, seq_id=0, n_stream=2,
+                    more=[([(1, 0, (0,))], ROW, ROW)])
+    _refused(split, HP_SMALL, two, exactly("a sequence blob with cells in more than one stream"),
+             dest_seq_id=0)
+    wrong = hand_blob([(0, 0, (1,))], ROW, ROW, n_stream=2)  # seq 1 lives in stream 1
+    _refused(split, HP_SMALL, wrong, exactly("stream 0 cell 0: seq_id 1 lives in stream 1"))
+    # the cells go to dest_seq_id's stream, whichever stream the blob holds them in
+    moved = hand_blob([], None, None, seq_id=1, n_stream=2, more=[([(5, 0, (1,))], ROW, ROW)])
+    state_read(split, HP_SMALL, moved, dest_seq_id=0)
+    assert cell_table(split, 0) == [(5, (0,))] and cell_table(split, 1) == []
+    moved = hand_blob([(5, 0, (1,))], ROW, ROW, seq_id=1, n_stream=2)
+    state_read(split, HP_SMALL, moved, dest_seq_id=1)
+    assert cell_table(split, 1) == [(5, (1,))]
+
+    full = hand_blob([(i, 0, (0,)) for i in range(8)], np.ones((8, 4)), np.ones((8, 4)))
+    state_read(cache, HP_SMALL, full)
+    assert cache.seq_pos_max(0) == 7 and cache.v_cells[0].get_used() == 8
+    assert state_write(cache, HP_SMALL) == full
+
+
+def test_restores_are_independent_of_what_the_memory_held():
+    """A whole restore leaves the memory as a restore into a fresh cache (the rows of the
+    cells it frees are zeroed, as llama.cpp's ``clear(true)``); a sequence restore first
+    applies the pending stream copies (``seq_cp`` across streams), then writes its rows."""
+    whole = state_write(ragged_cache(), HP_SMALL)
+    used, fresh = ragged_cache(), KVCache(HP_SMALL, kv_size=8, n_seq_max=3)
+    used.k_l[0][0] = used.v_l[0][0] = 9.0  # every cell, the empty ones too
+    state_read(used, HP_SMALL, whole)
+    state_read(fresh, HP_SMALL, whole)
+    assert_same(snapshot(used), snapshot(fresh))
+
+    split = KVCache(HP_SMALL, kv_size=8, n_seq_max=2, kv_unified=False)
+    ub = _ubatch([0, 1], [0, 0])
+    split.apply_ubatch(split.prepare([ub])[0], ub)
+    split.k_l[0][0, :2] = split.v_l[0][0, :2] = [[1.0], [2.0]]
+    split.seq_cp(0, 1, -1, -1)  # stream 0 -> 1: the rows are copied at the next update
+    assert split.sc_info == [(0, 1)]
+    rows = np.full((1, 4), 5.0)
+    state_read(split, HP_SMALL, hand_blob([(7, 0, (0,))], rows, rows, seq_id=0, n_stream=2),
+               dest_seq_id=0)
+    assert split.sc_info == [] and cell_table(split, 1) == [(0, (1,)), (1, (1,))]
+    for t in (split.k_l[0], split.v_l[0]):
+        assert t[1, :2].tolist() == [[1.0] * 4, [2.0] * 4]  # the copy, done first
+        assert t[0, np.flatnonzero(split.v_cells[0].seq[:, 0])].tolist() == [[5.0] * 4]
+
+
+def test_prepare_checks_everything_and_changes_nothing():
+    """``state_prepare`` (what a memory of several caches runs on each part before it applies
+    any): the slot search of a sequence blob, tried and undone; a whole blob changes no
+    stream of a cache with one stream per sequence."""
+    from reference.memory.state import state_prepare
+
+    split = KVCache(HP_SMALL, kv_size=8, n_seq_max=2, kv_unified=False)
+    ub = _ubatch([0, 1, 0, 1], [0, 0, 1, 1])
+    for sinfo, u in zip(split.prepare([ub]), [ub], strict=True):
+        split.apply_ubatch(sinfo, u)
+    before = snapshot(split)
+    state_prepare(split, HP_SMALL, state_write(split, HP_SMALL))
+    assert_same(before, snapshot(split))
+    cache = ragged_cache()
+    before = snapshot(cache)
+    seven = hand_blob([(i, 0, (1,)) for i in range(7)], np.zeros((7, 4)), np.zeros((7, 4)),
+                      seq_id=1)
+    message = ("does not fit: sequence needs 7 cells, stream 0 has 5 free (+1 of sequence 1 it "
+               "replaces)")  # seq 1's cell stays: seq 0 holds it too
+    with pytest.raises(StateError, match=f"^{re.escape(message)}$"):
+        state_prepare(cache, HP_SMALL, seven, 1)
+    assert_same(before, snapshot(cache))
+    six = hand_blob([(i, 0, (1,)) for i in range(6)], np.zeros((6, 4)), np.zeros((6, 4)),
+                    seq_id=1)
+    state_read(cache, HP_SMALL, six, 0)  # fits: 5 free + cell 0, which only seq 0 held
+    assert (cache.seq_pos_min(0), cache.seq_pos_max(0), cache.v_cells[0].get_used()) == (0, 5, 8)
