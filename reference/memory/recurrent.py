@@ -1094,7 +1094,8 @@ def state_check(memory: RecurrentMemory, hparams: RecurrentHParams, state: Recur
     limit = memory.size if dest_seq_id == -1 else 1
     if state.cell_count > limit:
         raise StateError(f"does not fit: {state.cell_count} cells, at most {limit} here")
-    if state.cell_count and len(state.r) != memory.hparams.n_layer:
+    # llama.cpp's state_read_data checks n_layer first, whatever the cell count
+    if len(state.r) != memory.hparams.n_layer:
         raise StateError(f"blob has {len(state.r)} layers, the model {memory.hparams.n_layer}")
     n_r, n_s = memory.hparams.n_embd_r(), memory.hparams.n_embd_s()
     for il, (r, s) in enumerate(zip(state.r, state.s, strict=True)):

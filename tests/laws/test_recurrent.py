@@ -21,6 +21,7 @@ function of the old row and the token (exact in float64), so states can be compa
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.batch import Batch, BatchAllocr, Ubatch
+from reference.memory.interface import MemoryStatus
 from reference.memory.recurrent import (
     MemCell,
     RecurrentMemory,
@@ -389,6 +391,92 @@ def test_seq_add_below_zero_frees_the_cell():
     check_invariants(mem)
 
 
+def assert_blank(mem: RecurrentMemory, cell: int) -> None:
+    """An empty cell is as llama.cpp leaves it: no position, no source, no sequence."""
+    c = mem.cells[cell]
+    assert (c.pos, c.src, c.seq_id) == (-1, -1, set()), f"cell {cell}: {c}"
+
+
+def test_emptied_cells_are_blank():
+    """``seq_rm``, ``seq_keep``, ``seq_add`` below 0 and ``clear`` leave a freed cell as a
+    new one (``pos = -1``, ``src = -1``); ``clear`` also resets the counters and, by
+    default, zeroes every row."""
+    mem = mem_at(4, n_seq_max=3)
+    decode(mem, [1], [1])
+    mem.seq_rm(0, -1, -1)
+    assert_blank(mem, 0)
+    decode(mem, [2], [2])
+    mem.seq_keep(2)
+    assert [c.tail for c in mem.cells] == [-1, -1, 0] and mem.used == 1
+    assert_blank(mem, 1)
+    assert_blank(mem, 2)
+    mem.seq_add(2, -1, -1, -5)
+    assert_blank(mem, 0)
+    assert mem.used == 0
+    check_invariants(mem)
+    mem = busy_mem()
+    mem.clear()
+    for i in range(mem.size):
+        assert_blank(mem, i)
+        assert mem.cells[i].tail == -1
+    assert (mem.head, mem.used) == (0, 0)
+    assert all(not x.any() for x in mem.r_l + mem.s_l)
+    mem = busy_mem()
+    rows = [x.copy() for x in mem.r_l + mem.s_l]
+    mem.clear(data=False)  # the cells only
+    assert all(np.array_equal(a, b) for a, b in zip(rows, mem.r_l + mem.s_l, strict=True))
+    decode(mem, [1], [1])
+    assert mem.cells[1].tail == 0  # the search starts again at cell 0
+
+
+def test_seq_keep_counts_the_cells_it_frees():
+    mem = new_mem(3)
+    decode(mem, [1, 2], [0, 1])  # two cells at position 0
+    mem.seq_keep(2)  # a sequence without a cell: every cell goes
+    assert mem.used == 0 and [mem.seq_pos_max(s) for s in range(3)] == [-1, -1, -1]
+    check_invariants(mem)
+
+
+def test_seq_add_and_div_range_edges():
+    """``[p0, p1)`` includes ``p0`` and excludes ``p1``; ``p0 < 0`` is 0, ``p1 < 0`` is
+    infinity (``p1 == 0`` is an empty range); any shift but 0 moves, any ``d`` but 1
+    divides; position 0 is a position (not freed)."""
+    mem = mem_at(0)
+    mem.seq_add(0, 0, 0, 5)  # empty range
+    mem.seq_div(0, 0, 0, 2)
+    assert mem.seq_pos_max(0) == 0
+    mem.seq_add(0, -1, -1, 1)  # pos 0 is in [0, inf)
+    assert mem.seq_pos_max(0) == 1
+    mem.seq_add(0, -3, -1, 8)
+    assert mem.seq_pos_max(0) == 9
+    mem.seq_add(0, 0, 9, 5)  # 9 not in [0, 9)
+    mem.seq_div(0, 0, 0, 2)  # [0, 0) is empty
+    mem.seq_div(0, 0, 9, 2)
+    mem.seq_div(0, 0, 5, 2)
+    assert mem.seq_pos_max(0) == 9
+    mem.seq_div(0, 9, 10, 2)  # 9 in [9, 10)
+    assert mem.seq_pos_max(0) == 4
+    mem.seq_add(0, 4, 5, -4)  # down to 0: kept
+    assert mem.seq_pos_min(0) == mem.seq_pos_max(0) == 0 and mem.used == 1
+    check_invariants(mem)
+    with pytest.raises(RecurrentMemoryError, match=r"^seq_div needs d >= 1, got 0$"):
+        mem.seq_div(0, -1, -1, 0)
+
+
+def test_ids_without_a_cell_are_ignored():
+    """``seq_id >= mem_size`` (possible when ``n_seq_max > mem_size``): ``seq_cp``,
+    ``seq_add`` and ``seq_div`` do nothing, as llama.cpp."""
+    mem = new_mem(n_seq_max=3, mem_size=2)
+    decode(mem, [1, 2], [0, 1])
+    before = snapshot(mem)
+    mem.seq_cp(2, 0)
+    mem.seq_cp(0, 2)
+    mem.seq_cp(1, 2)
+    mem.seq_add(2, 0, -1, 1)
+    mem.seq_div(2, 0, -1, 2)
+    assert_same_snapshot(snapshot(mem), before)
+
+
 def test_constructor_refusals():
     with pytest.raises(RecurrentMemoryError, match="mem_size"):
         RecurrentMemory(HP, 0, 1)
@@ -420,6 +508,43 @@ def test_prepare_is_all_or_nothing():
     with pytest.raises(RecurrentMemoryError, match="no cell"):
         mem.apply_ubatch(range(0, 1), one_seq_ubatch(2, [0]))
     assert_same_snapshot(snapshot(mem), before)
+
+
+def test_remove_ubatch_undoes_the_last_apply_once():
+    msg = (r"^remove_ubatch undoes the last apply_ubatch only, "
+           r"before anything else changes the memory$")
+    mem = busy_mem()
+    before = snapshot(mem)
+    ub = one_seq_ubatch(0, [5])
+    [cells] = mem.prepare([ub])
+    mem.apply_ubatch(cells, ub)
+    mem.remove_ubatch(cells, ub)
+    assert_same_snapshot(snapshot(mem), before)
+    with pytest.raises(RecurrentMemoryError, match=msg):
+        mem.remove_ubatch(cells, ub)  # already undone
+    mem.apply_ubatch(cells, ub)
+    mem.clear()
+    with pytest.raises(RecurrentMemoryError, match=msg):
+        mem.remove_ubatch(cells, ub)  # the memory changed since
+
+
+def test_backup_restore_puts_back_cells_and_rows():
+    mem = busy_mem()
+    before = snapshot(mem)
+    saved = mem.backup()
+    decode(mem, [7, 8, 9], [0, 1, 2])
+    mem.seq_rm(2, -1, -1)
+    mem.restore(saved)
+    assert_same_snapshot(snapshot(mem), before)
+    rows = mem.save_rows(range(mem.size))
+    with pytest.raises(ValueError):
+        mem.load_rows(range(mem.size), rows[:-1])  # one array per layer and state
+
+
+def test_update_has_nothing_to_do():
+    mem = busy_mem()
+    assert mem.update() is False
+    assert mem.init_update().get_status() == MemoryStatus.NO_UPDATE
 
 
 def test_find_slot_refuses_unequal_sets():
@@ -658,6 +783,28 @@ def test_empty_sequence_blob_empties_the_destination():
     assert mem.seq_pos_max(2) == -1
 
 
+def test_whole_restore_replaces_cells_and_rows():
+    """As ``state_read_meta``: clear with the rows, the saved cells at ``0 .. n-1``, the
+    head at 0; the same memory whatever was there before."""
+    src = new_mem(3)
+    decode(src, [4, 5], [1, 1])
+    blob = state_write(src, HP)
+    for dirty in (True, False):
+        mem = busy_mem() if dirty else new_mem(3)
+        state_read(mem, HP, blob)
+        assert (mem.head, mem.used) == (0, 1)
+        assert [(c.pos, c.src, c.tail, c.seq_id) for c in mem.cells] == [
+            (1, 0, -1, {1}), (-1, -1, 0, set()), (-1, -1, -1, set())]
+        for x in mem.r_l + mem.s_l:
+            assert not x[1:].any()  # rows without a cell are zero
+        assert same_state(seq_state(mem, 1), seq_state(src, 1))
+    state_read(mem, HP, state_write(new_mem(3), HP))  # an empty memory
+    assert (mem.head, mem.used) == (0, 0)
+    assert all(not x.any() for x in mem.r_l + mem.s_l)
+    decode(mem, [1], [2])
+    assert mem.cells[2].tail == 0
+
+
 def test_state_file_round_trip(tmp_path):
     mem = busy_mem()
     path = tmp_path / "rs.bin"
@@ -682,7 +829,9 @@ def _reseal(blob: bytes, body: bytes) -> bytes:
 
 
 def refused_blobs() -> list[tuple[str, bytes, int, str]]:
-    """(name, blob, dest_seq_id, message pattern) for every refusal."""
+    """(name, blob, dest_seq_id, the whole message) for every refusal."""
+    import struct
+
     from reference.memory import KVCache
     from reference.memory.state import state_write as kv_state_write
     from tests.support.tiny_models import tiny_hparams
@@ -696,30 +845,52 @@ def refused_blobs() -> list[tuple[str, bytes, int, str]]:
     twice = busy_mem()  # a broken memory: seq 2 in two cells
     twice.cells[1] = MemCell(pos=3, src=1, seq_id={2})
     twice.used = 3
+    # the body: arch (4 + 5 bytes), fingerprint (32), r_type at 41, s_type, seq_id,
+    # cell_count at 53, the cells, s_trans, n_layer, the layer blocks
+    body = whole[16:-32]
+    r99 = _reseal(whole, body[:41] + struct.pack("<i", 99) + body[45:])
+    empty = state_write(new_mem(3), HP)[16:-32]  # no cell: n_layer at 61, blocks of 12 bytes
+    one_layer = _reseal(whole, empty[:61] + struct.pack("<I", 1) + empty[65:77] + empty[89:101])
     return [
-        ("kv blob", kv_state_write(KVCache(kv_hp, kv_size=8), kv_hp), -1, "bad magic"),
-        ("truncated", whole[:-5], -1, "truncated"),
-        ("corrupted", whole[:40] + bytes([whole[40] ^ 1]) + whole[41:], -1, "checksum"),
+        ("kv blob", kv_state_write(KVCache(kv_hp, kv_size=8), kv_hp), -1,
+         "bad magic b'LRKV': not a recurrent state blob (expected b'LRRS')"),
+        ("truncated", whole[:-5], -1,
+         f"recurrent state blob truncated at byte {len(whole) - 5}: the header says "
+         f"{len(whole)} bytes"),
+        ("corrupted", whole[:40] + bytes([whole[40] ^ 1]) + whole[41:], -1,
+         "recurrent state blob checksum mismatch: the bytes are corrupted"),
         ("other arch", state_write(new_mem(3, hp=StubHParams(arch="mamba2")),
-                                   StubHParams(arch="mamba2")), -1, "architecture"),
+                                   StubHParams(arch="mamba2")), -1,
+         "blob written for architecture 'mamba2', this model is 'mamba'"),
         ("other hparams", state_write(new_mem(3, hp=StubHParams(n_s=5)), StubHParams(n_s=5)),
-         -1, "hyperparameters"),
-        ("other dtype", state_write(new_mem(3, dtype=np.float32), HP), -1, "dtype"),
-        ("seq blob as whole", seq1, -1, "dest_seq_id >= 0"),
-        ("whole blob as seq", whole, 1, "dest_seq_id -1"),
-        ("dest out of range", seq1, 3, "out of range"),
-        ("too many cells", state_write(big, HP), -1, "does not fit"),
-        ("duplicate tail", state_write(twice, HP), -1, "duplicate tail"),
-        ("version", whole[:4] + b"\x02" + whole[5:], -1, "version 2"),
+         -1, "blob written for other hyperparameters: another model"),
+        ("other dtype", state_write(new_mem(3, dtype=np.float32), HP), -1,
+         "dtype mismatch: blob float32 (ggml type 0)/float32 (ggml type 0), "
+         "this memory float64 (ggml type 28)"),
+        ("unknown row type", r99, -1, "unsupported row type ggml type 99"),
+        ("seq blob as whole", seq1, -1, "blob holds sequence 1: restore it with dest_seq_id >= 0"),
+        ("whole blob as seq", whole, 1,
+         "blob holds the whole memory: restore it with dest_seq_id -1"),
+        ("dest out of range", seq1, 3, "dest_seq_id=3 out of range [0, 3) or -1"),
+        ("too many cells", state_write(big, HP), -1, "does not fit: 4 cells, at most 3 here"),
+        ("two cells for a sequence", state_write(twice, HP, seq_id=2), 1,
+         "does not fit: 2 cells, at most 1 here"),
+        ("duplicate tail", state_write(twice, HP), -1,
+         "cell 1: seq_id 2 is in two cells (duplicate tail)"),
+        # llama.cpp's state_read_data checks n_layer before it looks at cell_count
+        ("other n_layer, no cell", one_layer, -1, "blob has 1 layers, the model 2"),
+        ("version", whole[:4] + b"\x02" + whole[5:], -1,
+         "recurrent state blob format version 2 (written by a newer llamaref): this reader "
+         "knows version 1"),
     ]
 
 
 @pytest.mark.parametrize("case", refused_blobs(), ids=lambda c: c[0])
 def test_refused_blobs_leave_the_memory_bit_identical(case):
-    _, blob, dest, pattern = case
+    _, blob, dest, message = case
     mem = busy_mem()
     before = snapshot(mem)
-    with pytest.raises(StateError, match=pattern):
+    with pytest.raises(StateError, match=f"^{re.escape(message)}$"):
         state_read(mem, HP, blob, dest_seq_id=dest)
     assert_same_snapshot(snapshot(mem), before)
 
@@ -734,6 +905,27 @@ def test_refused_file_leaves_memory_unchanged(tmp_path):
     decode(target, [3], [0])
     before = snapshot(target)
     with pytest.raises(StateError, match="checksum"):
+        state_load_file(path, target, HP)
+    assert_same_snapshot(snapshot(target), before)
+
+
+def test_refused_files_name_the_file(tmp_path):
+    """A file that is not a state file, or whose token count runs past its end."""
+    import struct
+
+    from reference.memory.blob import seal
+    from reference.memory.state import FILE_MAGIC, FILE_VERSION
+
+    target = busy_mem()
+    before = snapshot(target)
+    path = tmp_path / "rs.bin"
+    path.write_bytes(state_write(target, HP))  # a bare blob is not a file
+    with pytest.raises(StateError, match=r"^bad magic b'LRRS': not a state file "):
+        state_load_file(path, target, HP)
+    data = seal(FILE_MAGIC, FILE_VERSION, struct.pack("<I", 2**31) + bytes(8))
+    path.write_bytes(data)
+    with pytest.raises(StateError, match=f"^state file truncated at byte 12: {4 * 2**31} bytes "
+                                         "needed at offset 4$"):
         state_load_file(path, target, HP)
     assert_same_snapshot(snapshot(target), before)
 
