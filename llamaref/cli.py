@@ -50,9 +50,12 @@ from llamaref.common import (
     CLIError,
     add_context_flags,
     add_model_flags,
+    add_prompt_flags,
     add_sampling_flags,
     log,
     model_path,
+    process_escapes,  # noqa: F401  (llamaref.cli.process_escapes, as before)
+    prompt_text,
 )
 from llamaref.finetune import add_finetune_command
 from llamaref.parallel import add_parallel_commands
@@ -66,7 +69,7 @@ from reference.model_loader import load_model
 from reference.sampling import SamplerParams
 from reference.tokenizer import StreamDecoder, load_tokenizer
 from reference.tools.generate import ChatSession, Generator, Perf, eog_tokens
-from reference.tools.self_extend import check_group_attention
+from reference.tools.self_extend import SWA_GROUPED, SWA_MODES, check_group_attention
 
 #: models at least this large get a progress bar while loading, even when stderr is no TTY
 PROGRESS_MIN_BYTES = 1 << 30
@@ -207,7 +210,7 @@ def new_generator(args, hparams, weights, tokenizer, backend, perf):
             "not supported for this context\"): context shift disabled")
         shift = False
     return Generator(ctx, sampler, shift=shift, perf=perf, on_device=on_device, ga_n=ga_n,
-                     ga_w=ga_w)
+                     ga_w=ga_w, ga_swa=getattr(args, "grp_attn_swa", SWA_GROUPED))
 
 
 def print_perf(gen) -> None:
@@ -230,11 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a continuation of the prompt; the perf report goes to stderr."""
     check_flags(args)
     check_group_attention(args.grp_attn_n, args.grp_attn_w)  # Self-Extend's -gan / -gaw
-    prompt = args.prompt if args.prompt is not None else args.prompt_flag
-    if prompt is None:
-        raise CLIError("no prompt: give it as an argument or with -p/--prompt")
-    if args.escape:
-        prompt = process_escapes(prompt)
+    prompt = generate_prompt(args)
     _, hparams, weights, tokenizer, backend, t_load_ms = load_for_generation(args)
     perf = Perf(t_load_ms=t_load_ms, t_start=time.perf_counter() - t_load_ms / 1e3)
     gen = new_generator(args, hparams, weights, tokenizer, backend, perf)
@@ -262,33 +261,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # --8<-- [end:cmd_generate]
 
 
-def process_escapes(text: str) -> str:
-    r"""llama.cpp's ``string_process_escapes``: ``\n``, ``\r``, ``\t``, ``\'``, ``\"``,
-    ``\\`` and ``\xNN`` (a byte); any other backslash stays as it is.
-
-    Examples:
-        >>> process_escapes(r"a\nb\tc\\d\x41\q")
-        'a\nb\tc\\dA\\q'
-    """
-    simple = {"n": b"\n", "r": b"\r", "t": b"\t", "'": b"'", '"': b'"', "\\": b"\\"}
-    data, out, i = text.encode(), bytearray(), 0
-    while i < len(data):
-        c = chr(data[i])
-        if c == "\\" and i + 1 < len(data):
-            nxt = chr(data[i + 1])
-            if nxt in simple:
-                out += simple[nxt]
-                i += 2
-                continue
-            hexpart = data[i + 2 : i + 4].decode("latin-1")
-            if nxt == "x" and len(hexpart) == 2 and all(h in "0123456789abcdefABCDEF"
-                                                        for h in hexpart):
-                out.append(int(hexpart, 16))
-                i += 4
-                continue
-        out.append(data[i])
-        i += 1
-    return out.decode("utf-8", errors="replace")
+def generate_prompt(args: argparse.Namespace) -> str:
+    """``generate``'s prompt: the argument or ``-p``, escapes processed unless
+    ``--no-escape`` ([`llamaref.common.prompt_text`][llamaref.common.prompt_text])."""
+    prompt = args.prompt if args.prompt is not None else args.prompt_flag
+    if prompt is None:
+        raise CLIError("no prompt: give it as an argument or with -p/--prompt")
+    return prompt_text(args, prompt)
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -341,8 +320,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
     else:
         text = args.text if args.text is not None else args.prompt
-    if args.escape:
-        text = process_escapes(text)
+    text = prompt_text(args, text)
     add_bos = tokenizer.add_bos and not args.no_bos
     tokens = tokenize_like_common(tokenizer, text, add_bos, args.parse_special)
     if args.ids:
@@ -421,14 +399,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompt, as llama.cpp's -p")
     gen.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
                      help="do not echo the prompt")
-    gen.add_argument("--no-escape", dest="escape", action="store_false",
-                     help="do not process escapes (\\n, \\t, \\xNN, ...) in the prompt")
+    add_prompt_flags(gen)
     _add_generation_flags(gen, n_predict=-1)
     se = gen.add_argument_group("Self-Extend (llama-completion's group attention)")
     se.add_argument("-gan", "--grp-attn-n", type=int, default=1, metavar="N",
                     help="group-attention factor G (default: 1 = off; > 1: no context shift)")
     se.add_argument("-gaw", "--grp-attn-w", type=int, default=512, metavar="N",
                     help="group-attention width W, a multiple of G (default: 512)")
+    se.add_argument("--grp-attn-swa", choices=SWA_MODES, default=SWA_GROUPED,
+                    help="a sliding-window model's SWA layers: grouped (llama.cpp: every "
+                         "position is grouped; needs --swa-full) or exact (only the "
+                         "full-attention layers are grouped) (default: grouped)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat on stdin with the model's chat template",
@@ -452,8 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--no-bos", action="store_true", help="do not add a BOS token")
     tok.add_argument("--parse-special", action="store_true",
                      help="parse special tokens written in the text (<|im_start|>, ...)")
-    tok.add_argument("--no-escape", dest="escape", action="store_false",
-                     help="do not process escapes (\\n, \\t, \\xNN, ...)")
+    add_prompt_flags(tok)
     tok.set_defaults(func=cmd_tokenize)
 
     ver = sub.add_parser("verify", help="check a model: twins, properties, oracles",

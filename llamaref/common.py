@@ -1,5 +1,13 @@
-"""What every command of the application shares: its error, its log line, and the flags
-llama.cpp's tools share (the model, the context, the sampling), each defined once."""
+r"""What every command of the application shares: its error, its log line, and the flags
+llama.cpp's tools share (the model, the context, the sampling), each defined once.
+
+**The prompt** of every program goes through one place, as ``common_params_parse`` does for
+every llama.cpp tool: a prompt file is read as ``-f`` reads it ([`read_prompt_file`][]: one
+trailing newline dropped), then, unless ``--no-escape``, ``\n``, ``\t``, ``\xNN`` ... are
+processed ([`process_escapes`][], ``common/arg.cpp``: ``params.escape`` is true by default).
+A command adds ``-e/--escape`` and ``--no-escape`` with [`add_prompt_flags`][] and reads its
+prompt through [`prompt_text`][].
+"""
 
 from __future__ import annotations
 
@@ -122,3 +130,102 @@ def add_sampling_flags(parser: argparse.ArgumentParser, names: list[str]):
         flags, kwargs = SAMPLING_FLAGS[name]
         group.add_argument(*flags, **kwargs)
     return group
+
+
+# ---- the prompt: escapes and prompt files, as common_params_parse ---------------------------
+
+# llama.cpp's prompt flags (common/arg.cpp): one pair, in every tool, escapes on by default.
+PROMPT_FLAGS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "escape": (("-e", "--escape"), dict(
+        dest="escape", action="store_true", default=True,
+        help="process escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xNN) in the prompt (default)")),
+    "no_escape": (("--no-escape",), dict(
+        dest="escape", action="store_false",
+        help="do not process escapes in the prompt")),
+}
+
+
+def add_prompt_flags(container: Any) -> Any:
+    """Add ``-e/--escape`` and ``--no-escape`` (``PROMPT_FLAGS``) to ``container``; returns it.
+
+    Examples:
+        >>> p = add_prompt_flags(argparse.ArgumentParser())
+        >>> p.parse_args([]).escape, p.parse_args(["--no-escape"]).escape
+        (True, False)
+        >>> p.parse_args(["--no-escape", "-e"]).escape  # the last one wins, as llama.cpp
+        True
+    """
+    for flags, kwargs in PROMPT_FLAGS.values():
+        container.add_argument(*flags, **kwargs)
+    return container
+
+
+#: C's isspace: what strtol skips before a number
+_C_SPACE = b" \t\n\v\f\r"
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def _hex_pair(pair: bytes) -> int | None:
+    r"""The byte ``\xNN`` stands for, or None: ``strtol(pair, &end, 16)`` with ``end`` after
+    both characters (two hex digits, or a space or a sign then one hex digit)."""
+    if len(pair) != 2 or pair[1] not in _HEX:
+        return None
+    if pair[0] in _HEX:
+        return int(pair, 16)
+    if pair[0] in _C_SPACE or pair[0] == ord("+"):
+        return int(pair[1:], 16)
+    if pair[0] == ord("-"):
+        return -int(pair[1:], 16) & 0xFF  # char(val) of a negative long
+    return None
+
+
+# --8<-- [start:process_escapes]
+def process_escapes(text: str) -> str:
+    r"""llama.cpp's ``string_process_escapes``: ``\n``, ``\r``, ``\t``, ``\'``, ``\"``,
+    ``\\`` and ``\xNN`` (a byte); any other backslash stays as it is.
+
+    ``\xNN`` is read by ``strtol(.., 16)`` and must use both characters, so ``\x 9`` and
+    ``\x+9`` are the byte 9 too, and ``\x-1`` the byte 0xFF, as in llama.cpp.
+
+    Examples:
+        >>> process_escapes(r"a\nb\tc\\d\x41\q")
+        'a\nb\tc\\dA\\q'
+        >>> process_escapes(r"\x4")  # one digit: not an escape
+        '\\x4'
+    """
+    simple = {"n": b"\n", "r": b"\r", "t": b"\t", "'": b"'", '"': b'"', "\\": b"\\"}
+    data, out, i = text.encode(), bytearray(), 0
+    while i < len(data):
+        c = chr(data[i])
+        if c == "\\" and i + 1 < len(data):
+            nxt = chr(data[i + 1])
+            if nxt in simple:
+                out += simple[nxt]
+                i += 2
+                continue
+            value = _hex_pair(data[i + 2 : i + 4]) if nxt == "x" else None
+            if value is not None:
+                out.append(value)
+                i += 4
+                continue
+        out.append(data[i])
+        i += 1
+    return out.decode("utf-8", errors="replace")
+# --8<-- [end:process_escapes]
+
+
+def read_prompt_file(path: str | Path) -> str:
+    """The prompt in a file, as ``-f/--file`` reads it: the whole file, one trailing newline
+    dropped (``common/arg.cpp``); bytes that are not UTF-8 become U+FFFD.
+
+    Raises:
+        OSError: the file cannot be read (``main`` reports it as one line).
+    """
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    return text[:-1] if text.endswith("\n") else text
+
+
+def prompt_text(args: argparse.Namespace, text: str) -> str:
+    """A program's prompt after the flags: escapes processed unless ``--no-escape``
+    (``args.escape``, from [`add_prompt_flags`][])."""
+    return process_escapes(text) if args.escape else text

@@ -31,9 +31,12 @@ from llamaref.common import (
     SAMPLING_FLAGS,
     CLIError,
     add_context_flags,
+    add_prompt_flags,
     add_sampling_flags,
     log,
     model_path,
+    prompt_text,
+    read_prompt_file,
 )
 from llamaref.llamacpp import LlamaCppContext
 from reference.common import LLAMA_DEFAULT_SEED, LLAMA_MAX_SEQ
@@ -123,13 +126,20 @@ def check_batched_flags(args: argparse.Namespace) -> None:
     args.seed = _check_seed(args.seed)
 
 
+def batched_prompt(args: argparse.Namespace) -> str:
+    """``batched``'s prompt (``-p``), escapes processed unless ``--no-escape``
+    ([`llamaref.common.prompt_text`][llamaref.common.prompt_text])."""
+    return prompt_text(args, args.prompt)
+
+
 # --8<-- [start:cmd_batched]
 def cmd_batched(args: argparse.Namespace) -> int:
     """``llama-batched``: ``-np`` completions of the prompt, decoded together."""
     check_batched_flags(args)
+    text = batched_prompt(args)
     path, hp, weights, tok, backend, t_load_ms = _load(args)
     t_start = time.perf_counter() - t_load_ms / 1e3
-    prompt = tok.tokenize(args.prompt, add_special=True, parse_special=True)
+    prompt = tok.tokenize(text, add_special=True, parse_special=True)
     n_req = n_kv_required(len(prompt), args.n_predict, args.parallel)
     n_ctx = n_req if args.kv_unified else args.parallel * args.n_predict
     n_batch = max(args.n_predict, args.parallel)
@@ -148,10 +158,10 @@ def cmd_batched(args: argparse.Namespace) -> int:
     streams = [b"".join(piece(t) for t in s).decode("utf-8", errors="replace")
                for s in res.tokens]
     if args.parallel == 1:  # llama.cpp streams the only sequence after the prompt
-        _write("\n" + args.prompt + streams[0] + "\n")
+        _write("\n" + text + streams[0] + "\n")
     else:
-        _write(f"\n{args.prompt}\n\nmain: generating {args.parallel} sequences ...\n")
-    out, line = report(args.prompt, streams, res.n_decode, res.seconds)
+        _write(f"\n{text}\n\nmain: generating {args.parallel} sequences ...\n")
+    out, line = report(text, streams, res.n_decode, res.seconds)
     _write(out)
     log(line)
     _print_perf(ctx, t_load_ms, t_start)
@@ -201,11 +211,11 @@ def llamacpp_peer(args: argparse.Namespace, path: Path, n_seq_max: int) -> Llama
 
 
 def prompt_lines(args: argparse.Namespace) -> list[str] | None:
-    """The prompts of ``-f FILE`` or ``-p``, split on newlines as ``std::getline`` (a
-    final newline adds no empty prompt); None: the built-in ones."""
-    text = args.prompt
-    if args.file is not None:
-        text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
+    """The prompts of ``-f FILE`` or ``-p``, escapes processed unless ``--no-escape``
+    ([`llamaref.common.prompt_text`][llamaref.common.prompt_text]), split on newlines as
+    ``std::getline`` (a final newline adds no empty prompt); None: the built-in ones."""
+    text = args.prompt if args.file is None else read_prompt_file(args.file)
+    text = prompt_text(args, text)
     if not text:
         return None
     lines = text.split("\n")
@@ -403,6 +413,7 @@ def add_parallel_commands(sub) -> None:
     _add_common(b)
     b.add_argument("-p", "--prompt", default=DEFAULT_PROMPT,
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+    add_prompt_flags(b)
     b.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int,
                    default=DEFAULT_N_PREDICT, metavar="N",
                    help=f"total length of each sequence, prompt included "
@@ -431,6 +442,7 @@ def add_parallel_commands(sub) -> None:
     p.add_argument("-p", "--prompt", default="",
                    help="questions, one per line (default: the built-in nine)")
     p.add_argument("-f", "--file", metavar="FNAME", help="read the questions from a file")
+    add_prompt_flags(p)
     p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int,
                    default=PARALLEL_N_PREDICT, metavar="N",
                    help=f"most tokens per response (default: {PARALLEL_N_PREDICT}, "

@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
-from llamaref.common import CLIError, add_context_flags, log, model_path
+from llamaref.common import CLIError, add_context_flags, add_prompt_flags, log, model_path
 from reference.model_loader import load_model
 from reference.tokenizer import load_tokenizer
 from reference.tools.passkey import run_passkey
@@ -92,4 +92,5 @@ def add_passkey_command(sub) -> None:
         batch_size=dict(help="chunk size, also the grouped block (default: 2048)"),
         ctx_size=dict(default=0, help="cache size (default: 0 = n_ctx_train * G + --keep, as "
                                       "llama-passkey)"))
+    add_prompt_flags(p)  # accepted as by every llama.cpp tool: the prompt is built, not given
     p.set_defaults(func=cmd_passkey)

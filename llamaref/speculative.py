@@ -23,7 +23,16 @@ import time
 from pathlib import Path
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
-from llamaref.common import CLIError, add_context_flags, add_sampling_flags, log, model_path
+from llamaref.common import (
+    CLIError,
+    add_context_flags,
+    add_prompt_flags,
+    add_sampling_flags,
+    log,
+    model_path,
+    prompt_text,
+    read_prompt_file,
+)
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.model_loader import load_model
 from reference.sampling import SamplerParams
@@ -72,13 +81,15 @@ def sampler_params(args: argparse.Namespace) -> SamplerParams:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt: the argument, ``-p``, or ``-f FILE``."""
+    """The prompt: the argument, ``-p``, or ``-f FILE`` (one trailing newline dropped), escapes
+    processed unless ``--no-escape``, as ``common_params_parse``
+    ([`llamaref.common.prompt_text`][llamaref.common.prompt_text])."""
     if args.file is not None:
-        return Path(args.file).read_bytes().decode("utf-8", errors="replace")
+        return prompt_text(args, read_prompt_file(args.file))
     prompt = args.prompt if args.prompt is not None else args.prompt_flag
     if prompt is None:
         raise CLIError("no prompt: give it as an argument, with -p/--prompt or -f/--file")
-    return prompt
+    return prompt_text(args, prompt)
 
 
 # --8<-- [start:load_pair]
@@ -178,6 +189,7 @@ def _add_common(p: argparse.ArgumentParser, draft: bool) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt (or -p, -f)")
     p.add_argument("-p", "--prompt", dest="prompt_flag", metavar="PROMPT", help="the prompt")
     p.add_argument("-f", "--file", metavar="FNAME", help="read the prompt from a file")
+    add_prompt_flags(p)
     p.add_argument("-m", "--model", help="the target: a GGUF file or a HF directory "
                                          "(default: SmolLM2)")
     p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),

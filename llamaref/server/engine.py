@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llamaref.common import log
 from reference.tools.server.errors import Unavailable
 from reference.tools.server.scheduler import Scheduler, StepReport
 from reference.tools.server.slot import Slot, SlotState, Task
+
+SHUTTING_DOWN = "the server is shutting down"
+CLOSE_POLL_S = 0.05  # how often a waiting caller looks at Engine.closing
 
 
 # --8<-- [start:Metrics]
@@ -163,6 +168,7 @@ class Engine:
         self._wake = threading.Event()
         self._n_inbox_tasks = 0  # tasks in the inbox
         self._n_waiting = 0  # tasks the scheduler holds without a slot, after the last step
+        self.closing = threading.Event()  # set by close(): the server is shutting down
 
     # ---- the HTTP side's calls (any thread) --------------------------------------------------
 
@@ -196,7 +202,13 @@ class Engine:
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine's thread between two steps and return its result (or
         raise its exception); thread-safe. Used by the slot actions, ``/slots`` and
-        ``/metrics``."""
+        ``/metrics``.
+
+        Raises:
+            Unavailable: the server is shutting down
+                ([`close`][llamaref.server.engine.Engine.close]) before ``fn`` has run: a
+                caller never waits on a step that will not come.
+        """
         done = threading.Event()
         box: dict = {}
 
@@ -209,10 +221,20 @@ class Engine:
         with self._lock:
             self._inbox.append(("call", job))
         self._wake.set()
-        done.wait()
+        while not done.wait(CLOSE_POLL_S):
+            if self.closing.is_set():
+                raise Unavailable(SHUTTING_DOWN)
         if "error" in box:
             raise box["error"]
         return box.get("value")
+
+    def close(self) -> None:
+        """The server is shutting down: every [`call`][llamaref.server.engine.Engine.call]
+        still waiting answers 503 at once, and so do the requests that wait on results
+        (they poll [`closing`][llamaref.server.engine.Engine]); the loop stops after the
+        step it is in."""
+        self.closing.set()
+        self._wake.set()
 
     # ---- the engine's thread -------------------------------------------------------------------
 
@@ -220,7 +242,7 @@ class Engine:
     def run(self, stop: threading.Event) -> None:
         """The loop (``server_queue::start_loop``): take the inbox, step while there is
         work, sleep until something arrives."""
-        while not stop.is_set():
+        while not stop.is_set() and not self.closing.is_set():
             if not self.turn():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -235,8 +257,10 @@ class Engine:
             busy = report.busy
         except Exception as e:  # a bug must not take the server down: fail and go on
             self.last_error = f"{type(e).__name__}: {e}"
+            log("llamaref serve: error in a step: " + traceback.format_exc().rstrip())
             report, busy = self.scheduler.report, True
-            self.scheduler.fail_processing(f"Compute error: {self.last_error}")
+            # the exception's text stays in the log: an error body never carries it
+            self.scheduler.fail_processing("Compute error (the server's log has the details)")
         self.metrics.on_step(report)
         with self._lock:
             self._n_waiting = len(self.scheduler.waiting)

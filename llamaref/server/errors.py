@@ -28,6 +28,17 @@ class BodyTooLarge(InvalidRequest):
     """A request body over ``--body-limit`` (413 with ``invalid_request_error``)."""
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """A JSON endpoint's body sent as a form or plain text (415): the content types a web
+    page may send to another origin without asking first (a CORS "simple request")."""
+
+
+class Forbidden(ServerError):
+    """A request refused for where it comes from: a ``Host`` this server does not answer
+    to, or a web page's ``Origin`` outside ``--cors-origins`` (403, llama.cpp's
+    ``permission_error``)."""
+
+
 # --8<-- [start:HTTP_ERRORS]
 #: error class -> (HTTP status, the body's ``type``): llama.cpp's ``format_error_response``
 HTTP_ERRORS: dict[type[ServerError], tuple[int, str]] = {
@@ -35,6 +46,8 @@ HTTP_ERRORS: dict[type[ServerError], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
     ExceedContextSize: (400, "exceed_context_size_error"),
     BodyTooLarge: (413, "invalid_request_error"),
+    UnsupportedMediaType: (415, "invalid_request_error"),
+    Forbidden: (403, "permission_error"),
     Unauthorized: (401, "authentication_error"),
     NotFound: (404, "not_found_error"),
     NotSupported: (501, "not_supported_error"),

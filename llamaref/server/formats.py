@@ -33,7 +33,9 @@ import json
 import math
 import secrets
 import string
+from pathlib import Path
 
+from reference import __version__
 from reference.tools.server.params import SlotParams
 from reference.tools.server.results import (
     Final,
@@ -44,8 +46,45 @@ from reference.tools.server.results import (
     logarithm,
 )
 
-#: ``system_fingerprint`` (llama.cpp writes its build info there)
-SYSTEM_FINGERPRINT = "llamaref"
+
+def _git_commit(start: Path) -> str | None:
+    """The short commit of the git checkout holding ``start`` (read from ``.git``, no git
+    program needed), or None outside a checkout."""
+    for folder in (start, *start.parents):
+        git = folder / ".git"
+        if not git.is_dir():
+            continue
+        try:
+            head = (git / "HEAD").read_text().strip()
+            if head.startswith("ref: "):
+                ref = head[5:]
+                loose = git / ref
+                if loose.is_file():
+                    head = loose.read_text().strip()
+                else:
+                    packed = (git / "packed-refs").read_text().splitlines()
+                    head = next(line.split()[0] for line in packed
+                                if line.endswith(" " + ref))
+        except (OSError, StopIteration):
+            return None
+        return head[:7] if len(head) >= 7 and all(c in string.hexdigits for c in head) else None
+    return None
+
+
+def build_info(version: str, commit: str | None) -> str:
+    """llama.cpp's ``build_info``, ``"b<build>-<commit>"``: here the project's version and
+    the checkout's short commit (``"unknown"`` outside a git checkout, as llama.cpp's build
+    says when it has no git).
+
+    Examples:
+        >>> build_info("0.1.0", "d95f5b2"), build_info("0.1.0", None)
+        ('b0.1.0-d95f5b2', 'b0.1.0-unknown')
+    """
+    return f"b{version}-{commit or 'unknown'}"
+
+
+#: ``system_fingerprint``: llama.cpp writes its ``build_info`` there; computed once
+SYSTEM_FINGERPRINT = build_info(__version__, _git_commit(Path(__file__).resolve().parent))
 
 #: the end of an OpenAI stream
 SSE_DONE = b"data: [DONE]\n\n"
@@ -128,7 +167,20 @@ def token_text(piece: bytes) -> str:
     return piece[: validate_utf8(piece)].decode("utf-8", "replace")
 
 
+def finite_prob(prob: float) -> float:
+    """A probability JSON can carry: a NaN (a sampler chain whose logits overflowed, e.g.
+    ``temperature: 1e-40`` or two ``1e300`` biases, as llama.cpp's would) is reported as 0,
+    anything else is clamped to [0, 1].
+
+    Examples:
+        >>> finite_prob(float("nan")), finite_prob(float("inf")), finite_prob(0.25)
+        (0.0, 1.0, 0.25)
+    """
+    return 0.0 if math.isnan(prob) else min(max(float(prob), 0.0), 1.0)
+
+
 def _prob_fields(prob: float, post_sampling: bool) -> tuple[str, float]:
+    prob = finite_prob(prob)
     return ("prob", prob) if post_sampling else ("logprob", logarithm(prob))
 
 
@@ -178,6 +230,17 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def predicted_per_second(n: int, ms: float) -> float:
+    """Generation speed as llama.cpp reports it: the clock starts when the first token is
+    sampled, so ``ms`` covers ``n - 1`` decode steps; one token (or none) reports 0.0.
+
+    Examples:
+        >>> predicted_per_second(1, 5.0), predicted_per_second(5, 8.0)
+        (0.0, 500.0)
+    """
+    return 1e3 * (n - 1) / ms if n > 1 and ms > 0 else 0.0
+
+
 def timings_json(t: Timings) -> dict:
     """llama.cpp's ``timings`` object (``result_timings::to_json``): the counts and times,
     with the per-token ms and the tokens per second derived.
@@ -189,7 +252,8 @@ def timings_json(t: Timings) -> dict:
     def per(n, ms):
         return (ms / n if n else 0.0), (1e3 * n / ms if ms > 0 else 0.0)
     p_tok, p_sec = per(t.prompt_n, t.prompt_ms)
-    g_tok, g_sec = per(t.predicted_n, t.predicted_ms)
+    g_tok, _ = per(t.predicted_n, t.predicted_ms)
+    g_sec = predicted_per_second(t.predicted_n, t.predicted_ms)
     return {"cache_n": t.cache_n, "prompt_n": t.prompt_n,
             "prompt_ms": t.prompt_ms, "prompt_per_token_ms": p_tok,
             "prompt_per_second": p_sec, "predicted_n": t.predicted_n,
@@ -232,7 +296,8 @@ def generation_settings(params: SlotParams) -> dict:
 def completion_final(res: Final, params: SlotParams, *, model: str, prompt: str) -> dict:
     """The native ``/completion`` answer (``to_json_non_oaicompat``, ``server-task.cpp:340``);
     also the last event of a native stream (then without ``completion_probabilities``: they
-    went with the partial results).
+    went with the partial results). ``tokens`` is empty unless the request asked for
+    ``return_tokens``, as in llama.cpp.
 
     Args:
         res: the final result.
@@ -252,7 +317,8 @@ def completion_final(res: Final, params: SlotParams, *, model: str, prompt: str)
         (True, 'eos', 2, 7)
     """
     out = {
-        "index": res.index, "content": res.content, "tokens": list(res.tokens),
+        "index": res.index, "content": res.content,
+        "tokens": list(res.tokens) if params.return_tokens else [],
         "id_slot": res.id_slot, "stop": True, "model": model, "tokens_predicted": res.n_decoded,
         "tokens_evaluated": res.n_prompt, "generation_settings": generation_settings(params),
         "prompt": prompt, "has_new_line": res.has_new_line, "truncated": res.truncated,
@@ -273,8 +339,9 @@ def completion_partial(res: Partial, post_sampling: bool = False) -> dict:
         >>> out["content"], out["stop"], "timings" in out
         ('Hi', False, False)
     """
-    out = {"index": res.index, "content": res.content, "tokens": list(res.tokens),
-           "stop": False, "id_slot": res.id_slot, "tokens_predicted": res.n_decoded,
+    out = {"index": res.index, "content": res.content,
+           "tokens": list(res.tokens) if res.return_tokens else [], "stop": False,
+           "id_slot": res.id_slot, "tokens_predicted": res.n_decoded,
            "tokens_evaluated": res.n_prompt}
     if res.timings is not None:
         out["timings"] = timings_json(res.timings)
@@ -464,6 +531,22 @@ def oai_chat_final_chunks(
     chunks[-1]["timings"] = timings_json(res.timings)
     return chunks
 # --8<-- [end:oai_chat]
+
+
+def usage_chunk(obj: str, *, model: str, cmpl_id: str, created: int, usage: dict,
+                timings: Timings) -> dict:
+    """The last chunk of an OpenAI stream with ``stream_options.include_usage``:
+    ``choices: []``, the ``usage`` and, as llama.cpp sends them, the ``timings``
+    (``server-task.cpp``, ``to_json_oaicompat_chat_stream``).
+
+    Examples:
+        >>> c = usage_chunk("text_completion", model="m", cmpl_id="c", created=1,
+        ...                 usage={"total_tokens": 3}, timings=Timings(predicted_n=2))
+        >>> c["choices"], c["usage"], c["timings"]["predicted_n"]
+        ([], {'total_tokens': 3}, 2)
+    """
+    return {"choices": [], **_envelope(obj, model, cmpl_id, created), "usage": usage,
+            "timings": timings_json(timings)}
 
 
 # ---------------------------------------------------------------------------------------------

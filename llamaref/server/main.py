@@ -5,22 +5,41 @@ scheduler's steps.
 Slots: with no ``-np`` the server runs 4 slots on one unified KV cache (``n_parallel = -1``
 means "auto": 4 and ``kv_unified``, server.cpp:156-161); an explicit ``-np N`` gives every
 slot its own KV stream of ``n_ctx / N`` cells unless ``-kvu``.
+
+Transport: uvicorn's h11 protocol with a read deadline ([`read_timeout_protocol`][]: a
+request's head and body must arrive within ``-to/--timeout`` seconds, so that a stalled
+client cannot hold a connection forever), a [`Server`][llamaref.server.main.Server] whose
+Ctrl-C / SIGTERM answers every waiting request 503 at once, and one listening socket per
+``--host`` address ([`bind_sockets`][]).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llamaref.backends import make_context, make_sampler, pick_backend, prepare_weights
 from llamaref.common import CLIError, add_context_flags, add_sampling_flags, log, model_path
-from llamaref.server.app import DEFAULT_BODY_LIMIT, ServerState, build_app, start_engine
+from llamaref.server.app import (
+    DEFAULT_BODY_LIMIT,
+    DEFAULT_TIMEOUT,
+    PROMPT_BYTES_PER_TOKEN,
+    ServerState,
+    begin_shutdown,
+    build_app,
+    default_allowed_hosts,
+    start_engine,
+)
 from llamaref.server.engine import Engine
+from reference.chat_template import ChatTemplateError, render_chat_template
 from reference.common import LLAMA_DEFAULT_SEED
 from reference.model_loader import load_model
 from reference.sampling import SamplerParams
@@ -78,6 +97,8 @@ def check_serve_flags(args: argparse.Namespace) -> None:
                              ("--body-limit", args.body_limit, 1),
                              ("--max-queue", args.max_queue, 1),
                              ("--prompt-budget", args.prompt_budget, 0),
+                             ("--max-prompt-bytes", args.max_prompt_bytes, 0),
+                             ("-to/--timeout", args.timeout, 1),
                              ("--port", args.port, 0)):
         if value < low:
             raise CLIError(f"{flag} = {value} must be >= {low}")
@@ -90,6 +111,45 @@ def check_serve_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"--{flag} must be finite, got {value}")
     if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
         raise CLIError(f"--slot-save-path {args.slot_save_path}: no such directory")
+    for host in split_csv(args.host) or [""]:
+        if not host or host.endswith(".sock"):
+            raise CLIError(f"--host {args.host!r}: give IP addresses or names, separated by "
+                           "commas (UNIX sockets are not supported)")
+    args.chat_template = chat_template(args)
+
+
+def split_csv(value: str | None) -> list[str]:
+    """A comma-separated flag's items, blanks dropped (``parse_csv_row``).
+
+    Examples:
+        >>> split_csv("a, b,,c"), split_csv(None)
+        (['a', 'b', 'c'], [])
+    """
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    """``--chat-template`` or ``--chat-template-file``'s Jinja text, checked by rendering
+    one user message (None: the model's own template).
+
+    Raises:
+        CLIError: the file cannot be read, or the template does not render.
+    """
+    text = args.chat_template
+    if args.chat_template_file is not None:
+        try:
+            text = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"--chat-template-file {args.chat_template_file}: "
+                           f"{type(e).__name__}: {e}") from None
+    if text is None:
+        return None
+    try:
+        render_chat_template(text, [{"role": "user", "content": "test"}], True,
+                             bos_token="", eos_token="")
+    except ChatTemplateError as e:
+        raise CLIError(f"--chat-template: the template does not render: {e}") from None
+    return text
 
 
 # --8<-- [start:load_engine]
@@ -99,6 +159,8 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
     path = model_path(args)
     hparams, weights = load_model(path)
     tokenizer = load_tokenizer(path)
+    if getattr(args, "chat_template", None) is not None:
+        tokenizer.chat_template = args.chat_template  # --chat-template(-file)
     backend = pick_backend(args.backend, hparams)
     log(f"llamaref serve: backend {backend}")
     weights = prepare_weights(weights, backend)
@@ -121,7 +183,8 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
     engine = Engine(Scheduler(ctx, tokenizer, sampler_for, config), max_queue=args.max_queue)
     state.tokenizer, state.n_vocab = tokenizer, hparams.n_vocab
     state.user_delimiter = user_delimiter(tokenizer)
-    state.model_name = args.alias or Path(path).name
+    state.aliases = state.aliases or [Path(path).name]  # -a a,b: set by new_state
+    state.model_name = state.aliases[0]
     state.model_path = str(path)
     state.defaults = default_params(args)
     state.props = {"chat_template": tokenizer.chat_template or "",
@@ -141,10 +204,123 @@ def _piece(tokenizer: Any, token: int | None) -> str:
 
 def new_state(args: argparse.Namespace) -> ServerState:
     """The handlers' shared state from the flags (no model yet)."""
+    hosts = split_csv(args.host)
+    allowed = split_csv(args.allowed_hosts)
     return ServerState(
-        api_key=args.api_key, body_limit=args.body_limit,
+        api_key=split_csv(args.api_key) or None, body_limit=args.body_limit,
         slot_save_path=Path(args.slot_save_path) if args.slot_save_path else None,
-        metrics_enabled=args.metrics, slots_enabled=args.slots)
+        metrics_enabled=args.metrics, slots_enabled=args.slots,
+        max_prompt_bytes=args.max_prompt_bytes, cors_origins=split_csv(args.cors_origins),
+        allowed_hosts=(None if "*" in allowed else
+                       [h.lower() for h in allowed] if allowed else default_allowed_hosts(hosts)),
+        ui=args.ui, tags=split_csv(args.tags), aliases=split_csv(args.alias))
+
+
+# ---- transport ----------------------------------------------------------------------------------
+
+def read_timeout_protocol(timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a read deadline: a request's head and body must arrive
+    within ``timeout`` seconds of its first byte (of the connection's opening, for its
+    first request), or the connection is closed, as llama-server's read timeout closes a
+    socket that stalls. uvicorn's own ``timeout_keep_alive`` only covers the wait *between*
+    two requests; a client that sends half a head, half a body or nothing at all would
+    otherwise hold its connection forever (slowloris)."""
+
+    class ReadTimeoutH11Protocol(H11Protocol):
+        read_timeout = timeout
+        _read_timer: Any = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._update_read_timer()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._update_read_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._update_read_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_read_timer()
+            super().connection_lost(exc)
+
+        def _reading(self) -> bool:
+            """A request is on its way in: its head is incomplete (nothing yet, on a new
+            connection) or its body is."""
+            if self.transport.is_closing():
+                return False
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                return True
+            return state is h11.IDLE and (self.cycle is None
+                                          or bool(self.conn.trailing_data[0]))
+
+        def _update_read_timer(self) -> None:
+            if not self._reading():
+                self._cancel_read_timer()
+            elif self._read_timer is None:
+                self._read_timer = self.loop.call_later(self.read_timeout,
+                                                        self._read_timed_out)
+
+        def _cancel_read_timer(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_timed_out(self) -> None:
+            self._read_timer = None
+            if self._reading():
+                self.transport.close()
+
+    return ReadTimeoutH11Protocol
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown (Ctrl-C, SIGTERM) first tells every request that
+    waits on the engine to answer 503 ([`begin_shutdown`][llamaref.server.app.begin_shutdown]):
+    uvicorn's graceful shutdown then finds them done instead of cancelling them."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        begin_shutdown(self.state)
+        super().handle_exit(sig, frame)
+
+
+def server_config(app: Any, timeout: float = DEFAULT_TIMEOUT, **kw: Any) -> uvicorn.Config:
+    """uvicorn's settings: the read deadline, 1 s of graceful shutdown, warnings only."""
+    return uvicorn.Config(app, http=read_timeout_protocol(timeout), log_level="warning",
+                          timeout_graceful_shutdown=1, **kw)
+
+
+def bind_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """One listening socket per address of ``--host`` (IPv6 ones only IPv6, so that
+    ``::`` and ``0.0.0.0`` can share a port).
+
+    Raises:
+        CLIError: an address cannot be bound (in use, not this machine's, unknown name).
+    """
+    socks = []
+    try:
+        for host in hosts:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+            sock.set_inheritable(True)
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        raise CLIError(f"--host {host} --port {port}: cannot listen there: "
+                       f"{e.strerror or e}") from None
+    return socks
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -165,11 +341,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{len(engine.scheduler.slots)} slots of {engine.scheduler.slots[0].n_ctx} "
             "tokens")
         return engine
+    socks = bind_sockets(split_csv(args.host), args.port)
     start_engine(state, load)
-    log(f"llamaref serve: listening on http://{args.host}:{args.port}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=1)
-    state.stop.set()
+    for sock in socks:
+        host, port = sock.getsockname()[:2]
+        log(f"llamaref serve: listening on http://{f'[{host}]' if ':' in host else host}:{port}")
+    server = Server(server_config(app, args.timeout), state)
+    try:
+        server.run(sockets=socks)
+    except KeyboardInterrupt:  # uvicorn raises the captured Ctrl-C again once it is done
+        pass
+    begin_shutdown(state)
     return 0
 
 
@@ -181,11 +363,36 @@ def add_serve_command(sub) -> None:
     p.add_argument("-m", "--model", help="a GGUF file or a HF directory (default: SmolLM2)")
     p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
                    help="auto: accelerated (MLX) on a GPU, else reference (default: auto)")
-    p.add_argument("-a", "--alias", help="the model name in responses (default: file name)")
+    p.add_argument("-a", "--alias", help="the model's names in responses, comma-separated "
+                                         "(the first is reported; default: file name)")
+    p.add_argument("--tags", help="the model's tags, comma-separated (in /v1/models)")
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--chat-template", metavar="JINJA_TEMPLATE",
+                          help="a Jinja chat template instead of the model's")
+    template.add_argument("--chat-template-file", metavar="JINJA_TEMPLATE_FILE",
+                          help="a file of a Jinja chat template instead of the model's")
     net = p.add_argument_group("HTTP")
-    net.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="addresses to listen on, comma-separated (default: 127.0.0.1)")
     net.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    net.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
+    net.add_argument("--api-key", help="require one of these keys, comma-separated "
+                                       "(Authorization: Bearer KEY)")
+    net.add_argument("-to", "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="N",
+                     help="seconds a request's head and body may take to arrive "
+                          f"(default: {DEFAULT_TIMEOUT})")
+    net.add_argument("--max-prompt-bytes", type=int, default=0, metavar="BYTES",
+                     help="most bytes of text in a prompt, checked before tokenizing "
+                          f"(default: 0 = {PROMPT_BYTES_PER_TOKEN} per token of a slot)")
+    net.add_argument("--cors-origins", metavar="ORIGINS",
+                     help="web origins (scheme://host:port) whose pages may use this "
+                          "server, comma-separated; '*' any, 'localhost' this machine's "
+                          "(default: none but the server's own)")
+    net.add_argument("--allowed-hosts", metavar="HOSTS",
+                     help="names the Host header may give, comma-separated; '*' any "
+                          "(default: the --host addresses and localhost; any with 0.0.0.0)")
+    net.add_argument("--ui", "--webui", dest="ui", action="store_true", default=True,
+                     help="the chat page at / (default: on)")
+    net.add_argument("--no-ui", "--no-webui", dest="ui", action="store_false")
     net.add_argument("--body-limit", type=int, default=DEFAULT_BODY_LIMIT, metavar="BYTES",
                      help=f"largest request body (default: {DEFAULT_BODY_LIMIT})")
     net.add_argument("--max-queue", type=int, default=1024, metavar="N",

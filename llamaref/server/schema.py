@@ -35,18 +35,32 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from llamaref.server.errors import BodyTooLarge
 from reference.tokenizer import TokenizerError
-from reference.tools.generate import chat_tokens
 from reference.tools.server.errors import ExceedContextSize as ExceedContextSize  # for the app
 from reference.tools.server.errors import InvalidRequest
 from reference.tools.server.params import SlotParams
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
+FLT_MAX = 3.4028234663852886e38
+
+# --8<-- [start:LIMITS]
+#: the most one request may ask for, so that no request allocates or computes without bound
+#: (llama.cpp has no such limits, except ``n_probs``, which it clamps to the vocabulary)
+MAX_N_PROBS = 100  # candidates reported per token (n_probs, logprobs, top_logprobs)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BIAS_TEXT = 256  # characters of one text key of logit_bias
+MAX_STOP = 16  # stop strings
+MAX_STOP_LENGTH = 256  # characters of one stop string
+MAX_BREAKERS = 16  # dry_sequence_breakers
+MAX_SAMPLERS = 32  # entries of samplers
+# --8<-- [end:LIMITS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +170,16 @@ def _lookup(body: dict, names: tuple[str, ...]) -> tuple[str, Any] | None:
         if body.get(name) is not None:
             return name, body[name]
     return None
+
+
+def _at_most(name: str, n: int, limit: int, what: str) -> None:
+    """A size limit of the server (no request allocates without bound).
+
+    Raises:
+        InvalidRequest: ``n > limit``, naming the field and the limit.
+    """
+    if n > limit:
+        raise InvalidRequest(f"Field '{name}': at most {limit} {what} are accepted, got {n}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,9 +338,11 @@ def parse_samplers(value: Any) -> list[str]:
         (['top_k', 'temperature'], ['top_k', 'top_p', 'temperature'])
     """
     if isinstance(value, str):
+        _at_most("samplers", len(value), MAX_SAMPLERS, "characters")
         names = [SAMPLER_CHARS[c] for c in value if c in SAMPLER_CHARS]
     else:
         items = _as_list("samplers", value)
+        _at_most("samplers", len(items), MAX_SAMPLERS, "entries")
         if not all(isinstance(s, str) for s in items):
             raise InvalidRequest("Field 'samplers': must be an array of strings or a string")
         names = [SAMPLER_NAMES[s.lower()] for s in items if s.lower() in SAMPLER_NAMES]
@@ -341,6 +367,9 @@ def parse_stop(value: Any, default: list[str]) -> list[str]:
         if not all(isinstance(w, str) for w in items):
             raise InvalidRequest("Field 'stop': must be a string or an array of strings")
         words = [w for w in items if w]
+    _at_most("stop", len(words), MAX_STOP, "strings")
+    for w in words:
+        _at_most("stop", len(w), MAX_STOP_LENGTH, "characters per string")
     return words or list(default)
 
 
@@ -355,6 +384,27 @@ def _bias_value(value: Any) -> float | None:
     return float(value)
 
 
+_STRTOL = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]*")
+
+
+def bias_key(key: str) -> int | str:
+    r"""An object key of ``logit_bias`` as llama.cpp reads it: ``strtol(key, &end, 10)``
+    that stops at the key's end is a token id (C's whitespace and sign allowed, ASCII digits
+    only, and an empty key is 0), anything else is text to tokenize.
+
+    Examples:
+        >>> bias_key("42"), bias_key(" -5"), bias_key("+7"), bias_key("")
+        (42, -5, 7, 0)
+        >>> bias_key("²"), bias_key("--5"), bias_key("5a"), bias_key("+"), bias_key("Hello")
+        ('²', '--5', '5a', '+', 'Hello')
+    """
+    if key == "":
+        return 0  # no digits: strtol's end is the key's start, here its terminating NUL
+    if not _STRTOL.fullmatch(key) or not key.strip(" \t\n\v\f\r").lstrip("+-"):
+        return key
+    return int(key.strip(" \t\n\v\f\r"))
+
+
 def _bias_tokens(key: Any, tokenizer: Any, n_vocab: int) -> list[int]:
     """The tokens a bias key names: an id in range (others are ignored), or every token of
     a string (tokenized without BOS, specials not parsed)."""
@@ -363,6 +413,7 @@ def _bias_tokens(key: Any, tokenizer: Any, n_vocab: int) -> list[int]:
     if isinstance(key, int):
         return [key] if 0 <= key < n_vocab else []
     if isinstance(key, str):
+        _at_most("logit_bias", len(key), MAX_BIAS_TEXT, "characters per text key")
         return tokenizer.tokenize(key, add_special=False, parse_special=False)
     return []
 
@@ -375,21 +426,24 @@ def parse_logit_bias(value: Any, tokenizer: Any, n_vocab: int) -> dict[int, floa
     every entry to the logit, so repeated tokens here add up.
 
     Raises:
-        InvalidRequest: ``logit_bias`` is neither an array nor an object, or a bias is NaN.
+        InvalidRequest: ``logit_bias`` is neither an array nor an object, a bias is NaN, or
+            more than `MAX_LOGIT_BIAS` entries or a text key over
+            `MAX_BIAS_TEXT` characters.
 
     Examples:
         >>> parse_logit_bias([[5, 1.5], [5, 1.0], [10**9, 3], ["x"]], None, 100)
         {5: 2.5}
-        >>> parse_logit_bias({"7": False, "bad": "x"}, None, 100)
+        >>> parse_logit_bias({"7": False, "bad": "x", "-3": 1}, None, 100)
         {7: -inf}
     """
     if isinstance(value, list):
         pairs = [(e[0], e[1]) for e in value if isinstance(e, list) and len(e) == 2]
     elif isinstance(value, dict):
-        pairs = [(int(k) if k.lstrip("-").isdigit() else k, v) for k, v in value.items()]
+        pairs = [(bias_key(k), v) for k, v in value.items()]
     else:
         raise InvalidRequest(f"Field 'logit_bias': must be an array of [token, bias] pairs or "
                              f"an object, got {_type_name(value)}")
+    _at_most("logit_bias", len(value), MAX_LOGIT_BIAS, "entries")
     out: dict[int, float] = {}
     for key, raw in pairs:
         bias = _bias_value(raw)
@@ -410,6 +464,7 @@ def parse_breakers(value: Any) -> list[str]:
     if not (isinstance(value, list) and value and all(isinstance(s, str) for s in value)):
         raise InvalidRequest("Field 'dry_sequence_breakers': must be a non-empty array of "
                              "strings")
+    _at_most("dry_sequence_breakers", len(value), MAX_BREAKERS, "strings")
     return list(value)
 
 
@@ -477,11 +532,17 @@ def _eval_bools(body: dict, params: SlotParams) -> None:
 
 def _eval_n_probs(body: dict, params: SlotParams, oai_chat: bool) -> None:
     """``n_probs`` (alias ``logprobs``), or for chat ``logprobs: true`` with
-    ``top_logprobs`` (default 20; ``server-common.cpp:1429-1438``)."""
+    ``top_logprobs`` (default 20; ``server-common.cpp:1429-1438``). At most
+    [`MAX_N_PROBS`][] (llama.cpp clamps to the vocabulary; a larger value is a 400 here)."""
+    names = ("n_probs",) if oai_chat else ("n_probs", "logprobs")
+    eval_num(NumField(names, "n_probs", True, 0, INT32_MAX), body, params)
+    found = _lookup(body, names)
+    if found is not None and params.n_probs > MAX_N_PROBS:
+        name = found[0]
+        raise InvalidRequest(f"Field '{name}': value must be between 0 <= value <= "
+                             f"{MAX_N_PROBS} (the server's limit), but got {params.n_probs}")
     if not oai_chat:
-        eval_num(NumField(("n_probs", "logprobs"), "n_probs", True, 0, INT32_MAX), body, params)
         return
-    eval_num(NumField(("n_probs",), "n_probs", True, 0, INT32_MAX), body, params)
     top = body.get("top_logprobs")
     if body.get("logprobs") is not None and _as_bool("logprobs", body["logprobs"]):
         n = 20 if top is None else _as_int("top_logprobs", top)
@@ -505,9 +566,10 @@ def _eval_sampling_extras(body: dict, params: SlotParams, defaults: SlotParams) 
         s.dry_sequence_breakers = parse_breakers(body["dry_sequence_breakers"])
     if body.get("samplers") is not None:
         s.samplers = parse_samplers(body["samplers"])
-    if not s.penalty_repeat > 0:
-        raise InvalidRequest(f"Field 'repeat_penalty': must be greater than 0, got "
-                             f"{s.penalty_repeat}")
+    if not FLT_MIN <= s.penalty_repeat <= FLT_MAX:
+        raise InvalidRequest(f"Field 'repeat_penalty': value must be between {FLT_MIN:.8g} "
+                             f"<= value <= {FLT_MAX:.8g} (a float32 whose reciprocal is "
+                             f"finite; the sampler divides by it), but got {s.penalty_repeat}")
 
 
 def _eval_id_slot(body: dict, params: SlotParams, n_parallel: int) -> None:
@@ -621,7 +683,11 @@ def _subprompt(p: Any, tokenizer: Any) -> list[int]:
     if isinstance(p, dict) and "prompt_string" in p:
         if "multimodal_data" in p:
             raise InvalidRequest("Field 'prompt': multimodal data is not supported")
-        return tokenize_mixed(p["prompt_string"], tokenizer, True, True)
+        text = p["prompt_string"]
+        if not isinstance(text, str | list):
+            raise InvalidRequest(f"Field 'prompt': 'prompt_string' must be a string or an "
+                                 f"array of strings and token ids, got {_type_name(text)}")
+        return tokenize_mixed(text, tokenizer, True, True)
     raise InvalidRequest("Field 'prompt': elements must be a string, a list of tokens, a JSON "
                          "object containing a prompt string, or a list of mixed strings & "
                          "tokens")
@@ -726,6 +792,14 @@ def parse_chat(body: dict, tokenizer: Any) -> list[int]:
     r"""A chat request's prompt: ``messages`` checked (``oaicompat_chat_params_parse``,
     ``server-common.cpp:1286-1313``) and rendered by the model's chat template.
 
+    **Assistant prefill**, as llama-server (``--prefill-assistant`` is its default): a final
+    assistant message is *continued*: the prompt is the conversation before it with the
+    generation prompt, then that message's text, and the model writes on from there.
+    ``continue_final_message: true`` asks for the same for any final message (the template
+    renders the conversation without a generation prompt and the prompt ends where the last
+    message's text ends); ``add_generation_prompt: false`` renders without the assistant's
+    header.
+
     Args:
         body: the request object.
         tokenizer: the model's tokenizer, with a chat template.
@@ -736,8 +810,9 @@ def parse_chat(body: dict, tokenizer: Any) -> list[int]:
     Raises:
         InvalidRequest: ``messages`` missing, empty or malformed (a role outside
             system/user/assistant/tool/developer, content neither a string, null for an
-            assistant, nor text parts; images and audio are not supported), or the model has
-            no chat template.
+            assistant, nor text parts; images and audio are not supported), two assistant
+            messages at the end, ``add_generation_prompt`` and ``continue_final_message``
+            both true (llama.cpp's messages), or the model has no chat template.
 
     Examples:
         >>> from reference.model_loader import default_model_path
@@ -747,6 +822,10 @@ def parse_chat(body: dict, tokenizer: Any) -> list[int]:
         ...     {"type": "text", "text": "Hi"}]}]}, tok)
         >>> tok.detokenize(ids[-4:], unparse_special=True)
         '<|im_start|>assistant\n'
+        >>> ids = parse_chat({"messages": [{"role": "user", "content": "Hi"},
+        ...                                {"role": "assistant", "content": "Hello, I"}]}, tok)
+        >>> tok.detokenize(ids, unparse_special=True).endswith("<|im_start|>assistant\nHello, I")
+        True
     """
     messages = body.get("messages")
     if messages is None:
@@ -754,10 +833,47 @@ def parse_chat(body: dict, tokenizer: Any) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("Field 'messages': must be a non-empty array of messages")
     clean = [_message(i, m) for i, m in enumerate(messages)]
+    add_generation_prompt = _flag(body, "add_generation_prompt", True)
+    continue_final = _flag(body, "continue_final_message", False)
+    if not continue_final and clean[-1]["role"] == "assistant":
+        if len(clean) >= 2 and clean[-2]["role"] == "assistant":
+            raise InvalidRequest("Cannot have 2 or more assistant messages at the end of the "
+                                 "list.")
+        continue_final, add_generation_prompt = True, False
+    if continue_final and add_generation_prompt:
+        raise InvalidRequest("Cannot set both add_generation_prompt and "
+                             "continue_final_message to true.")
     try:
-        return chat_tokens(tokenizer, clean)
+        text = (_continued(clean, tokenizer) if continue_final
+                else tokenizer.apply_chat_template(clean, add_generation_prompt))
     except TokenizerError as e:
         raise InvalidRequest(f"Field 'messages': {e}") from None
+    return _chat_text_tokens(tokenizer, text)
+
+
+def _continued(messages: list[dict], tokenizer: Any) -> str:
+    """The rendered conversation ending inside its last message: for an assistant message
+    llama.cpp's prefill (the rest rendered with the generation prompt, then the message's
+    text); for another role the rendering cut after that message's text."""
+    last = messages[-1]
+    if last["role"] == "assistant":
+        return tokenizer.apply_chat_template(messages[:-1], True) + last["content"]
+    text = tokenizer.apply_chat_template(messages, False)
+    at = text.rfind(last["content"])
+    if at < 0:
+        raise InvalidRequest("Field 'messages': the chat template changes the final message's "
+                             "text, so it cannot be continued")
+    return text[: at + len(last["content"])]
+
+
+def _chat_text_tokens(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat as tokens (BOS added, special tokens parsed; a template that writes
+    its own BOS does not get a second one: ``chat_tokens``)."""
+    tokens = tokenizer.tokenize(text, add_special=True, parse_special=True)
+    bos = tokenizer.bos_id
+    if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+        tokens = tokens[1:]
+    return tokens
 # --8<-- [end:parse_chat]
 
 

@@ -66,9 +66,11 @@ from reference.common import LlamarefError
 from reference.context import Context, ContextError, context_shift
 from reference.tokenizer import StreamDecoder
 from reference.tools.self_extend import (
+    SWA_GROUPED,
     SelfExtendError,
     apply_group_attention,
     check_group_attention,
+    check_self_extend_memory,
 )
 
 #: ``llama-completion`` keeps 4 cells free: a prompt longer than ``n_ctx - 4`` is refused here.
@@ -155,6 +157,10 @@ class Generator:
             sampler) instead of the NumPy row.
         ga_n: Self-Extend's group size ``G`` (``--grp-attn-n``; 1: none).
         ga_w: Self-Extend's block width ``W`` (``--grp-attn-w``), a multiple of ``ga_n``.
+        ga_swa: what Self-Extend does to a sliding-window model's SWA layers
+            (``--grp-attn-swa``): ``"grouped"`` (llama.cpp: every cell's position, so the
+            SWA cache must keep them all, ``--swa-full``) or ``"exact"`` (the full-attention
+            layers only; [`reference.tools.self_extend`][] states both).
 
     Attributes:
         tokens: the tokens in the cache, in position order (``tokens[p]`` is at position
@@ -165,7 +171,9 @@ class Generator:
 
     Raises:
         SelfExtendError: ``ga_n > 1`` with ``shift`` (no context shift with Self-Extend), a
-            bad ``ga_w``, or a memory that cannot move positions.
+            bad ``ga_w`` or ``ga_swa``, or a memory that cannot move the positions
+            ([`check_self_extend_memory`][reference.tools.self_extend.check_self_extend_memory]:
+            a recurrent model, a SWA cache without ``--swa-full``).
 
     Examples:
         >>> import numpy as np
@@ -182,15 +190,14 @@ class Generator:
 
     def __init__(self, ctx: Context, sampler: Any, n_keep: int = 0, shift: bool = True,
                  perf: Perf | None = None, on_device: bool = False, ga_n: int = 1,
-                 ga_w: int = 512):
+                 ga_w: int = 512, ga_swa: str = SWA_GROUPED):
         check_group_attention(ga_n, ga_w)
         if ga_n > 1 and shift:
             raise SelfExtendError("Self-Extend (--grp-attn-n > 1) replaces the context shift: "
                                   "use shift=False (--no-context-shift)")
-        if ga_n > 1 and (ctx.recurrent or not ctx.memory.can_shift()):
-            raise SelfExtendError("Self-Extend groups the positions of a KV cache: a recurrent "
-                                  "model has none to group (use --grp-attn-n 1)")
-        self.ga_n, self.ga_w, self.ga_i = ga_n, ga_w, 0
+        if ga_n > 1:
+            check_self_extend_memory(ctx.memory, ctx.recurrent, ga_swa)
+        self.ga_n, self.ga_w, self.ga_i, self.ga_swa = ga_n, ga_w, 0, ga_swa
         self.ctx = ctx
         self.on_device = on_device and ctx.on_device
         # the token can stay on the device: decode it before reading it back
@@ -234,7 +241,7 @@ class Generator:
         """
         n_past = self.ctx.memory.seq_pos_max(0) + 1
         self.ga_i, _ = apply_group_attention(self.ctx.memory, self.ga_i, n_past, self.ga_n,
-                                             self.ga_w)
+                                             self.ga_w, swa=self.ga_swa)
 
     def _error(self, n_tokens: int, ret: int) -> GenerateError:
         reason = self.ctx.last_error or "no reason given"

@@ -68,6 +68,39 @@ to 1 at every grouping, exactly when $G$ divides $r + 1$ (else one position apar
 other differences: the paper's window never shrinks, and its hidden states of earlier
 tokens were computed with the same rule, while llama.cpp's were computed at the positions of
 their own time. The chapter ``docs/self-extend.md`` measures what that changes.
+
+**Models with sliding-window layers** (Gemma 2, Gemma 3: the iSWA cache). llama.cpp's loop
+calls the memory's ``seq_add`` / ``seq_div``, which move the cells of *both* caches, so the
+SWA cache must keep every position (``--swa-full``; without it ``can_shift()`` is False and
+the loop is refused, [`check_self_extend_memory`][]). A SWA layer then masks by the grouped
+positions: query $i = KW + r$ sits at $Kw + r$ and sees key $j$ when
+$\mathrm{pos}(i) - \mathrm{pos}(j) < n_{swa}$, that is
+
+$$
+j \ge i - n_{swa} + 1 \quad (j \ge KW), \qquad
+\lfloor j/G \rfloor \ge Kw + r + 1 - n_{swa} \iff j \ge KW - G\,(n_{swa} - r - 1)
+\quad (j < KW).
+$$
+
+When $r + 1 < n_{swa}$ the window reaches into the grouped tokens and holds
+$(r + 1) + G\,(n_{swa} - r - 1)$ tokens instead of $n_{swa}$: $(G - 1)(n_{swa} - r - 1)$
+older tokens than the layer was trained to see, at grouped distances. (When $r + 1 \ge n_{swa}$
+it is the last $n_{swa}$ tokens at their exact distances, as without Self-Extend.)
+
+A SWA layer never meets a distance beyond $n_{swa} \le n_{ctx\_train}$, so the paper's reason
+to group does not apply to it: Self-Extend's form for iSWA ([`SWA_EXACT`][], ``--grp-attn-swa
+exact``) groups the full-attention layers only and leaves the SWA layers their exact window.
+It moves the base cache alone ([`group_attention_step_exact`][]): token $t$ sits at
+
+$$
+\mathrm{pos}_{base}(t) = \mathrm{pos}(t) + K\,(W - W/G), \qquad \mathrm{pos}_{swa}(t) = t,
+$$
+
+the closed form moved up by the $K b_d$ positions it gave back, so the tail stays at $t$ in
+both caches and the query, at $i$, sees the full-attention keys at llama.cpp's distances
+$Kw + r - \lfloor j/G \rfloor$ and $i - j$ (RoPE scores and the causal mask depend on
+differences only) and the SWA keys at $i - j < n_{swa}$, exactly. The SWA cache never moves,
+so this form runs without ``--swa-full``.
 """
 
 from __future__ import annotations
@@ -102,6 +135,68 @@ class SelfExtendError(LlamarefError, ValueError):
 
 #: one memory op of the grouping loop: (name, p0, p1, shift or divisor)
 Op = tuple[str, int, int, int]
+
+SWA_GROUPED = "grouped"
+"""llama.cpp's form: every cell's position is grouped, in the SWA cache too (``--swa-full``)."""
+SWA_EXACT = "exact"
+"""The form for iSWA: the full-attention layers' positions are grouped, the SWA layers keep
+their window at exact positions (the SWA cache never moves)."""
+SWA_MODES = (SWA_GROUPED, SWA_EXACT)
+"""What ``--grp-attn-swa`` takes."""
+
+
+# --8<-- [start:check_self_extend_memory]
+def check_self_extend_memory(memory: Memory, recurrent: bool, swa: str = SWA_GROUPED) -> None:
+    """Whether Self-Extend can group this memory's positions with ``swa``; raises if not.
+
+    Args:
+        memory: the Context's memory.
+        recurrent: the Context's ``recurrent`` (a state per sequence, no cells).
+        swa: [`SWA_GROUPED`][] (llama.cpp) or [`SWA_EXACT`][].
+
+    Raises:
+        SelfExtendError: an unknown ``swa``; a recurrent memory; an iSWA cache whose SWA
+            part cannot move (no ``--swa-full``) with [`SWA_GROUPED`][]; any other memory
+            that cannot shift.
+
+    Examples:
+        >>> import dataclasses
+        >>> from reference.memory import create_memory
+        >>> from reference.testing import tiny_gemma_hparams
+        >>> hp = tiny_gemma_hparams("gemma2", n_swa=4)
+        >>> mem = create_memory(hp, n_ctx_seq=512, swa_full=False, n_ubatch=8)
+        >>> check_self_extend_memory(mem, False, SWA_EXACT)
+        >>> check_self_extend_memory(mem, False)
+        Traceback (most recent call last):
+        ...
+        reference.tools.self_extend.SelfExtendError: Self-Extend moves the positions of every cell, and this model's sliding-window cache keeps only its window (it cannot move them): use --swa-full, or --grp-attn-swa exact (the SWA layers keep their exact positions)
+    """  # noqa: E501
+    if swa not in SWA_MODES:
+        raise SelfExtendError(f"--grp-attn-swa {swa!r}: use one of {', '.join(SWA_MODES)}")
+    if recurrent:
+        raise SelfExtendError("Self-Extend groups the positions of a KV cache: a recurrent "
+                              "model has none to group (use --grp-attn-n 1)")
+    base = _base_cache(memory)
+    if base is not memory and swa == SWA_EXACT:
+        if not base.can_shift():
+            raise SelfExtendError("Self-Extend moves cache positions: this memory cannot "
+                                  "(can_shift() is False)")
+        return
+    if base is not memory and not memory.can_shift():
+        raise SelfExtendError("Self-Extend moves the positions of every cell, and this "
+                              "model's sliding-window cache keeps only its window (it cannot "
+                              "move them): use --swa-full, or --grp-attn-swa exact (the SWA "
+                              "layers keep their exact positions)")
+    if not memory.can_shift():
+        raise SelfExtendError("Self-Extend moves cache positions: this memory cannot "
+                              "(can_shift() is False)")
+# --8<-- [end:check_self_extend_memory]
+
+
+def _base_cache(memory: Memory):
+    """The full-attention cache of an iSWA memory (``get_base``); else the memory itself."""
+    get_base = getattr(memory, "get_base", None)
+    return memory if get_base is None else get_base()
 
 
 # --8<-- [start:check_group_attention]
@@ -189,10 +284,72 @@ def group_attention_ops(ga_i: int, n_past: int, ga_n: int, ga_w: int) -> tuple[l
 # --8<-- [end:group_attention_ops]
 
 
+# --8<-- [start:group_attention_step_exact]
+def group_attention_step_exact(ga_i: int, ga_n: int, ga_w: int) -> tuple[list[Op], int]:
+    r"""Group block $k = ga_i / w$ of the full-attention cache alone ([`SWA_EXACT`][]).
+
+    Before: the grouped tokens at $\lfloor t/G \rfloor + k b_d \in [k b_d, kW)$, the rest at
+    $t \ge kW$. Three ops: the grouped tokens down to $[0, kw)$, the block $[kW, (k+1)W)$
+    divided to $[kw, (k+1)w)$, all of them up by $(k+1) b_d$, under the tail that stays at
+    $t$. The ranges never overlap, so no op moves a cell another one meant to leave alone.
+
+    Returns:
+        ``(ops, ga_i)``: the ops as ``(name, p0, p1, x)``, and ``ga_i + w``.
+
+    Examples:
+        >>> group_attention_step_exact(4, 2, 8)  # the second block: k = 1, w = 4, b_d = 4
+        ([('seq_add', 4, 8, -4), ('seq_div', 8, 16, 2), ('seq_add', 0, 8, 8)], 8)
+    """
+    w = ga_w // ga_n
+    bd = ga_w - w
+    k = ga_i // w
+    ops = [
+        ("seq_add", k * bd, k * ga_w, -k * bd),  # the grouped tokens down to [0, kw)
+        ("seq_div", k * ga_w, (k + 1) * ga_w, ga_n),  # the block to [kw, (k + 1)w)
+        ("seq_add", 0, (k + 1) * w, (k + 1) * bd),  # both up, under the tail
+    ]
+    return ops, ga_i + w
+# --8<-- [end:group_attention_step_exact]
+
+
+def group_attention_ops_exact(ga_i: int, n_tokens: int, ga_n: int, ga_w: int
+                              ) -> tuple[list[Op], int]:
+    r"""[`group_attention_step_exact`][] while a complete block is ungrouped:
+    $N \ge (K + 1) W$ with $K = ga_i / w$ (the condition of llama.cpp's loop, in tokens).
+
+    Examples:
+        >>> ops, ga_i = group_attention_ops_exact(0, 20, 2, 8)
+        >>> len(ops), ga_i
+        (6, 8)
+    """
+    check_group_attention(ga_n, ga_w)
+    ops: list[Op] = []
+    while ga_n > 1 and n_tokens >= ga_i * ga_n + ga_w:
+        step, ga_i = group_attention_step_exact(ga_i, ga_n, ga_w)
+        ops += step
+    return ops, ga_i
+
+
+def self_extend_positions_exact(n_tokens: int, ga_n: int, ga_w: int) -> np.ndarray:
+    r"""The full-attention cache's positions with [`SWA_EXACT`][]: the closed form plus
+    $K (W - W/G)$ (the SWA cache holds token $t$ at $t$).
+
+    Examples:
+        >>> self_extend_positions_exact(10, 2, 4).tolist()
+        [4, 4, 5, 5, 6, 6, 7, 7, 8, 9]
+    """
+    n_blocks = n_tokens // ga_w if ga_n > 1 else 0
+    return self_extend_positions(n_tokens, ga_n, ga_w) + n_blocks * (ga_w - ga_w // ga_n)
+
+
 # --8<-- [start:apply_group_attention]
 def apply_group_attention(memory: Memory, ga_i: int, n_past: int, ga_n: int, ga_w: int,
-                          seq_id: int = 0) -> tuple[int, int]:
+                          seq_id: int = 0, swa: str = SWA_GROUPED) -> tuple[int, int]:
     """Run the loop on sequence ``seq_id`` of a memory (before a decode); the new state.
+
+    With [`SWA_EXACT`][] and an iSWA memory, only its full-attention cache moves
+    ([`group_attention_ops_exact`][]); ``n_past`` is then the token count (the SWA cache's
+    ``seq_pos_max + 1``) and stays so.
 
     Args:
         memory: a memory that can shift positions (a KV cache), e.g. ``ctx.memory``.
@@ -201,14 +358,14 @@ def apply_group_attention(memory: Memory, ga_i: int, n_past: int, ga_n: int, ga_
         ga_n: the group size ``G``.
         ga_w: the block width ``W``.
         seq_id: the sequence (``llama-completion``: 0).
+        swa: [`SWA_GROUPED`][] (llama.cpp) or [`SWA_EXACT`][].
 
     Returns:
         ``(ga_i, n_past)`` after the loop.
 
     Raises:
-        SelfExtendError: bad parameters, or a memory with ``can_shift()`` False; nothing
-            changed. (A recurrent memory shifts its tail positions without complaint; the
-            [`Generator`][reference.tools.generate.Generator] refuses Self-Extend there.)
+        SelfExtendError: bad parameters, or a memory that cannot move what ``swa`` moves
+            ([`check_self_extend_memory`][]); nothing changed.
 
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights
@@ -224,12 +381,17 @@ def apply_group_attention(memory: Memory, ga_i: int, n_past: int, ga_n: int, ga_
         5
     """
     check_group_attention(ga_n, ga_w)
-    if ga_n > 1 and not memory.can_shift():
-        raise SelfExtendError("Self-Extend moves cache positions: this memory cannot "
-                              "(can_shift() is False)")
-    ops, ga_i, n_past = group_attention_ops(ga_i, n_past, ga_n, ga_w)
+    if ga_n > 1:
+        check_self_extend_memory(memory, False, swa)
+    base = _base_cache(memory)
+    if swa == SWA_EXACT and base is not memory:
+        ops, ga_i = group_attention_ops_exact(ga_i, n_past, ga_n, ga_w)
+        target = base
+    else:
+        ops, ga_i, n_past = group_attention_ops(ga_i, n_past, ga_n, ga_w)
+        target = memory
     for name, p0, p1, x in ops:
-        getattr(memory, name)(seq_id, p0, p1, x)
+        getattr(target, name)(seq_id, p0, p1, x)
     return ga_i, n_past
 # --8<-- [end:apply_group_attention]
 
@@ -402,13 +564,20 @@ def self_extend_forward(weights: dict, hparams: LlamaHParams, tokens: ArrayLike,
 
 
 __all__ = [
+    "SWA_EXACT",
+    "SWA_GROUPED",
+    "SWA_MODES",
     "SelfExtendError",
     "apply_group_attention",
     "check_group_attention",
+    "check_self_extend_memory",
     "group_attention_ops",
+    "group_attention_ops_exact",
     "group_attention_step",
+    "group_attention_step_exact",
     "self_extend_attention",
     "self_extend_forward",
     "self_extend_positions",
+    "self_extend_positions_exact",
     "self_extend_state",
 ]

@@ -363,3 +363,85 @@ def test_a_broken_hf_folder_is_one_line(tmp_path, capsys, files, command, messag
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("llamaref: error:") and message in err and err.count("\n") == 1, err
+
+
+# ---- the prompt: escapes in every program, as common_params_parse ---------------------------
+
+ESCAPED = r"a\nb\x41\tc\q"  # what the shell passes: backslashes
+UNESCAPED = "a\nbA\tc\\q"  # what llama.cpp's tools read (an unknown escape stays)
+
+
+def _prompt_of(argv: list[str]):
+    """The prompt a command reads from ``argv``, as the command itself reads it."""
+    from llamaref import parallel, speculative
+
+    args = cli.build_parser().parse_args(argv)
+    read = {"generate": cli.generate_prompt, "batched": parallel.batched_prompt,
+            "parallel": lambda a: "\n".join(parallel.prompt_lines(a) or []),
+            "speculative": speculative.read_prompt, "speculative-simple": speculative.read_prompt,
+            "lookup": speculative.read_prompt}[argv[0]]
+    return read(args)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", ESCAPED], ["generate", "-p", ESCAPED],
+    ["batched", "-p", ESCAPED],
+    ["parallel", "-p", ESCAPED],
+    ["speculative", ESCAPED, "--draft-layers", "1"],
+    ["speculative-simple", "-p", ESCAPED, "--draft-layers", "1"],
+    ["lookup", "-p", ESCAPED], ["lookup", ESCAPED],
+], ids=lambda argv: " ".join(a for a in argv if a != ESCAPED))
+def test_every_program_processes_escapes_in_its_prompt(argv):
+    r"""``-p 'a\nb'`` is a newline in every program, as llama.cpp's ``common_params_parse``
+    (``params.escape`` true by default); ``--no-escape`` keeps the backslashes and ``-e``
+    after it turns escapes back on (the last flag wins)."""
+    assert _prompt_of(argv) == UNESCAPED
+    assert _prompt_of([*argv, "-e"]) == UNESCAPED
+    assert _prompt_of([*argv, "--escape"]) == UNESCAPED
+    assert _prompt_of([*argv, "--no-escape"]) == ESCAPED
+    assert _prompt_of([*argv, "--no-escape", "-e"]) == UNESCAPED
+
+
+@pytest.mark.parametrize("command", ["speculative", "speculative-simple", "lookup", "parallel"])
+def test_a_prompt_file_is_read_as_llama_cpps_file_flag(tmp_path, command):
+    r"""``-f FILE``: one trailing newline dropped, then the escapes, as ``-f`` of
+    ``common/arg.cpp`` fills ``params.prompt`` before ``common_params_parse`` processes it
+    (parallel then splits the questions on the newlines, escaped ones included)."""
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(ESCAPED.encode() + b"\nsecond line\n")
+    extra = ["--draft-layers", "1"] if command.startswith("speculative") else []
+    assert _prompt_of([command, "-f", str(path), *extra]) == UNESCAPED + "\nsecond line"
+    assert _prompt_of([command, "-f", str(path), *extra, "--no-escape"]) == (
+        ESCAPED + "\nsecond line")
+
+
+def test_every_command_with_a_prompt_has_the_escape_flags_spelled_once():
+    """``-e/--escape`` and ``--no-escape`` come from ``PROMPT_FLAGS`` in every program that
+    reads a prompt (and in passkey, whose prompt is built: llama.cpp accepts them there too),
+    with escapes on by default."""
+    import argparse
+
+    from llamaref.common import PROMPT_FLAGS
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    want = {"generate", "tokenize", "batched", "parallel", "speculative", "speculative-simple",
+            "lookup", "passkey"}
+    for command in want:
+        sub = commands.choices[command]
+        for flags, _ in PROMPT_FLAGS.values():
+            action = next((a for a in sub._actions if set(a.option_strings) & set(flags)), None)
+            assert action is not None, (command, flags)
+            assert action.option_strings == list(flags), command
+            assert action.dest == "escape", command
+        assert sub.parse_args([]).escape is True, command
+
+
+@pytest.mark.parametrize("argv", [["lookup", "-n", "1"], ["batched", "-n", "12", "-np", "1"]])
+def test_lookup_and_batched_echo_an_escaped_prompt_with_its_newline(tiny_smol, capsys, argv):
+    r"""The issue's case, end to end: ``lookup -p 'a\nb'`` (and ``batched``) write the prompt
+    with a newline in it, where a backslash was written before."""
+    assert main([*argv, "-p", r"one\ntwo", "-m", str(tiny_smol), "--temp", "0",
+                 "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "one\ntwo" in out and "\\n" not in out

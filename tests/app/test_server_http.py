@@ -16,6 +16,7 @@ import pytest
 import requests
 from playwright.sync_api import sync_playwright
 
+from llamaref.server.app import default_allowed_hosts
 from tests.support.server_corpus import malformed_requests
 from tests.support.server_support import LiveServer, alone, make_engine, tokenizer
 
@@ -335,3 +336,39 @@ def test_chat_page_streams_an_answer_and_stops_in_chromium(server):
             assert not errors
         finally:
             browser.close()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                    reason=f"{CHROMIUM} is missing: apt-get install chromium (CI installs it)")
+def test_chat_page_with_an_api_key_in_chromium():
+    """``llamaref serve --api-key`` with the default ``Host`` rules: the page loads without
+    a key, a turn without one shows the 401's message, and with the key typed in the field
+    the answer streams (the page's own origin is allowed to POST)."""
+    srv = LiveServer(lambda: make_engine("reference", n_slots=1, n_ctx=256), api_key="sekret",
+                     allowed_hosts=default_allowed_hosts(["127.0.0.1"]))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                        args=["--no-sandbox"])
+            try:
+                page = browser.new_page()
+                page.goto(srv.url + "/")
+                page.fill("#temperature", "0")
+                page.fill("#max-tokens", "4")
+                page.fill("#prompt", "Hello")
+                page.click("#send")
+                page.wait_for_function("document.querySelector('#error').textContent != ''",
+                                       timeout=60_000)
+                assert page.inner_text("#error") == "Invalid API Key"
+                page.fill("#api-key", "sekret")
+                page.fill("#prompt", "Hello")
+                page.click("#send")
+                page.wait_for_function("document.querySelectorAll('.message.assistant')"
+                                       ".length === 1 && document.querySelector('#stop')"
+                                       ".disabled", timeout=60_000)
+                assert page.inner_text("#error").strip() == ""
+                assert page.locator(".message.assistant").last.inner_text().strip()
+            finally:
+                browser.close()
+    finally:
+        srv.close()

@@ -149,3 +149,40 @@ def test_an_error_body_is_shown(page):
     assert page.inner_text("#error") == "prompt is too long"
     assert page.query_selector(".message.assistant") is None  # the empty answer is dropped
     assert page.is_enabled("#send")
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_and_kept(page):
+    """A server started with ``--api-key``: the key typed once is sent with every turn as
+    ``Authorization: Bearer`` and is still there after a reload (localStorage); an empty
+    field sends no header."""
+    sent = []
+
+    def answer(route):
+        sent.append(route.request.headers.get("authorization"))
+        route.fulfill(status=200, content_type="text/event-stream", body=_sse("ok"))
+
+    page.route("**/v1/chat/completions", answer)
+    _ask(page, "no key yet")
+    page.wait_for_selector(".message.assistant:not(.streaming)")
+    page.fill("#api-key", "sekret-key")
+    _ask(page, "with a key")
+    page.wait_for_function("document.querySelectorAll('.message.assistant').length == 2 && "
+                           "!document.querySelector('.message.streaming')")
+    assert sent == [None, "Bearer sekret-key"]
+    page.reload()
+    assert page.input_value("#api-key") == "sekret-key"
+    page.route("**/v1/chat/completions", answer)
+    _ask(page, "after a reload")
+    page.wait_for_selector(".message.assistant:not(.streaming)")
+    assert sent[-1] == "Bearer sekret-key"
+
+
+def test_a_wrong_key_shows_the_servers_message(page):
+    error = {"error": {"code": 401, "message": "Invalid API Key",
+                       "type": "authentication_error"}}
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=401, content_type="application/json", body=json.dumps(error)))
+    page.fill("#api-key", "wrong")
+    _ask(page, "Hi")
+    page.wait_for_function("document.querySelector('#error').textContent != ''")
+    assert page.inner_text("#error") == "Invalid API Key"

@@ -519,3 +519,184 @@ def test_corpus_bodies_fail_our_parsers(tok):
                     raise InvalidRequest("exceeds the context (-c 256)")
         checked += 1
     assert checked >= 150
+
+
+# ---- issue 31: sampler values, bounded requests, valid JSON, llama-server parity --------------
+
+@pytest.mark.parametrize("value", [1e-310, 1e-39, 0.0, -1.0, 1e39])
+def test_a_repeat_penalty_the_sampler_cannot_divide_by_is_refused(tok, value):
+    message = error_of({"repeat_penalty": value}, tok)
+    assert message.startswith("Field 'repeat_penalty': value must be between 1.1754944e-38 "
+                              "<= value <= 3.4028235e+38")
+
+
+@pytest.mark.parametrize("value", [1.1754943508222875e-38, 1e-30, 1.1, 1e30])
+def test_a_repeat_penalty_in_range_passes(tok, value):
+    assert parse({"repeat_penalty": value}, tok).sampling.penalty_repeat == value
+
+
+@pytest.mark.parametrize("body, name, message", [
+    ({"n_probs": 101}, "n_probs", "value must be between 0 <= value <= 100"),
+    ({"n_probs": 100000}, "n_probs", "value must be between 0 <= value <= 100"),
+    ({"logprobs": 500}, "logprobs", "value must be between 0 <= value <= 100"),
+    ({"logit_bias": [[i, 1.0] for i in range(1025)]}, "logit_bias",
+     "at most 1024 entries are accepted, got 1025"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias",
+     "at most 1024 entries are accepted, got 1025"),
+    ({"logit_bias": {"x" * 257: 1.0}}, "logit_bias",
+     "at most 256 characters per text key are accepted, got 257"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop", "at most 16 strings are accepted, got 17"),
+    ({"stop": "y" * 257}, "stop", "at most 256 characters per string are accepted, got 257"),
+    ({"dry_sequence_breakers": ["a"] * 17}, "dry_sequence_breakers",
+     "at most 16 strings are accepted, got 17"),
+    ({"samplers": ["top_k"] * 33}, "samplers", "at most 32 entries are accepted, got 33"),
+    ({"samplers": "k" * 33}, "samplers", "at most 32 characters are accepted, got 33"),
+])
+def test_every_per_request_allocation_is_bounded(tok, body, name, message):
+    assert error_of(body, tok).startswith(f"Field '{name}': {message}")
+
+
+def test_the_limits_themselves_pass(tok):
+    p = parse({"n_probs": 100, "logit_bias": [[i, 0.5] for i in range(1024)],
+               "stop": ["z" * 256] * 16, "dry_sequence_breakers": ["b"] * 16,
+               "samplers": ["top_k"] * 32}, tok)
+    assert (p.n_probs, len(p.sampling.logit_bias), len(p.stop)) == (100, 1024, 16)
+    assert parse({"logprobs": True, "top_logprobs": 20}, tok, oai_chat=True).n_probs == 20
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("²", "²"), ("--5", "--5"), ("5a", "5a"), ("+", "+"), ("٣", "٣"), ("7", 7), (" 7", 7),
+    ("+7", 7), ("-7", -7), ("", 0),
+])
+def test_logit_bias_keys_are_read_as_strtol_reads_them(key, expected):
+    assert schema.bias_key(key) == expected
+
+
+def test_logit_bias_keys_that_are_not_ids_are_text(tok):
+    for key in ("²", "--5"):
+        biases = parse({"logit_bias": {key: 1}}, tok).sampling.logit_bias
+        assert biases == dict.fromkeys(tok.tokenize(key, add_special=False,
+                                                    parse_special=False), 1.0)
+    assert parse({"logit_bias": {"-5": 1}}, tok).sampling.logit_bias == {}  # out of range
+
+
+@pytest.mark.parametrize("prompt", [
+    [[1, 2], "x", {"prompt_string": 5}], {"prompt_string": None}, {"prompt_string": {"a": 1}},
+    [{"prompt_string": [1, {"x": 2}]}],
+])
+def test_a_prompt_string_of_the_wrong_type_is_a_400(tok, prompt):
+    with pytest.raises(InvalidRequest, match="Field 'prompt'"):
+        schema.parse_prompt(prompt, tok)
+
+
+def test_non_finite_probabilities_are_reported_finite():
+    """A chain whose logits overflowed reports NaN probabilities (as llama.cpp's would); the
+    JSON says 0 for them (a logprob of the lowest float), never NaN."""
+    nan = float("nan")
+    probs = [TokenOutput(5, b"Hi", nan, [TokenProb(5, b"Hi", nan), TokenProb(6, b"x", 1.5)])]
+    for post in (True, False):
+        out = formats.probs_json(probs, post)
+        json.loads(formats.dumps(out))
+    post = formats.probs_json(probs, True)[0]
+    assert (post["prob"], post["top_probs"][0]["prob"], post["top_probs"][1]["prob"]) == (
+        0.0, 0.0, 1.0)
+    assert formats.probs_json(probs, False)[0]["logprob"] == FLT_LOWEST
+
+
+def test_tokens_are_reported_only_when_asked():
+    """``/completion``: ``tokens`` is ``[]`` unless ``return_tokens`` (llama.cpp)."""
+    fin = final()
+    assert formats.completion_final(fin, SlotParams(), model="m", prompt="p")["tokens"] == []
+    asked = formats.completion_final(fin, SlotParams(return_tokens=True), model="m", prompt="p")
+    assert asked["tokens"] == fin.tokens != []
+    part = partial()
+    assert formats.completion_partial(part)["tokens"] == part.tokens  # the default: asked
+    part.return_tokens = False
+    assert formats.completion_partial(part)["tokens"] == []
+
+
+def test_the_usage_chunk_carries_the_timings():
+    chunk = formats.usage_chunk("chat.completion.chunk", model="m", cmpl_id="c", created=1,
+                                usage={"total_tokens": 9},
+                                timings=Timings(predicted_n=3, predicted_ms=4.0))
+    assert chunk["choices"] == [] and chunk["usage"] == {"total_tokens": 9}
+    assert chunk["timings"]["predicted_n"] == 3
+    assert chunk["system_fingerprint"] == formats.SYSTEM_FINGERPRINT
+
+
+@pytest.mark.parametrize("n, ms, per_second", [(0, 0.0, 0.0), (1, 7.0, 0.0), (2, 4.0, 250.0),
+                                               (5, 8.0, 500.0), (3, 0.0, 0.0)])
+def test_predicted_per_second_counts_decode_steps(n, ms, per_second):
+    """The generation clock starts at the first token: ``n`` tokens took ``n - 1`` steps."""
+    t = formats.timings_json(Timings(predicted_n=n, predicted_ms=ms))
+    assert t["predicted_per_second"] == per_second
+
+
+def test_system_fingerprint_is_the_build_info():
+    from reference import __version__
+    fp = formats.SYSTEM_FINGERPRINT
+    assert fp.startswith(f"b{__version__}-")
+    commit = fp.rsplit("-", 1)[1]
+    assert commit == "unknown" or (len(commit) == 7 and all(c in "0123456789abcdef"
+                                                             for c in commit))
+    assert formats.build_info("1.2.3", None) == "b1.2.3-unknown"
+
+
+def test_system_fingerprint_reads_the_checkout(tmp_path):
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    (tmp_path / "pkg").mkdir()
+    assert formats._git_commit(tmp_path / "pkg") == "0123456"
+    (git / "refs" / "heads" / "main").unlink()
+    (git / "packed-refs").write_text("# pack-refs\nfedcba9876543210fedcba9876543210fedcba98 "
+                                     "refs/heads/main\n")
+    assert formats._git_commit(tmp_path / "pkg") == "fedcba9"
+    (git / "HEAD").write_text("ref: refs/heads/gone\n")
+    assert formats._git_commit(tmp_path / "pkg") is None
+
+
+# ---- chat: assistant prefill as llama-server ------------------------------------------------
+
+def chat_text(tok, ids) -> str:
+    return tok.detokenize(ids, unparse_special=True)
+
+
+def test_a_final_assistant_message_is_continued(tok):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    ids = schema.parse_chat({"messages": msgs}, tok)
+    expected = tok.apply_chat_template(msgs[:1], True) + "Hello, I"
+    assert ids == tok.tokenize(expected, add_special=True, parse_special=True)
+    assert chat_text(tok, ids).endswith("<|im_start|>assistant\nHello, I")
+
+
+def test_two_assistant_messages_at_the_end_are_refused(tok):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"},
+            {"role": "assistant", "content": "B"}]
+    with pytest.raises(InvalidRequest) as e:
+        schema.parse_chat({"messages": msgs}, tok)
+    assert str(e.value) == "Cannot have 2 or more assistant messages at the end of the list."
+
+
+@pytest.mark.parametrize("body", [
+    {"continue_final_message": True},
+    {"continue_final_message": True, "add_generation_prompt": True},
+])
+def test_generation_prompt_and_continuation_together_are_refused(tok, body):
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidRequest) as e:
+        schema.parse_chat({"messages": msgs, **body}, tok)
+    assert str(e.value) == ("Cannot set both add_generation_prompt and continue_final_message "
+                            "to true.")
+
+
+def test_continuing_and_not_prompting(tok):
+    msgs = [{"role": "user", "content": "Tell me"}]
+    cont = schema.parse_chat({"messages": msgs, "continue_final_message": True,
+                              "add_generation_prompt": False}, tok)
+    assert chat_text(tok, cont).endswith("<|im_start|>user\nTell me")
+    plain = schema.parse_chat({"messages": msgs, "add_generation_prompt": False}, tok)
+    assert chat_text(tok, plain).endswith("Tell me<|im_end|>\n")
+    with pytest.raises(InvalidRequest, match="Field 'add_generation_prompt'"):
+        schema.parse_chat({"messages": msgs, "add_generation_prompt": "no"}, tok)

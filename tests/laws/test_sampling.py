@@ -580,3 +580,48 @@ def test_invalid_inputs_are_refused_before_any_change():
     with pytest.raises(S.SamplingError, match="outside"):
         chain.accept(10)
     assert list(chain.history) == [] and chain.rng_dist.next_u32() == state.next_u32()
+
+
+# --------------------------------------------------------------------------------------------
+# totality: any finite parameters either are refused when the chain is built or sample a token
+# --------------------------------------------------------------------------------------------
+
+FINITE = st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                   st.sampled_from([0.0, -1.0, 1e-310, 1e-40, 0.5, 1.0, 600.0, 1e30, 1e300]))
+
+
+@st.composite
+def finite_params(draw) -> S.SamplerParams:
+    """Any finite ``common_params_sampling`` (DRY off: it needs a tokenizer)."""
+    names = list(S.DEFAULT_SAMPLERS)
+    return S.SamplerParams(
+        seed=draw(st.integers(0, 2**32 - 2)), top_k=draw(st.integers(-3, 300)),
+        top_p=draw(FINITE), min_p=draw(FINITE), typ_p=draw(FINITE),
+        xtc_probability=draw(FINITE), xtc_threshold=draw(FINITE), temp=draw(FINITE),
+        dynatemp_range=draw(FINITE), dynatemp_exponent=draw(FINITE),
+        penalty_last_n=draw(st.integers(0, 8)), penalty_repeat=draw(FINITE),
+        penalty_freq=draw(FINITE), penalty_present=draw(FINITE),
+        mirostat=draw(st.integers(0, 2)), mirostat_tau=draw(FINITE), mirostat_eta=draw(FINITE),
+        top_n_sigma=draw(FINITE), min_keep=draw(st.integers(0, 300)),
+        logit_bias=draw(st.dictionaries(st.integers(0, 199), FINITE, max_size=4)),
+        samplers=draw(st.lists(st.sampled_from([n for n in names if n != "dry"]),
+                               max_size=10)))
+
+
+@given(params=finite_params(), seed=st.integers(0, 2**32 - 1), n=st.integers(1, 200))
+def test_the_chain_is_total_over_finite_parameters(params, seed, n):
+    """Law: with finite parameters the chain is either refused when built (a SamplingError
+    naming the parameter) or picks a token of the vocabulary at every step, accepting it,
+    whatever the logits (overflowing ones included: a huge bias, a tiny temperature)."""
+    try:
+        chain = S.SamplerChain.from_params(params, n)
+    except S.SamplingError:
+        return
+    rng = np.random.default_rng(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # C computes these quietly
+        for _ in range(4):
+            z = (rng.standard_normal(n) * rng.choice([1.0, 1e3, 1e30])).astype(F32)
+            token = chain.sample(z)
+            assert 0 <= token < n
+            chain.accept(token)

@@ -72,7 +72,8 @@ BAD_JSON = [b"", b"{", b"not json", b'{"prompt": "x",}', b"[1, 2]", b'"prompt"',
             b"\xff\xfe{}", b'{"prompt": NaN}', b'{"prompt": "x", "top_k": Infinity}']
 
 BAD_FILENAMES = ["../x", "../../etc/passwd", "a/b", "a\\b", "", ".", "..", "x.", " x",
-                 "a\u0000b", "a:b", "a*b", "a?b", "x" * 256]
+                 "a\u0000b", "a:b", "a*b", "a?b", "x" * 256,
+                 "x" * 243, "é" * 122]  # over 242 bytes: no room for the temporary file
 
 
 def _completion_cases() -> list[tuple[str, str, bytes | dict, int]]:

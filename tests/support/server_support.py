@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
 import threading
 import time
 
 import numpy as np
-import uvicorn
 
 from accelerated.sampling import SamplerChain as MLXSamplerChain
 from llamaref.backends import make_context as backend_context
 from llamaref.backends import prepare_weights
-from llamaref.server.app import ServerState, build_app, start_engine
+from llamaref.server.app import DEFAULT_TIMEOUT, ServerState, build_app, start_engine
 from llamaref.server.engine import Engine
+from llamaref.server.main import Server, server_config
 from reference.batch import Batch
 from reference.context import Context
 from reference.hparams import swa_pattern
@@ -144,10 +145,12 @@ def run_scheduler(sched: Scheduler, tasks, max_steps: int = 100_000) -> list[Ste
 
 
 class LiveServer:
-    """uvicorn on a free port in a thread, with an engine thread behind it."""
+    """uvicorn on a free port in a thread, with an engine thread behind it (the transport of
+    ``llamaref serve``: its read deadline and its shutdown)."""
 
-    def __init__(self, factory, **state_kw):
-        """``factory``: builds the Engine (on the engine's thread, as MLX needs)."""
+    def __init__(self, factory, read_timeout: float = DEFAULT_TIMEOUT, **state_kw):
+        """``factory``: builds the Engine (on the engine's thread, as MLX needs);
+        ``read_timeout``: ``--timeout``; ``state_kw``: more ``ServerState`` fields."""
         self.state = ServerState(tokenizer=tokenizer(), n_vocab=N_VOCAB, model_name="tiny",
                                  user_delimiter=user_delimiter(tokenizer()), **state_kw)
         self.app = build_app(self.state)
@@ -158,9 +161,8 @@ class LiveServer:
             time.sleep(0.01)
         assert self.state.engine is not None, self.state.load_error
         self.engine = self.state.engine
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
+        config = server_config(self.app, read_timeout, host="127.0.0.1", port=0)
+        self.server = Server(config, self.state)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         for _ in range(500):
@@ -170,6 +172,10 @@ class LiveServer:
         sock = self.server.servers[0].sockets[0]
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def interrupt(self) -> None:
+        """What Ctrl-C does to ``llamaref serve``."""
+        self.server.handle_exit(signal.SIGINT, None)
 
     def close(self) -> None:
         self.server.should_exit = True

@@ -61,7 +61,10 @@ class Timings:
 
 @dataclass
 class Partial:
-    """New text of a streaming task (held-back stop-string prefixes are not in it yet)."""
+    """New text of a streaming task (held-back stop-string prefixes are not in it yet).
+
+    ``return_tokens`` is the request's: the native format reports ``tokens`` only then.
+    """
 
     task_id: int
     index: int
@@ -72,6 +75,7 @@ class Partial:
     n_decoded: int
     n_prompt: int
     timings: Timings | None = None
+    return_tokens: bool = True
 
 
 @dataclass

@@ -24,7 +24,9 @@ directly. A step:
    error (< 0), fails the requests being processed; they get the error, their slots are
    cleared, and the server goes on.
 5. **Sample** for each slot whose output row is in the chunk; check stop strings, the
-   end-of-generation token and the limits; stream the new text; finish and release.
+   end-of-generation token and the limits; stream the new text; finish and release. A
+   sampler chain that cannot be built or raises fails its own task alone (its slot keeps
+   what it decoded); the other slots go on.
 
 Given the same Context, tasks and clock, a step does the same thing every time: the only
 time it reads is the ``clock`` it was given (for the timings and ``t_max_predict_ms``).
@@ -51,7 +53,7 @@ import numpy as np
 from reference.batch import Batch
 from reference.common import LlamarefError
 from reference.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-from reference.sampling import SamplerParams
+from reference.sampling import SamplerParams, SamplingError
 from reference.tools.server.errors import (
     ExceedContextSize,
     InvalidRequest,
@@ -67,6 +69,25 @@ from reference.tools.server.text import StopText, common_prefix
 
 class SchedulerError(ServerError):
     """A request the scheduler cannot serve at all (not a bad field: a bad server setup)."""
+
+
+def sampling_failure(e: Exception) -> ServerError:
+    """The error a task gets when its sampler chain raised: a
+    [`SamplingError`][reference.sampling.SamplingError] says what was wrong with the
+    parameters (its message is ours); anything else is a bug, reported without the exception's
+    text.
+
+    Examples:
+        >>> from reference.sampling import SamplingError
+        >>> str(sampling_failure(SamplingError("mirostat must be 0, 1 or 2, got 3")))
+        'Sampling failed: mirostat must be 0, 1 or 2, got 3'
+        >>> str(sampling_failure(ZeroDivisionError("float division by zero")))
+        'Sampling failed: an internal error of the sampler chain (ZeroDivisionError)'
+    """
+    if isinstance(e, SamplingError):
+        return InvalidRequest(f"Sampling failed: {e}")
+    return ServerError(f"Sampling failed: an internal error of the sampler chain "
+                       f"({type(e).__name__})")
 
 
 # --8<-- [start:SchedulerConfig]
@@ -271,14 +292,18 @@ class Scheduler:
                 children = free[: len(task.children)]
             self.waiting.remove(task)
             error = self._check_task(task, slot)
+            samplers = self._make_samplers(task) if error is None else []
+            if isinstance(samplers, ServerError):
+                error = samplers
             if error is not None:
                 for t in [task, *task.children]:
                     t.emit(Failed(t.id, t.index, error))
                 continue
             self._update_prompt_cache(slot, task)
-            self._launch(slot, task, SlotState.STARTED)
-            for child_slot, child in zip(children, task.children, strict=True):
-                self._launch(child_slot, child, SlotState.WAIT_OTHER)
+            self._launch(slot, task, SlotState.STARTED, samplers[0])
+            for child_slot, child, sampler in zip(children, task.children, samplers[1:],
+                                                  strict=True):
+                self._launch(child_slot, child, SlotState.WAIT_OTHER, sampler)
             launched = True
         if launched and self.prompt_cache is not None and self.config.cache_idle_slots:
             self._cache_idle_slots()
@@ -291,10 +316,21 @@ class Scheduler:
             return ExceedContextSize(len(task.tokens), slot.n_ctx)
         return None
 
-    def _launch(self, slot: Slot, task: Task, state: SlotState) -> None:
+    def _make_samplers(self, task: Task) -> list[tuple[Any, bool]] | ServerError:
+        """The sampler chains of a task and its children, built before anything changes; a
+        chain that cannot be built fails this task only (its error, or a
+        [`ServerError`][reference.tools.server.errors.ServerError] that names no exception
+        text for an unexpected one)."""
+        try:
+            return [self.make_sampler(t.params.sampling) for t in (task, *task.children)]
+        except Exception as e:  # noqa: BLE001 - one request's sampler must not stop the others
+            return sampling_failure(e)
+
+    def _launch(self, slot: Slot, task: Task, state: SlotState,
+                sampler: tuple[Any, bool]) -> None:
         slot.reset_task_state()
         slot.task, slot.state = task, state
-        slot.sampler, slot.on_device = self.make_sampler(task.params.sampling)
+        slot.sampler, slot.on_device = sampler
         slot.text = StopText(task.params.stop)
         slot.t_start_prompt = self.clock()
 
@@ -634,21 +670,22 @@ class Scheduler:
 
     # --8<-- [start:sample]
     def _sample(self, slot: Slot, row: int) -> None:
-        """Sample, accept, and process the token (``process_token``)."""
+        """Sample, accept, and process the token (``process_token``). A sampler that raises
+        fails this slot's task alone: the slot is released with its cache (which holds what
+        was decoded), and the other slots go on."""
         params = slot.task.params
-        logits = (self.ctx.get_logits_ith_device(row) if slot.on_device
-                  else self.ctx.get_logits_ith(row))
-        token = int(slot.sampler.sample(logits))
-        slot.sampler.accept(token)
+        try:
+            token, output = self._sample_token(slot, row)
+        except Exception as e:  # noqa: BLE001 - one request's sampler must not stop the others
+            task = slot.task
+            self._release(slot)
+            task.emit(Failed(task.id, task.index, sampling_failure(e)))
+            return
         slot.sampled = token
         slot.n_decoded += 1
         self.report.n_tokens_predicted += 1
-        piece = self.tokenizer.token_to_piece(token, special=False)
-        output = TokenOutput(token, piece, 0.0)
-        if params.n_probs > 0:
-            self._token_probs(slot, row, output)
         slot.generated.append(token)
-        text, stop_word = slot.text.push(piece)
+        text, stop_word = slot.text.push(output.piece)
         is_eog = self.tokenizer.is_eog(token)
         slot.unsent_tokens.append(token)
         if params.n_probs > 0:
@@ -676,6 +713,17 @@ class Scheduler:
         if stop is not None:
             self._finish(slot, stop)
     # --8<-- [end:sample]
+
+    def _sample_token(self, slot: Slot, row: int) -> tuple[int, TokenOutput]:
+        """The sampler's token for output ``row``, accepted, with its probabilities."""
+        logits = (self.ctx.get_logits_ith_device(row) if slot.on_device
+                  else self.ctx.get_logits_ith(row))
+        token = int(slot.sampler.sample(logits))
+        slot.sampler.accept(token)
+        output = TokenOutput(token, self.tokenizer.token_to_piece(token, special=False), 0.0)
+        if slot.task.params.n_probs > 0:
+            self._token_probs(slot, row, output)
+        return token, output
 
     def _token_probs(self, slot: Slot, row: int, output: TokenOutput) -> None:
         """The token's probability and the top ``n_probs`` candidates: the softmax of the
@@ -708,7 +756,7 @@ class Scheduler:
         timings = self._timings(slot) if task.params.timings_per_token else None
         task.emit(Partial(task.id, task.index, slot.id, slot.content[slot.n_sent:],
                           slot.unsent_tokens, slot.unsent_probs, slot.n_decoded,
-                          len(task.tokens), timings))
+                          len(task.tokens), timings, task.params.return_tokens))
         slot.n_sent = len(slot.content)
         slot.unsent_tokens, slot.unsent_probs = [], []
 
@@ -745,6 +793,7 @@ class Scheduler:
         if task is not None and task.id_parent >= 0:
             self._clear(slot)
         slot.task, slot.state, slot.i_batch = None, SlotState.IDLE, -1
+        slot.n_decoded = 0  # an idle slot has decoded nothing (server_slot::release)
         slot.t_last_used = self.clock()
 
     def _clear(self, slot: Slot) -> None:
@@ -763,26 +812,45 @@ class Scheduler:
                 "timings": {"save_ms": 1e3 * (self.clock() - t0)}}
 
     def slot_restore(self, id_slot: int, path: str) -> dict:
-        """``/slots/{id}?action=restore``: a saved sequence back into the slot; a file that
-        does not fit or does not load leaves the slot empty (400)."""
+        """``/slots/{id}?action=restore``: a saved sequence back into the slot. A file that is
+        missing, does not load or does not fit leaves the slot as it was (its tokens, its
+        checkpoints and its cells), and the error names neither the path nor the file's
+        bytes."""
         slot = self._idle_slot(id_slot)
         t0 = self.clock()
-        self._clear(slot)
+        kept = (list(slot.tokens), list(slot.checkpoints),
+                self.ctx.state_seq_get_data(slot.id) if slot.tokens else b"")
         try:
-            tokens = self.ctx.state_seq_load_file(path, slot.id)
-        except FileNotFoundError as e:
-            raise NotFound(f"Unable to restore slot: no such file ({e.filename})") from e
-        except (LlamarefError, OSError, ValueError) as e:
-            self._clear(slot)
-            raise InvalidRequest(f"Unable to restore slot: {e}") from e
-        tokens = [int(t) for t in tokens]
-        if len(tokens) >= slot.n_ctx:
-            self._clear(slot)
-            raise InvalidRequest(f"Unable to restore slot: {len(tokens)} tokens do not fit "
-                                 f"the slot's context ({slot.n_ctx})")
-        slot.tokens = tokens
+            tokens = self._load_slot_file(slot, path)
+        except ServerError:
+            self._put_back(slot, kept)
+            raise
+        slot.tokens, slot.checkpoints = tokens, []
         return {"id_slot": slot.id, "n_restored": len(tokens), "n_read": os.path.getsize(path),
                 "timings": {"restore_ms": 1e3 * (self.clock() - t0)}}
+
+    def _load_slot_file(self, slot: Slot, path: str) -> list[int]:
+        """The slot's sequence replaced by the file's; its tokens."""
+        self.memory.seq_rm(slot.id, -1, -1)
+        try:
+            tokens = [int(t) for t in self.ctx.state_seq_load_file(path, slot.id)]
+        except FileNotFoundError:
+            raise NotFound("Unable to restore slot: no such file") from None
+        except (LlamarefError, OSError, ValueError):
+            raise InvalidRequest("Unable to restore slot: the file is not a slot file of "
+                                 "this model and context") from None
+        if len(tokens) >= slot.n_ctx:
+            raise InvalidRequest(f"Unable to restore slot: {len(tokens)} tokens do not fit "
+                                 f"the slot's context ({slot.n_ctx})")
+        return tokens
+
+    def _put_back(self, slot: Slot, kept: tuple[list[int], list[Checkpoint], bytes]) -> None:
+        """The slot as it was before a failed restore."""
+        tokens, checkpoints, data = kept
+        self.memory.seq_rm(slot.id, -1, -1)
+        if data:
+            self.ctx.state_seq_set_data(data, slot.id)
+        slot.tokens, slot.checkpoints = tokens, checkpoints
 
     def slot_erase(self, id_slot: int) -> dict:
         """``/slots/{id}?action=erase``: forget the slot's cache."""
