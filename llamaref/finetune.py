@@ -39,7 +39,15 @@ import mlx.core as mx
 
 from accelerated.training.finetune import TRAINER as MLX_TRAINER
 from llamaref.backends import pick_backend, prepare_weights
-from llamaref.common import CLIError, add_context_flags, log, model_path
+from llamaref.common import (
+    CLIError,
+    add_context_flags,
+    add_prompt_flags,
+    log,
+    model_path,
+    prompt_text,
+    read_prompt_file,
+)
 from reference.model_loader import load_model
 from reference.tokenizer import load_tokenizer
 from reference.training.finetune import (
@@ -113,20 +121,6 @@ def check_finetune_flags(args: argparse.Namespace) -> None:
         raise CLIError(f"-c/--ctx-size = {args.ctx_size} must be >= 0 (0: the model's)")
     if args.epochs < 0:
         raise CLIError(f"-epochs = {args.epochs} must be >= 0")
-
-
-def read_text(path: str) -> str:
-    r"""``-f``: the file's text, one trailing newline removed (``common/arg.cpp``).
-
-    Examples:
-        >>> import tempfile, pathlib
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.txt"
-        >>> _ = p.write_bytes(b"two lines\n\n")
-        >>> read_text(p)
-        'two lines\n'
-    """
-    text = Path(path).read_bytes().decode("utf-8", errors="replace")
-    return text[:-1] if text.endswith("\n") else text
 
 
 def plot_path(output: str | Path) -> Path:
@@ -211,7 +205,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                        f"GGUF file, not the folder {path} (convert it first)")
     hparams, weights = load_model(path)
     tokenizer = load_tokenizer(path)
-    tokens = tokenizer.tokenize(read_text(args.file), add_special=True, parse_special=False)
+    text = prompt_text(args, read_prompt_file(args.file))
+    tokens = tokenizer.tokenize(text, add_special=True, parse_special=False)
     n_ctx = args.ctx_size or hparams.n_ctx_train
     lr = lr_opt_init(args.learning_rate, args.learning_rate_min, args.decay_epochs,
                      args.weight_decay, args.epochs)
@@ -263,7 +258,10 @@ def add_finetune_command(sub) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "accelerated", "reference"),
                    help="auto: accelerated (MLX) when MLX's default device is a GPU, else "
                         "reference (NumPy) (default: auto)")
-    p.add_argument("-f", "--file", metavar="FNAME", help="the training text")
+    p.add_argument("-f", "--file", metavar="FNAME",
+                   help="the training text (one trailing newline dropped, escapes processed "
+                        "unless --no-escape, as llama.cpp's -f)")
+    add_prompt_flags(p)
     p.add_argument("-o", "--output", "--output-file", dest="output", metavar="FNAME",
                    help="the fine-tuned model (GGUF)")
     add_context_flags(

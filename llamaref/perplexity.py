@@ -34,7 +34,16 @@ from typing import BinaryIO
 import numpy as np
 
 from llamaref.backends import make_context, pick_backend, prepare_weights
-from llamaref.common import CLIError, add_context_flags, add_model_flags, log, model_path
+from llamaref.common import (
+    CLIError,
+    add_context_flags,
+    add_model_flags,
+    add_prompt_flags,
+    log,
+    model_path,
+    prompt_text,
+    read_prompt_file,
+)
 from reference.context import Context
 from reference.model_loader import load_model
 from reference.tokenizer import load_tokenizer
@@ -363,7 +372,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                            f"{base.n_ctx}, the context is {args.ctx_size}: increase it with -c")
         n_ctx = base.n_ctx
     else:
-        text = Path(args.file).read_bytes().decode("utf-8", errors="replace")
+        text = prompt_text(args, read_prompt_file(args.file))
         tokens = tokenizer.tokenize(text, add_special=True, parse_special=False)
         n_ctx = 512 if args.ctx_size is None else args.ctx_size
         plan_chunks(len(tokens), n_ctx, args.batch_size, args.chunks, args.ppl_stride)
@@ -414,7 +423,10 @@ def add_perplexity_command(sub) -> None:
                "  llamaref perplexity --kl-divergence-base base.bin --kl-divergence "
                "--backend accelerated")
     add_model_flags(p)
-    p.add_argument("-f", "--file", metavar="FNAME", help="the text to evaluate")
+    p.add_argument("-f", "--file", metavar="FNAME",
+                   help="the text to evaluate (one trailing newline dropped, escapes processed "
+                        "unless --no-escape, as llama.cpp's -f)")
+    add_prompt_flags(p)
     add_context_flags(
         p, ["ctx_size", "batch_size", "ubatch_size"],
         ctx_size=dict(default=None,

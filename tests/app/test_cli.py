@@ -426,7 +426,7 @@ def test_every_command_with_a_prompt_has_the_escape_flags_spelled_once():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     want = {"generate", "tokenize", "batched", "parallel", "speculative", "speculative-simple",
-            "lookup", "passkey"}
+            "lookup", "passkey", "perplexity", "finetune"}
     for command in want:
         sub = commands.choices[command]
         for flags, _ in PROMPT_FLAGS.values():
