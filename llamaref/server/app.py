@@ -389,7 +389,8 @@ async def slots_get(state: ServerState, request: Request) -> Response:
     engine = _engine(state)
     if not state.slots_enabled:
         raise NotSupported("This server does not support slots endpoint.")
-    info = await in_thread(engine.call, lambda: slots_json(engine.scheduler.slots))
+    info = await in_thread(engine.call, lambda: slots_json(
+        engine.scheduler.slots, speculative=engine.scheduler.draft is not None))
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(
             s["is_processing"] for s in info):
         raise Unavailable("no slot available")
@@ -543,6 +544,12 @@ def prometheus(engine: Engine) -> str:
         ("gauge", "requests_deferred", "Number of requests deferred.", len(sched.waiting)),
         ("counter", "kv_cache_misses_total", "Decodes retried because the KV cache was full.",
          m.n_cache_misses),
+        ("counter", "spec_decode_num_drafts_total", "Number of drafts verified.",
+         m.n_draft_verified_total),
+        ("counter", "spec_decode_num_draft_tokens_total", "Number of tokens drafted.",
+         m.n_draft_total),
+        ("counter", "spec_decode_num_accepted_tokens_total",
+         "Number of drafted tokens accepted.", m.n_draft_accepted_total),
     ]
     lines = []
     for kind, name, help_text, value in rows:

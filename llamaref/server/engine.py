@@ -63,6 +63,10 @@ class Metrics:
     n_tokens_predicted: int = 0
     t_tokens_generation: float = 0.0
     n_cache_misses: int = 0
+    # speculative decoding (llama.cpp's spec_decode_* counters)
+    n_draft_total: int = 0
+    n_draft_accepted_total: int = 0
+    n_draft_verified_total: int = 0
 
     def on_step(self, r: StepReport) -> None:
         """Add one step's report. A batch's decode time is split between its prompt and
@@ -73,6 +77,9 @@ class Metrics:
         self.n_decode_total += r.n_decode
         self.n_busy_slots_total += r.n_busy_slots
         self.n_cache_misses += r.n_cache_misses
+        self.n_draft_total += r.n_draft
+        self.n_draft_accepted_total += r.n_draft_accepted
+        self.n_draft_verified_total += r.n_draft_verified
         if r.n_batch_tokens == 0:
             return  # no batch, or its decode failed
         self.n_tokens_max = max(self.n_tokens_max, r.n_tokens_max)
@@ -91,18 +98,21 @@ class Metrics:
 # --8<-- [end:Metrics]
 
 
-def slots_json(slots: list[Slot]) -> list[dict]:
-    """``GET /slots``: one object per slot (llama.cpp's fields).
+def slots_json(slots: list[Slot], speculative: bool = False) -> list[dict]:
+    """``GET /slots``: one object per slot (llama.cpp's fields); ``speculative``: the slots
+    draft (llama-server's ``can_speculate()``: the server has a draft model).
 
     Examples:
         >>> [s["id"] for s in slots_json([Slot(0, 64), Slot(1, 64)])]
         [0, 1]
+        >>> slots_json([Slot(0, 64)], speculative=True)[0]["speculative"]
+        True
     """
     out = []
     for s in slots:
         task = s.task
         out.append({
-            "id": s.id, "n_ctx": s.n_ctx, "speculative": False,
+            "id": s.id, "n_ctx": s.n_ctx, "speculative": speculative,
             "is_processing": s.is_processing, "id_task": task.id if task else -1,
             "n_prompt_tokens": len(task.tokens) if task else 0,
             "n_prompt_tokens_processed": s.n_prompt_processed,

@@ -47,6 +47,7 @@ from reference.tokenizer import load_tokenizer
 from reference.tools.server.params import SlotParams
 from reference.tools.server.scheduler import Scheduler, SchedulerConfig
 from reference.tools.server.spans import user_delimiter
+from reference.tools.speculative import check_draft_vocab, draft_layers
 
 DEFAULT_N_SLOTS = 4  # server.cpp:156-161: n_parallel = -1 ("auto") means 4 unified slots
 
@@ -60,7 +61,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         n_ctx_checkpoints=args.ctx_checkpoints, checkpoint_min_step=args.checkpoint_min_step,
         swa_full=args.swa_full, cache_ram_mib=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots, n_cache_reuse=args.cache_reuse,
-        prompt_budget=args.prompt_budget)
+        prompt_budget=args.prompt_budget, draft_n_max=args.draft_max,
+        draft_n_min=args.draft_min, draft_p_min=args.draft_p_min)
 # --8<-- [end:scheduler_config]
 
 
@@ -102,6 +104,7 @@ def check_serve_flags(args: argparse.Namespace) -> None:
                              ("--port", args.port, 0)):
         if value < low:
             raise CLIError(f"{flag} = {value} must be >= {low}")
+    check_draft_flags(args)
     if args.cache_ram < -1:
         raise CLIError(f"--cache-ram = {args.cache_ram}: MiB >= 0, or -1 for no limit")
     if not 0.0 <= args.slot_prompt_similarity <= 1.0:
@@ -116,6 +119,22 @@ def check_serve_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"--host {args.host!r}: give IP addresses or names, separated by "
                            "commas (UNIX sockets are not supported)")
     args.chat_template = chat_template(args)
+
+
+def check_draft_flags(args: argparse.Namespace) -> None:
+    """The speculative flags: one draft at most (``-md`` or ``--draft-layers``), a draft
+    file that exists, and draft sizes and probabilities in range."""
+    if args.model_draft is not None and args.draft_layers is not None:
+        raise CLIError("give one draft: -md/--model-draft FILE or --draft-layers K, not both")
+    if args.model_draft is not None and not Path(args.model_draft).is_file():
+        raise CLIError("-md/--model-draft: no such file")
+    if args.draft_layers is not None and args.draft_layers < 1:
+        raise CLIError(f"--draft-layers = {args.draft_layers} must be >= 1")
+    for flag, value in (("--draft-max", args.draft_max), ("--draft-min", args.draft_min)):
+        if value < 0:
+            raise CLIError(f"{flag} = {value} must be >= 0")
+    if not 0.0 <= args.draft_p_min <= 1.0:
+        raise CLIError(f"--draft-p-min = {args.draft_p_min} must be in [0, 1]")
 
 
 def split_csv(value: str | None) -> list[str]:
@@ -178,9 +197,12 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
         log("llamaref serve: this memory cannot shift positions: context shift disabled")
         config.ctx_shift = False
 
+    draft = load_draft(args, backend, hparams, weights, tokenizer, ctx, swa_full)
+
     def sampler_for(params: SamplerParams):
         return make_sampler(backend, params, hparams.n_vocab, tokenizer)
-    engine = Engine(Scheduler(ctx, tokenizer, sampler_for, config), max_queue=args.max_queue)
+    engine = Engine(Scheduler(ctx, tokenizer, sampler_for, config, draft=draft),
+                    max_queue=args.max_queue)
     state.tokenizer, state.n_vocab = tokenizer, hparams.n_vocab
     state.user_delimiter = user_delimiter(tokenizer)
     state.aliases = state.aliases or [Path(path).name]  # -a a,b: set by new_state
@@ -194,6 +216,28 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
                    "n_ctx": ctx.n_ctx, "kv_unified": kv_unified(args)}
     return engine
 # --8<-- [end:load_engine]
+
+
+def load_draft(args: argparse.Namespace, backend: str, hparams: Any, weights: Any,
+               tokenizer: Any, ctx: Any, swa_full: bool) -> Any:
+    """The slots' draft Context (None without ``-md`` or ``--draft-layers``): ``-md``'s
+    model (its vocabulary checked against the target's) or the target's first
+    ``--draft-layers`` layers over the same prepared weights, with the target's context
+    size, sequences and cache layout."""
+    if args.model_draft is None and args.draft_layers is None:
+        return None
+    if args.draft_layers is not None:
+        d_hparams, d_weights = draft_layers(hparams, args.draft_layers), weights
+    else:
+        d_hparams, d_weights = load_model(args.model_draft)
+        check_draft_vocab(tokenizer, load_tokenizer(args.model_draft))
+        pick_backend(backend, d_hparams)  # the draft must run there too
+        d_weights = prepare_weights(d_weights, backend)
+    swa_full = swa_full and bool(getattr(d_hparams, "n_swa", 0))
+    return make_context(backend, d_hparams, d_weights, n_ctx=ctx.n_ctx,
+                        n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                        n_seq_max=ctx.n_seq_max, kv_unified=ctx.kv_unified,
+                        swa_full=swa_full)
 
 
 def _piece(tokenizer: Any, token: int | None) -> str:
@@ -435,6 +479,19 @@ def add_serve_command(sub) -> None:
                    help="tokens between checkpoints (default: 8192)")
     add_context_flags(c, ["swa_full"], swa_full=dict(
         help="full-size SWA cache: no checkpoints needed, context shift possible"))
+    d = p.add_argument_group("speculative decoding in the slots (llama-server's names)")
+    d.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
+                   metavar="FNAME", help="draft model: a GGUF with the target's vocabulary")
+    d.add_argument("--draft-layers", type=int, default=None, metavar="K",
+                   help="draft with the target's own first K layers (instead of -md)")
+    d.add_argument("--draft-max", "--spec-draft-n-max", "--draft", "--draft-n",
+                   dest="draft_max", type=int, default=3, metavar="N",
+                   help="most tokens a slot drafts per step (default: 3)")
+    d.add_argument("--draft-min", "--spec-draft-n-min", dest="draft_min", type=int,
+                   default=0, metavar="N", help="drop drafts shorter than N (default: 0)")
+    d.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float,
+                   default=0.0, metavar="P",
+                   help="stop drafting below this probability (default: 0.00)")
     s = add_sampling_flags(p, ["seed", "temp", "top_k", "top_p", "min_p", "repeat_last_n",
                                "repeat_penalty"])
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N")

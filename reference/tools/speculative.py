@@ -144,7 +144,8 @@ def check_draft_vocab(target: Any, draft: Any) -> None:
 def draft_layers(hparams: Any, k: int) -> Any:
     """The hyperparameters of the target's first ``k`` layers: self-speculative drafting.
 
-    The draft is a Context over the *same* weights with ``n_layer = k``: blocks
+    The draft is a Context over the *same* weights with ``n_layer = k`` (and, for an
+    iSWA model such as Gemma 2, the SWA pattern of those ``k`` layers): blocks
     ``0 .. k-1`` then the output norm and head (``output_norm``, ``output`` or the tied
     ``token_embd``), which the forward reads by name. It shares no cache with the target.
 
@@ -163,7 +164,10 @@ def draft_layers(hparams: Any, k: int) -> Any:
     if not 1 <= k <= hparams.n_layer:
         raise SpeculativeError(f"--draft-layers {k}: the target has {hparams.n_layer} "
                                f"layers; use 1 <= K <= {hparams.n_layer}")
-    return dataclasses.replace(hparams, n_layer=k)
+    changes: dict[str, Any] = {"n_layer": k}
+    if getattr(hparams, "swa_layers", None):  # the per-layer SWA pattern of those layers
+        changes["swa_layers"] = tuple(hparams.swa_layers[:k])
+    return dataclasses.replace(hparams, **changes)
 # --8<-- [end:draft_layers]
 
 
@@ -416,6 +420,73 @@ def draft_simple_chain(n_vocab: int) -> SamplerChain:
     takes the most probable candidate)."""
     params = SamplerParams(seed=0, top_k=10, samplers=["top_k"])
     return SamplerChain.from_params(params, n_vocab)
+
+
+# --8<-- [start:draft_greedy]
+def draft_greedy(ctx_dft: Any, chain: SamplerChain, id_last: int, pos0: int, n_max: int,
+                 n_min: int, p_min: float, n_vocab: int, seq_id: int = 0) -> list[int]:
+    """``draft-simple``'s ``draft()`` for one sequence (``common/speculative.cpp:308-413``).
+
+    The draft decodes ``id_last`` at ``pos0`` on ``seq_id``, then proposes the most probable
+    candidate of ``chain`` (top-10 at temperature 1, [`draft_simple_chain`][]) while its
+    probability is at least ``p_min`` and fewer than ``n_max`` tokens are drafted, decoding
+    each proposal but the last. A draft shorter than ``n_min`` is dropped (``[]``). The
+    draft's cache then holds ``id_last`` and all drafted tokens but the last, from ``pos0``.
+
+    Raises:
+        SpeculativeError: a draft decode failed (the cache may hold part of the draft).
+    """
+    if n_max <= 0:
+        return []
+    chain.reset()
+    decode_checked(ctx_dft, Batch(token=[id_last], pos=[pos0], seq_id=[[seq_id]]), "draft")
+    out: list[int] = []
+    while True:
+        logits = _widen(ctx_dft.get_logits_ith(-1), n_vocab)
+        _, q = chain_probs(chain, logits)
+        token = int(np.argmax(q))
+        if q[token] < p_min:  # only very confident drafts
+            break
+        chain.accept(token)
+        out.append(token)
+        if len(out) >= n_max:
+            break
+        decode_checked(ctx_dft, Batch(token=[token], pos=[pos0 + len(out)],
+                                      seq_id=[[seq_id]]), "draft")
+    return out if len(out) >= n_min else []
+# --8<-- [end:draft_greedy]
+
+
+# --8<-- [start:sample_and_accept_n]
+def sample_and_accept_n(sample: Callable[[int], int], draft: list[int],
+                        is_eog: Callable[[int], bool] = never_eog) -> list[int]:
+    """``common_sampler_sample_and_accept_n`` (``common/sampling.cpp:678-710``): the
+    greedy-match acceptance rule.
+
+    ``sample(i)`` samples (and accepts into the target's chain) the token of the target's
+    output row ``i``, where row ``i`` follows the draft's first ``i`` tokens. The target
+    samples row by row while its token equals the drafted one (never past an
+    end-of-generation token before the last row); after a full match it adds the token of
+    row ``len(draft)``. So 1 to ``len(draft) + 1`` tokens are returned, and every one is
+    the target's own sample: with the same rows, plain decoding gives the same tokens.
+
+    Examples:
+        >>> rows = [5, 6, 9, 4]  # the target's token at each row
+        >>> sample_and_accept_n(rows.__getitem__, [5, 6, 7])  # 7 rejected: 9 instead
+        [5, 6, 9]
+        >>> sample_and_accept_n(rows.__getitem__, [5, 6, 9])  # all kept, plus one
+        [5, 6, 9, 4]
+        >>> sample_and_accept_n(rows.__getitem__, [])
+        [5]
+    """
+    ids: list[int] = []
+    for i, want in enumerate(draft):
+        token = sample(i)
+        ids.append(token)
+        if token != want or (is_eog(token) and i + 1 < len(draft)):
+            return ids
+    return [*ids, sample(len(draft))]
+# --8<-- [end:sample_and_accept_n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -921,22 +992,9 @@ class SpeculativeSimple:
         """
         if n_budget == 0:
             return []
-        self.smpl_dft.reset()
-        pos0 = self.n_past
-        decode_checked(self.ctx_dft, Batch(token=[self.id_last], pos=[pos0]), "draft")
-        out: list[int] = []
-        while True:
-            logits = _widen(self.ctx_dft.get_logits_ith(-1), self.ctx_tgt.n_vocab)
-            _, q = chain_probs(self.smpl_dft, logits)
-            token = int(np.argmax(q))
-            if q[token] < self.p_min:  # only very confident drafts
-                break
-            self.smpl_dft.accept(token)
-            out.append(token)
-            if len(out) >= min(self.n_max, n_budget):
-                break
-            decode_checked(self.ctx_dft, Batch(token=[token], pos=[pos0 + len(out)]), "draft")
-        return out if len(out) >= self.n_min else []
+        return draft_greedy(self.ctx_dft, self.smpl_dft, self.id_last, self.n_past,
+                            min(self.n_max, n_budget), self.n_min, self.p_min,
+                            self.ctx_tgt.n_vocab)
     # --8<-- [end:new_draft]
 
     # --8<-- [start:simple_verify]
@@ -965,16 +1023,11 @@ class SpeculativeSimple:
 
     def sample_and_accept_n(self, draft: list[int]) -> list[int]:
         """``common_sampler_sample_and_accept_n`` (``common/sampling.cpp:678-710``)."""
-        ids = []
-        for i, want in enumerate(draft):
-            token = self.smpl.sample(self.ctx_tgt.get_logits_ith(i))
+        def sample(i: int) -> int:
+            token = int(self.smpl.sample(self.ctx_tgt.get_logits_ith(i)))
             self.smpl.accept(token)
-            ids.append(token)
-            if token != want or (self.is_eog(token) and i + 1 < len(draft)):
-                return ids
-        token = self.smpl.sample(self.ctx_tgt.get_logits_ith(len(draft)))
-        self.smpl.accept(token)
-        return [*ids, token]
+            return token
+        return sample_and_accept_n(sample, draft, self.is_eog)
 
     def restore(self, saved: SamplerChain) -> None:
         """Undo a round (:266-289): saved states back, both caches cut, sampler back."""
@@ -1000,9 +1053,11 @@ __all__ = [
     "chain_probs",
     "check_draft_vocab",
     "draw",
+    "draft_greedy",
     "draft_layers",
     "draft_simple_chain",
     "residual",
     "residual_llamacpp",
+    "sample_and_accept_n",
     "verify_candidates",
 ]

@@ -183,6 +183,23 @@ def test_the_metrics_add_up_the_steps_reports():
     assert m.n_tokens_predicted == 0 and m.n_tokens_predicted_total == 12
 
 
+def test_the_metrics_publish_the_speculative_counters():
+    """The steps' draft counts add up into llama-server's ``spec_decode_*`` counters of
+    ``/metrics``."""
+    from llamaref.server.app import prometheus
+
+    eng = make_engine(n_slots=1)
+    eng.metrics = Metrics()
+    for n, acc, ver in ((3, 2, 1), (3, 0, 1), (0, 0, 0)):
+        eng.metrics.on_step(StepReport(n_draft=n, n_draft_accepted=acc, n_draft_verified=ver))
+    text = prometheus(eng)
+    for name, value in (("spec_decode_num_drafts_total", 2),
+                        ("spec_decode_num_draft_tokens_total", 6),
+                        ("spec_decode_num_accepted_tokens_total", 2)):
+        assert f"# TYPE llamacpp:{name} counter" in text
+        assert f"llamacpp:{name} {value}\n" in text
+
+
 def test_metrics_split_a_decode_between_prompt_and_generation():
     m = Metrics()
     m.on_step(StepReport(busy=True, n_decode=2, n_busy_slots=3, n_batch_tokens=8,

@@ -36,6 +36,7 @@ from reference.tools.generate import Generator
 from reference.tools.server.params import SlotParams
 from reference.tools.server.scheduler import Scheduler, SchedulerConfig, StepReport
 from reference.tools.server.spans import user_delimiter
+from reference.tools.speculative import draft_layers
 
 N_VOCAB = 49152  # SmolLM2's vocabulary: the tiny models speak its tokens
 
@@ -99,6 +100,43 @@ def make_scheduler(backend: str = "reference", kind: str = "llama", n_slots: int
     return Scheduler(ctx, tokenizer(), sampler_factory(backend),
                      SchedulerConfig(n_slots=n_slots, swa_full=swa_full, **config),
                      clock=clock or time.perf_counter)
+
+
+def make_draft(backend: str = "reference", kind: str = "llama", draft: str = "layers:1",
+               n_slots: int = 4, n_ctx: int = 1024, kv_unified: bool = True,
+               n_batch: int = 64, n_ubatch: int = 32, swa_full: bool = False):
+    """A draft Context for the tiny model ``kind``: ``"layers:K"``, the target's first K
+    layers (``--draft-layers K``); ``"other"``, another random model of the same vocabulary
+    (a draft that disagrees often)."""
+    hp, w = prepared(backend, kind)
+    if draft.startswith("layers:"):
+        hp = draft_layers(hp, int(draft.split(":")[1]))
+    elif draft == "other":
+        w = {"llama": random_weights, "gemma": random_gemma_weights,
+             "mamba": random_mamba_weights, "mamba2": random_mamba_weights}[kind](hp, seed=11)
+        w = prepare_weights(w, "accelerated") if backend == "mlx" else w
+    else:
+        raise ValueError(draft)
+    kw = dict(n_ctx=n_ctx, n_seq_max=n_slots, kv_unified=kv_unified, n_batch=n_batch,
+              n_ubatch=n_ubatch, swa_full=swa_full)
+    if backend == "mlx":
+        return backend_context("accelerated", hp, w, **kw)
+    return Context(hp, w, dtype=np.float64 if backend == "reference64" else np.float32, **kw)
+
+
+def make_spec_scheduler(backend: str = "reference", kind: str = "llama",
+                        draft: str = "layers:1", n_slots: int = 4, n_ctx: int = 1024,
+                        kv_unified: bool = True, n_batch: int = 64, n_ubatch: int = 32,
+                        swa_full: bool = False, tok=None, clock=None, **config) -> Scheduler:
+    """``make_scheduler`` with a draft Context (``make_draft``'s ``draft``); ``tok``: the
+    tokenizer the scheduler sees (None: SmolLM2's)."""
+    kw = dict(n_ctx=n_ctx, kv_unified=kv_unified, n_batch=n_batch, n_ubatch=n_ubatch,
+              swa_full=swa_full)
+    ctx = make_context(backend, kind, n_seq_max=n_slots, **kw)
+    return Scheduler(ctx, tok or tokenizer(), sampler_factory(backend),
+                     SchedulerConfig(n_slots=n_slots, swa_full=swa_full, **config),
+                     clock=clock or time.perf_counter,
+                     draft=make_draft(backend, kind, draft, n_slots=n_slots, **kw))
 
 
 def make_engine(*args, max_queue: int = 1024, **kw) -> Engine:

@@ -37,6 +37,15 @@ chunks into place by KV shifting. For memories that cannot drop a suffix (the SW
 iSWA cache, a recurrent state), a *checkpoint* saved before the prompt's end is restored
 (``PARTIAL_ONLY``) when what the memory holds no longer matches; without one, the prompt is
 processed again from the start. A failed restore also falls back to processing again.
+
+**Speculative decoding.** With a draft Context, each generating slot drafts up to
+``draft_n_max`` tokens (``draft-simple``'s greedy rule,
+[`draft_greedy`][reference.tools.speculative.draft_greedy]) before the batch is built, puts
+``[sampled, draft...]`` into the same batch as the other slots, and once its rows are
+decoded verifies them with
+[`sample_and_accept_n`][reference.tools.speculative.sample_and_accept_n]; each accepted token
+is then processed as a plain one, and the slot's tokens and cells are cut to what plain
+decoding leaves. Answers, and seeded samples, are those without a draft.
 """
 
 from __future__ import annotations
@@ -65,6 +74,13 @@ from reference.tools.server.prompt_cache import PromptCache
 from reference.tools.server.results import Failed, Final, Partial, Timings, TokenOutput, TokenProb
 from reference.tools.server.slot import Checkpoint, Slot, SlotState, Task, select_slot
 from reference.tools.server.text import StopText, common_prefix
+from reference.tools.speculative import (
+    SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
+    SpeculativeError,
+    draft_greedy,
+    draft_simple_chain,
+    sample_and_accept_n,
+)
 
 
 class SchedulerError(ServerError):
@@ -90,6 +106,35 @@ def sampling_failure(e: Exception) -> ServerError:
                        f"({type(e).__name__})")
 
 
+# --8<-- [start:check_draft]
+def check_draft(ctx: Any, draft: Any, config: SchedulerConfig) -> None:
+    """A draft Context the slots can speculate with, or a
+    [`SchedulerError`][reference.tools.server.scheduler.SchedulerError] that says what to
+    change (raised before anything is built).
+
+    The target must be able to drop the rejected tokens of a draft from a sequence
+    (``seq_rm`` of a suffix): a recurrent target (Mamba) cannot. llama.cpp, at the pinned
+    commit, saves and restores a ``PARTIAL_ONLY`` checkpoint around each draft there
+    (``server-context.cpp:3905-3925``); this specification refuses the draft instead.
+    """
+    if ctx.recurrent:
+        raise SchedulerError("speculative decoding needs a target whose cache can drop "
+                             "rejected draft tokens; a recurrent model (Mamba) cannot: "
+                             "serve it without a draft model")
+    if draft.n_seq_max < config.n_slots:
+        raise SchedulerError(f"{config.n_slots} slots need a draft Context with n_seq_max "
+                             f">= {config.n_slots}, got {draft.n_seq_max}")
+    if abs(draft.n_vocab - ctx.n_vocab) > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        raise SchedulerError(f"the draft's vocabulary ({draft.n_vocab} tokens) is not the "
+                             f"target's ({ctx.n_vocab}): use a draft of the same family")
+    if config.draft_n_max < 0 or config.draft_n_min < 0 or not (
+            0.0 <= config.draft_p_min <= 1.0):
+        raise SchedulerError(f"--draft-max = {config.draft_n_max} and --draft-min = "
+                             f"{config.draft_n_min} must be >= 0 and --draft-p-min = "
+                             f"{config.draft_p_min} in [0, 1]")
+# --8<-- [end:check_draft]
+
+
 # --8<-- [start:SchedulerConfig]
 @dataclass
 class SchedulerConfig:
@@ -109,6 +154,11 @@ class SchedulerConfig:
             (0: as many as ``n_batch`` leaves, as llama.cpp). Ours, not llama.cpp's: a
             smaller budget bounds the time of a step, so the streams keep their pace while
             a long prompt arrives, and the prompt takes more steps.
+        draft_n_max: ``--spec-draft-n-max`` (``--draft-max``): the most tokens a slot
+            drafts per step (with a draft Context).
+        draft_n_min: ``--spec-draft-n-min`` (``--draft-min``): shorter drafts are dropped.
+        draft_p_min: ``--spec-draft-p-min`` (``--draft-p-min``): drafting stops at a token
+            whose draft probability is below this.
     """
 
     n_slots: int = 4
@@ -121,6 +171,9 @@ class SchedulerConfig:
     cache_idle_slots: bool = True
     n_cache_reuse: int = 0
     prompt_budget: int = 0
+    draft_n_max: int = 3
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
 # --8<-- [end:SchedulerConfig]
 
 
@@ -143,6 +196,10 @@ class StepReport:
         n_prompt_tokens: of which prompt tokens (the rest are the generating slots' tokens).
         t_decode_ms: the time the batch took to decode, by the scheduler's clock.
         n_tokens_max: the most tokens a slot holds after the decode.
+        n_draft: tokens drafted in this step (``spec_decode_num_draft_tokens_total``).
+        n_draft_accepted: drafted tokens the target accepted
+            (``spec_decode_num_accepted_tokens_total``).
+        n_draft_verified: drafts verified (``spec_decode_num_drafts_total``).
     """
 
     busy: bool = False
@@ -155,6 +212,9 @@ class StepReport:
     n_prompt_tokens: int = 0
     t_decode_ms: float = 0.0
     n_tokens_max: int = 0
+    n_draft: int = 0
+    n_draft_accepted: int = 0
+    n_draft_verified: int = 0
 # --8<-- [end:StepReport]
 
 
@@ -171,9 +231,14 @@ class Scheduler:
         clock: the time in seconds (``time.perf_counter``): the only time the scheduler
             reads, for the results' timings, ``t_max_predict_ms`` and the least recently
             used slot.
+        draft: a draft Context (``-md`` or ``--draft-layers``) with the target's vocabulary
+            and ``n_seq_max >= config.n_slots``: every generating slot then speculates
+            (see "Speculative decoding" above). None: no speculation.
 
     Raises:
-        SchedulerError: a Context with fewer sequences than slots.
+        SchedulerError: a Context with fewer sequences than slots; a draft that cannot
+            serve (too few sequences, another vocabulary, bad ``draft_*`` flags, or a
+            recurrent target, whose memory cannot drop rejected tokens).
 
     Examples:
         >>> from reference.context import Context
@@ -198,11 +263,15 @@ class Scheduler:
     def __init__(self, ctx: Any, tokenizer: Any,
                  make_sampler: Callable[[SamplerParams], tuple[Any, bool]],
                  config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, draft: Any = None):
         config = config or SchedulerConfig()
         if ctx.n_seq_max < config.n_slots or config.n_slots < 1:
             raise SchedulerError(f"{config.n_slots} slots need a Context with n_seq_max >= "
                                  f"{config.n_slots}, got {ctx.n_seq_max}")
+        if draft is not None:
+            check_draft(ctx, draft, config)
+        self.draft = draft
+        self.draft_chain = draft_simple_chain(ctx.n_vocab) if draft is not None else None
         self.ctx, self.tokenizer, self.make_sampler, self.config = (
             ctx, tokenizer, make_sampler, config)
         self.clock = clock
@@ -398,12 +467,15 @@ class Scheduler:
         for slot in self.slots:
             if slot.state != SlotState.GENERATING:
                 continue
+            draft = self._draft(slot, len(tok))
             slot.i_batch = len(tok)
-            tok.append(slot.sampled)
-            pos.append(len(slot.tokens))
-            seq.append([slot.id])
-            out.append(True)
-            slot.tokens.append(slot.sampled)
+            for t in (slot.sampled, *draft):
+                tok.append(t)
+                pos.append(len(slot.tokens))
+                seq.append([slot.id])
+                out.append(True)
+                slot.tokens.append(t)
+            slot.spec_draft, slot.spec_rows = draft, []
         n_gen = len(tok)
         budget = self.config.prompt_budget
         limit = min(self.n_batch, n_gen + budget) if budget > 0 and n_gen else self.n_batch
@@ -418,6 +490,67 @@ class Scheduler:
             self._add_prompt_chunk(slot, tok, pos, seq, out, limit)
         return Batch(token=tok, pos=pos, seq_id=seq, logits=out), n_gen
     # --8<-- [end:build_batch]
+
+    # --8<-- [start:draft]
+    def _draft(self, slot: Slot, n_in_batch: int) -> list[int]:
+        """The tokens ``slot`` drafts after its sampled token (none without a draft).
+
+        At most ``draft_n_max``, and (``get_n_draft_max``) at most ``n_ctx - n_tokens - 2``
+        and one less than the tokens ``n_predict`` still allows; also no more than the
+        batch has room for, so that a slot's rows are never split over two ``n_batch``
+        chunks by the budget. The draft's sequence is first brought in step with the slot's
+        tokens (their common prefix kept, the rest decoded); after drafting it holds the
+        slot's tokens and the sampled one. A draft decode that fails drops the draft's
+        sequence and drafts nothing (the step goes on without speculation for this slot).
+        """
+        if self.draft is None:
+            return []
+        params, n_tokens = slot.task.params, len(slot.tokens)
+        n = min(self.config.draft_n_max, slot.n_ctx - n_tokens - 2,
+                self.n_batch - n_in_batch - 1)
+        if params.n_predict > 0:
+            n = min(n, params.n_predict - slot.n_decoded - 1)
+        if n <= 0 or n < self.config.draft_n_min:
+            return []
+        mem = self.draft.memory
+        try:
+            self._draft_catch_up(slot)
+            draft = draft_greedy(self.draft, self.draft_chain, slot.sampled, n_tokens, n,
+                                 self.config.draft_n_min, self.config.draft_p_min,
+                                 self.ctx.n_vocab, seq_id=slot.id)
+        except SpeculativeError:
+            draft = []
+            mem.seq_rm(slot.id, -1, -1)
+            slot.draft_tokens = []
+            return draft
+        if mem.seq_rm(slot.id, n_tokens + 1, -1):
+            slot.draft_tokens = [*slot.tokens, slot.sampled]
+        else:
+            mem.seq_rm(slot.id, -1, -1)
+            slot.draft_tokens = []
+        self.report.n_draft += len(draft)
+        return draft
+
+    def _draft_catch_up(self, slot: Slot) -> None:
+        """The draft's sequence made to hold ``slot.tokens``: the common prefix kept, the
+        rest decoded (``common_speculative_process`` mirrors every target batch instead;
+        the cache it leaves is the same)."""
+        mem, want = self.draft.memory, slot.tokens
+        keep = common_prefix(slot.draft_tokens, want)
+        if not mem.seq_rm(slot.id, keep, -1):
+            mem.seq_rm(slot.id, -1, -1)
+            keep = 0
+        slot.draft_tokens = list(want[:keep])
+        step = self.draft.n_batch
+        for i in range(keep, len(want), step):
+            chunk = want[i:i + step]
+            ret = self.draft.decode(Batch(token=chunk, pos=list(range(i, i + len(chunk))),
+                                          seq_id=[[slot.id]] * len(chunk),
+                                          logits=[False] * (len(chunk) - 1) + [True]))
+            if ret != 0:
+                raise SpeculativeError(f"the draft decode returned {ret}")
+            slot.draft_tokens.extend(chunk)
+    # --8<-- [end:draft]
 
     # --8<-- [start:start_prompt]
     def _start_prompt(self, slot: Slot) -> bool:
@@ -651,6 +784,9 @@ class Scheduler:
                         child.t_start_prompt = slot.t_start_prompt
                         child.state = SlotState.DONE_PROMPT
         for slot in self.slots:
+            if slot.state == SlotState.GENERATING and slot.spec_draft:
+                self._collect_rows(slot, off, n)
+                continue
             if not off <= slot.i_batch < off + n:
                 continue
             if slot.state == SlotState.DONE_PROMPT:
@@ -666,6 +802,62 @@ class Scheduler:
             self._sample(slot, slot.i_batch - off)
             slot.i_batch = -1
 
+    def _collect_rows(self, slot: Slot, off: int, n: int) -> None:
+        """Keep the rows of ``[sampled, *draft]`` that chunk ``[off, off + n)`` decoded; once
+        all are there, verify the draft."""
+        first = slot.i_batch + len(slot.spec_rows)
+        want_host = not slot.on_device or slot.task.params.n_probs > 0
+        for r in range(max(first, off), min(slot.i_batch + len(slot.spec_draft) + 1, off + n)):
+            host = np.array(self.ctx.get_logits_ith(r - off)) if want_host else None
+            row = self.ctx.get_logits_ith_device(r - off) if slot.on_device else host
+            slot.spec_rows.append((row, host))
+        if len(slot.spec_rows) == len(slot.spec_draft) + 1:
+            slot.i_batch = -1
+            self._verify(slot)
+
+    # --8<-- [start:verify]
+    def _verify(self, slot: Slot) -> None:
+        """``common_sampler_sample_and_accept_n`` on the slot's rows, then each accepted
+        token is processed as a plain one would be (server-context.cpp:3878-3990).
+
+        The slot's tokens and its cells are cut to what plain decoding would hold: the
+        tokens before each processed token while processing it (so the context limit is
+        checked alike), and after the last one, the tokens up to it, without it. A stop
+        inside the accepted tokens (a stop string, an end-of-generation token, ``n_predict``)
+        ends the answer there, and the later accepted tokens leave the cache. (llama.cpp
+        keeps them in the slot's cache; the answer is the same.)
+        """
+        draft, rows = slot.spec_draft, slot.spec_rows
+        slot.spec_draft, slot.spec_rows = [], []
+        base = len(slot.tokens) - len(draft)  # the tokens through the sampled one
+        outputs: list[TokenOutput] = []
+
+        def sample(i: int) -> int:
+            row, host = rows[i]
+            token, output = self._sample_from(slot, row, lambda: host)
+            outputs.append(output)
+            return token
+
+        try:
+            ids = sample_and_accept_n(sample, draft, self.tokenizer.is_eog)
+        except Exception as e:  # noqa: BLE001 - one request's sampler must not stop the others
+            del slot.tokens[base:]
+            self.memory.seq_rm(slot.id, base, -1)
+            task = slot.task
+            self._release(slot)
+            task.emit(Failed(task.id, task.index, sampling_failure(e)))
+            return
+        self.report.n_draft_accepted += len(ids) - 1
+        self.report.n_draft_verified += 1
+        del slot.tokens[base:]
+        for i, (token, output) in enumerate(zip(ids, outputs, strict=True)):
+            if i:
+                slot.tokens.append(ids[i - 1])
+            if self._process_token(slot, token, output):
+                break
+        self.memory.seq_rm(slot.id, len(slot.tokens), -1)
+    # --8<-- [end:verify]
+
     # ---- sampling and text ---------------------------------------------------------------------
 
     # --8<-- [start:sample]
@@ -673,7 +865,6 @@ class Scheduler:
         """Sample, accept, and process the token (``process_token``). A sampler that raises
         fails this slot's task alone: the slot is released with its cache (which holds what
         was decoded), and the other slots go on."""
-        params = slot.task.params
         try:
             token, output = self._sample_token(slot, row)
         except Exception as e:  # noqa: BLE001 - one request's sampler must not stop the others
@@ -681,6 +872,12 @@ class Scheduler:
             self._release(slot)
             task.emit(Failed(task.id, task.index, sampling_failure(e)))
             return
+        self._process_token(slot, token, output)
+
+    def _process_token(self, slot: Slot, token: int, output: TokenOutput) -> bool:
+        """``process_token``: the token joins the answer; stop strings, end of generation
+        and the limits are checked, the new text streamed. True: the task finished."""
+        params = slot.task.params
         slot.sampled = token
         slot.n_decoded += 1
         self.report.n_tokens_predicted += 1
@@ -712,20 +909,28 @@ class Scheduler:
             self._send_partial(slot)  # the last token too: the final result has no text
         if stop is not None:
             self._finish(slot, stop)
+        return stop is not None
     # --8<-- [end:sample]
 
     def _sample_token(self, slot: Slot, row: int) -> tuple[int, TokenOutput]:
         """The sampler's token for output ``row``, accepted, with its probabilities."""
         logits = (self.ctx.get_logits_ith_device(row) if slot.on_device
                   else self.ctx.get_logits_ith(row))
+        return self._sample_from(slot, logits, lambda: self.ctx.get_logits_ith(row))
+
+    def _sample_from(self, slot: Slot, logits: Any,
+                     host: Callable[[], Any]) -> tuple[int, TokenOutput]:
+        """The sampler's token for a row (``logits`` as the sampler takes them; ``host()``
+        the same row on the host, read only for ``n_probs``), accepted, with its
+        probabilities."""
         token = int(slot.sampler.sample(logits))
         slot.sampler.accept(token)
         output = TokenOutput(token, self.tokenizer.token_to_piece(token, special=False), 0.0)
         if slot.task.params.n_probs > 0:
-            self._token_probs(slot, row, output)
+            self._token_probs(slot, host(), output)
         return token, output
 
-    def _token_probs(self, slot: Slot, row: int, output: TokenOutput) -> None:
+    def _token_probs(self, slot: Slot, host: Any, output: TokenOutput) -> None:
         """The token's probability and the top ``n_probs`` candidates: the softmax of the
         raw logits, or the sampler's candidates (``post_sampling_probs``; zeros dropped)."""
         n = slot.task.params.n_probs
@@ -734,7 +939,7 @@ class Scheduler:
             ids, p = np.asarray(cur.ids), np.asarray(cur.p, np.float64)
             order = np.argsort(-p, kind="stable")
         else:
-            z = np.asarray(self.ctx.get_logits_ith(row), np.float64)
+            z = np.asarray(host, np.float64)
             p = np.exp(z - z.max())
             p /= p.sum()
             ids = np.arange(p.size)
@@ -797,9 +1002,13 @@ class Scheduler:
         slot.t_last_used = self.clock()
 
     def _clear(self, slot: Slot) -> None:
-        """``prompt_clear``: drop the slot's sequence and forget its tokens."""
+        """``prompt_clear``: drop the slot's sequence and forget its tokens (in the draft
+        too)."""
         self.memory.seq_rm(slot.id, -1, -1)
         slot.tokens, slot.checkpoints = [], []
+        if self.draft is not None:
+            self.draft.memory.seq_rm(slot.id, -1, -1)
+            slot.draft_tokens = []
 
     # ---- the slot actions ------------------------------------------------------------------
 

@@ -113,6 +113,10 @@ class Slot:
         checkpoints: partial states, oldest first ([`Checkpoint`][]).
         t_last_used: when the slot was last released, by the scheduler's clock
             (least-recently-used choice).
+        draft_tokens: the tokens the draft Context holds for this sequence, in position
+            order (speculative decoding; caught up lazily before each draft).
+        spec_draft: the drafted tokens in the batch being decoded (empty: no draft).
+        spec_rows: the target's logits rows of ``[sampled, *spec_draft]`` decoded so far.
     """
 
     id: int
@@ -122,6 +126,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     t_last_used: float = -1.0
+    draft_tokens: list[int] = field(default_factory=list)
     # per task
     sampler: Any = None
     on_device: bool = False
@@ -145,6 +150,8 @@ class Slot:
     t_start_gen: float = 0.0
     t_prompt_ms: float = 0.0
     t_gen_ms: float = 0.0
+    spec_draft: list[int] = field(default_factory=list)
+    spec_rows: list = field(default_factory=list)
 
     @property
     def is_processing(self) -> bool:
@@ -159,6 +166,7 @@ class Slot:
         self.stop_type, self.stopping_word = "none", ""
         self.truncated = self.has_new_line = False
         self.t_prompt_ms = self.t_gen_ms = 0.0
+        self.spec_draft, self.spec_rows = [], []
 
 
 # --8<-- [start:select_slot]
