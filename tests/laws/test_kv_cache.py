@@ -6,6 +6,7 @@ The KQ mask's laws are in ``tests/laws/test_kq_mask.py``.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -14,8 +15,10 @@ from hypothesis import strategies as st
 
 import reference.memory.kv_cache as kv_cache_module
 from reference.batch import Ubatch
+from reference.common import LLAMA_MAX_SEQ
 from reference.hparams import (
     SWA_TYPE_CHUNKED,
+    SWA_TYPE_NONE,
     SWA_TYPE_STANDARD,
     SWA_TYPE_SYMMETRIC,
     is_masked_swa,
@@ -574,3 +577,267 @@ def test_seq_add_then_decode_equals_fresh_decode_at_shifted_positions():
     fresh = KVCache(hp, kv_size=16, dtype=np.float64)
     e = forward(fresh, w, hp, [4, 16, 23, 42 % hp.n_vocab], [0, 1, 2, 3], [0] * 4)[-1]
     assert np.abs(got[0] - e).max() < 1e-10
+
+
+# ---- construction, ids and layers: defaults and refusals ------------------------------------
+
+
+def refused(message: str):
+    """``pytest.raises`` of a KVCacheError whose whole message is ``message``."""
+    return pytest.raises(KVCacheError, match=f"^{re.escape(message)}$")
+
+
+def test_defaults_of_a_cache():
+    """One shared stream, one sequence, no padding, a ubatch of 512 for the SWA size."""
+    cache = KVCache(HP, 7)
+    assert (cache.n_seq_max, cache.n_pad, cache.kv_unified, cache.get_n_stream()) == (1, 1, True, 1)
+    assert KVCache(HP, 8, n_seq_max=2, kv_unified=False).kv_unified is False
+    hp = tiny_hparams(n_layer=1, n_swa=256)
+    assert KVCache(hp, 4096, swa_full=False).get_size() == kv_size_swa(4096, 256, 1, 512, True)
+    assert KVCache(hp, 4096, swa_full=False).get_size() == 768  # 256 + 512, not padded up
+    # a shared stream holds the windows of every sequence, one stream per sequence its own
+    assert KVCache(hp, 4096, n_seq_max=2, swa_full=False).get_size() == 1024
+    assert KVCache(hp, 4096, n_seq_max=2, kv_unified=False, swa_full=False).get_size() == 768
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(n_seq_max=0), f"n_seq_max=0 must be in [1, {LLAMA_MAX_SEQ}]"),
+    (dict(n_seq_max=LLAMA_MAX_SEQ + 1),
+     f"n_seq_max={LLAMA_MAX_SEQ + 1} must be in [1, {LLAMA_MAX_SEQ}]"),
+    (dict(kv_size=0), "kv_size=0 must be a positive multiple of n_pad=1"),
+    (dict(kv_size=-4), "kv_size=-4 must be a positive multiple of n_pad=1"),
+    (dict(kv_size=8, n_pad=0), "kv_size=8 must be a positive multiple of n_pad=0"),
+    (dict(kv_size=8, n_pad=3), "kv_size=8 must be a positive multiple of n_pad=3"),
+    (dict(n_swa=-1, swa_type=SWA_TYPE_NONE),
+     f"n_swa=-1 and swa_type={SWA_TYPE_NONE} disagree: a window needs n_swa > 0 and a window "
+     "type, no window neither"),
+    (dict(n_swa=4, swa_type=SWA_TYPE_NONE),
+     f"n_swa=4 and swa_type={SWA_TYPE_NONE} disagree: a window needs n_swa > 0 and a window "
+     "type, no window neither"),
+    (dict(n_swa=0, swa_type=SWA_TYPE_STANDARD),
+     f"n_swa=0 and swa_type={SWA_TYPE_STANDARD} disagree: a window needs n_swa > 0 and a "
+     "window type, no window neither"),
+    (dict(layers=[HP.n_layer]), f"layers [{HP.n_layer}] must be ascending, distinct layers of "
+     f"the model's {HP.n_layer}"),
+    (dict(layers=[-1]), f"layers [-1] must be ascending, distinct layers of the model's "
+     f"{HP.n_layer}"),
+])
+def test_construction_refuses_with_its_message(kw, message):
+    """Each refused argument, with the message that names it."""
+    kw = {"kv_size": 8, **kw}
+    with refused(message):
+        KVCache(HP, **kw)
+
+
+def test_construction_accepts_the_bounds():
+    """The edges of each range are accepted: ``LLAMA_MAX_SEQ`` sequences, one cell, a window
+    of one position, the last layer alone."""
+    assert KVCache(HP, 8, n_seq_max=LLAMA_MAX_SEQ, kv_unified=False).get_n_stream() == LLAMA_MAX_SEQ
+    assert KVCache(HP, 1).get_size() == 1
+    assert KVCache(HP, 8, n_swa=1, swa_type=SWA_TYPE_STANDARD).n_swa == 1
+    hp = tiny_hparams(n_layer=3)
+    assert KVCache(hp, 8, layers=[2]).layers == (2,)
+
+
+@pytest.mark.parametrize("layers", [[1, 0], [0, 0], [0, 1, 1]])
+def test_layers_must_ascend_without_repeats(layers):
+    hp = tiny_hparams(n_layer=3)
+    with refused(f"layers {layers} must be ascending, distinct layers of the model's 3"):
+        KVCache(hp, 8, layers=layers)
+
+
+def test_a_layer_not_in_the_cache_is_refused_with_the_cache_layers():
+    cache = KVCache(tiny_hparams(n_layer=3), 8, layers=[0, 2])
+    assert (cache.layer_id(0), cache.layer_id(2)) == (0, 1)
+    with refused("layer 1 is not in this cache (its layers: [0, 2])"):
+        cache.layer_id(1)
+
+
+def test_seq_id_refusals_name_the_range():
+    """An id out of range is refused; the operations that take -1 for every sequence say so."""
+    cache = KVCache(HP, 8, n_seq_max=2, kv_unified=False)
+    with refused("seq_id=2 out of range [0, 2) (or -1 for all sequences)"):
+        cache.seq_rm(2, 0, -1)
+    with refused("seq_id=-2 out of range [0, 2) (or -1 for all sequences)"):
+        cache.seq_rm(-2, 0, -1)
+    with refused("seq_id=2 out of range [0, 2)"):
+        cache.seq_pos_max(2)
+    with refused("seq_id=-1 out of range [0, 2)"):
+        cache.seq_pos_max(-1)
+
+
+# ---- seq_rm over streams, clear ----------------------------------------------------------
+
+
+def per_stream_cache() -> KVCache:
+    """Three sequences, one stream each, positions 0..3 in cells 0..3 of each stream."""
+    cache = KVCache(HP, 8, n_seq_max=N_SEQ, kv_unified=False)
+    for s in range(N_SEQ):
+        decode_meta(cache, make_ubatch(list(range(4)), [s] * 4))
+    return cache
+
+
+def test_seq_rm_of_every_sequence_reaches_every_stream():
+    """``seq_id = -1`` matches every sequence, in every stream; ``p1 < 0`` is the end."""
+    cache = per_stream_cache()
+    assert cache.seq_rm(-1, 2, -1) is True
+    assert [cache.seq_pos_max(s) for s in range(N_SEQ)] == [1] * N_SEQ
+    cache.seq_rm(-1, -5, -1)
+    assert [cache.seq_pos_max(s) for s in range(N_SEQ)] == [-1] * N_SEQ
+    assert [c.get_used() for c in cache.v_cells] == [0] * N_SEQ
+
+
+@pytest.mark.parametrize("p0,p1", [(2, 0), (1, 1), (0, 0)])
+def test_seq_rm_of_an_empty_range_removes_nothing(p0, p1):
+    """``p1 = 0`` is an end like any other (only ``p1 < 0`` means the end of the sequence):
+    ``[p0, p1)`` is empty and nothing is removed."""
+    cache = per_stream_cache()
+    before = snapshot(cache)
+    cache.seq_rm(1, p0, p1)
+    cache.seq_rm(-1, p0, p1)
+    assert snapshot(cache) == before
+
+
+def test_clear_puts_the_head_back_to_the_first_cell():
+    """After ``clear`` the next ubatch goes to cell 0 (llama.cpp: ``v_heads[s] = 0``)."""
+    cache = filled_cache([])
+    for p in range(3):
+        decode_meta(cache, make_ubatch([p], [0]))
+    cache.clear()
+    assert list(decode_meta(cache, make_ubatch([0], [0])).idxs[0]) == [0]
+
+
+# ---- the attention input ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_kq_mask_has_the_cache_dtype(dtype):
+    cache = KVCache(HP, 8, dtype=dtype)
+    ub = make_ubatch([0, 1], [0, 0])
+    assert cache.attn_input(ub, decode_meta(cache, ub)).get_kq_mask(0).dtype == dtype
+
+
+def test_sequences_in_streams_apart_equal_each_alone():
+    """One ubatch of sequences 0 and 2 in a cache of three streams (streams not side by side):
+    each token's output is that of its sequence decoded alone."""
+    hp = tiny_hparams(n_layer=1)
+    w = random_weights(hp, seed=3, dtype=np.float64)
+    a, b = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3]
+    alone = []
+    for toks in (a, b):
+        cache = KVCache(hp, kv_size=16, dtype=np.float64)
+        alone.append(forward(cache, w, hp, toks, list(range(5)), [0] * 5))
+    cache = KVCache(hp, kv_size=16, n_seq_max=3, kv_unified=False, dtype=np.float64)
+    out = forward(cache, w, hp, a + b, list(range(5)) * 2, [0] * 5 + [2] * 5)
+    for g, e in zip([out[:5], out[5:]], alone, strict=True):
+        assert np.abs(g - e).max() < 1e-10
+
+
+@pytest.mark.parametrize("p0,p1", [(0, 2), (1, 3), (2, 0), (3, 1)])
+def test_seq_cp_in_one_stream_copies_its_range_only(p0, p1):
+    """``[p0, p1)`` with ``p1 = 0`` empty: only ``p1 < 0`` means the end."""
+    cache = filled_cache([(p, {0}) for p in range(4)])
+    cache.seq_cp(0, 1, p0, p1)
+    assert [sorted(c[1]) for c in brute(cache)[:4]] == [
+        [0, 1] if p0 <= p < p1 else [0] for p in range(4)]
+
+
+@pytest.mark.parametrize("p0,p1,ok", [
+    (-1, -1, True), (0, -1, True), (0, 0, True), (7, 7, True), (-1, 8, True),
+    (1, -1, False), (6, -1, False), (-1, 6, False), (-1, 1, False),
+])
+def test_seq_cp_across_streams_takes_whole_sequences_only(p0, p1, ok):
+    """llama.cpp's bound: ``p0`` and ``p1`` each ``<= 0`` or ``>= size - 1`` (a full copy);
+    anything else is refused before a change."""
+    cache = per_stream_cache()
+    before = snapshot(cache)
+    if ok:
+        cache.seq_cp(0, 1, p0, p1)
+        assert cache.seq_pos_max(1) == 3 and cache.v_cells[1].seq_get_all(0) == frozenset({1})
+    else:
+        with refused(f"seq_cp across streams copies whole sequences: got [{p0}, {p1}), "
+                     "use p0 = p1 = -1"):
+            cache.seq_cp(0, 1, p0, p1)
+        assert snapshot(cache) == before
+
+
+# ---- heads, reuse of window cells, per-stream sets ---------------------------------------
+
+
+def test_seq_add_moves_the_head_to_the_first_freed_cell_else_to_zero():
+    """llama.cpp's ``seq_add``: ``head = new_head != size ? new_head : 0``, so the next
+    search starts at the first cell freed, or at cell 0 when none was."""
+    cache = filled_cache([None, (0, {0}), (1, {0}), None, (0, {1}), (1, {1}), (2, {1})])
+    cache.seq_add(1, 0, -1, -1)  # frees cell 4 (position 0 - 1)
+    assert list(decode_meta(cache, make_ubatch([9], [2])).idxs[0]) == [4]
+    cache = filled_cache([None, (0, {0}), (1, {0})])
+    cache.v_heads[0] = 3
+    cache.seq_add(0, 0, -1, 2)  # frees nothing
+    assert list(decode_meta(cache, make_ubatch([9], [2])).idxs[0]) == [0]
+
+
+def test_a_reused_window_purges_up_to_its_largest_overwritten_position():
+    """Reused window cells: every cell of the sequence at or below the largest overwritten
+    position goes (llama.cpp's ``seq_pos_min(s) <= seq_pos_max_rm[s]``), the largest of the
+    ubatch's (3, not the last one overwritten, 1)."""
+    cache = filled_cache([(3, {0}), (1, {0}), (2, {0}), (4, {0})], kv_size=4, n_swa=2,
+                         swa_type=SWA_TYPE_STANDARD)
+    sinfo = decode_meta(cache, make_ubatch([5, 6], [0, 0]))
+    assert sinfo.idxs == ((0, 1),)
+    assert brute(cache) == [(5, {0}), (6, {0}), None, (4, {0})]
+    # a position held twice: the other cell at the overwritten position itself goes too
+    cache = filled_cache([(3, {0}), (3, {0}), (4, {0}), (5, {0})], kv_size=4, n_swa=2,
+                         swa_type=SWA_TYPE_STANDARD)
+    assert decode_meta(cache, make_ubatch([6], [0])).idxs == ((0,),)
+    assert brute(cache) == [(6, {0}), None, (4, {0}), (5, {0})]
+
+
+@pytest.mark.parametrize("seq_ids,message", [
+    ([0, 0, 1], "3 tokens do not split into 2 equal sets"),
+    ([0, 1, 0, 1], "token set 0 is not all of sequence 0 alone"),
+    ([0, (0, 1), 1, 1], "token set 0 is not all of sequence 0 alone"),
+])
+def test_a_ubatch_over_streams_must_be_equal_one_sequence_sets(seq_ids, message):
+    """With one stream per sequence a ubatch is equal sets of one sequence each (``split_equal``);
+    anything else is refused, before any cell changes."""
+    cache = KVCache(HP, 8, n_seq_max=2, kv_unified=False)
+    before = snapshot(cache)
+    with refused(message):
+        cache.find_slot(make_ubatch(list(range(len(seq_ids))), seq_ids), cont=False)
+    assert snapshot(cache) == before
+
+
+def test_an_update_context_shifts_keys_with_the_model_rope_factors():
+    """``init_update(rope_factors)``: a context of this cache, ``NO_UPDATE`` with nothing to
+    do; after ``seq_add`` its ``apply()`` re-ropes the keys with the model's ``rope_freqs``
+    (as if roped at the new positions with them)."""
+    rng = np.random.default_rng(5)
+    factors = rng.uniform(1.0, 4.0, HP.n_embd_head_k // 2)
+    cache = KVCache(HP, kv_size=8)
+    decode_meta(cache, make_ubatch(list(range(4)), [0] * 4))
+    raw = rng.normal(size=(4, HP.n_head_kv, HP.n_embd_head_k))
+    cache.k_l[0][0, :4] = rope_ext(raw, np.arange(4), rope_cparams(HP, 0), factors).reshape(4, -1)
+    nothing = cache.init_update(factors)
+    assert nothing.get_status() is MemoryStatus.NO_UPDATE and nothing.memory is cache
+    cache.seq_add(0, 2, -1, 5)
+    update = cache.init_update(factors)
+    assert update.get_status() is MemoryStatus.SUCCESS and update.memory is cache
+    assert update.apply() is True
+    want = rope_ext(raw, np.array([0, 1, 7, 8]), rope_cparams(HP, 0), factors).reshape(4, -1)
+    np.testing.assert_allclose(cache.k_l[0][0, :4], want, atol=1e-5)
+
+
+def test_a_stream_copy_at_update_leaves_the_other_streams():
+    """``seq_cp`` from stream 0 to stream 2: at ``update`` stream 2's K/V rows become
+    stream 0's; stream 1's stay as they were."""
+    cache = KVCache(HP, kv_size=4, n_seq_max=3, kv_unified=False)
+    for s in range(3):
+        decode_meta(cache, make_ubatch([0], [s]))
+        cache.k_l[0][s] = s + 1.0
+        cache.v_l[0][s] = 10.0 * (s + 1)
+    cache.seq_cp(0, 2, -1, -1)
+    cache.update()
+    np.testing.assert_array_equal(cache.k_l[0][2], cache.k_l[0][0])
+    np.testing.assert_array_equal(cache.v_l[0][2], cache.v_l[0][0])
+    assert (cache.k_l[0][1] == 2.0).all() and (cache.v_l[0][1] == 20.0).all()
+    assert (cache.k_l[0][0] == 1.0).all() and brute(cache, 1)[0] == (0, {1})

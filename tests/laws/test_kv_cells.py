@@ -16,7 +16,12 @@ from reference.hparams import (
     is_masked_swa,
 )
 from reference.memory.kv_cache import KVCache
-from reference.memory.kv_cells import KVCells, pos_div_shift, pos_div_shift_llamacpp
+from reference.memory.kv_cells import (
+    SEQ_POS_REBUILD,
+    KVCells,
+    pos_div_shift,
+    pos_div_shift_llamacpp,
+)
 from reference.testing import tiny_hparams
 
 N_CELLS = 8
@@ -346,6 +351,8 @@ def test_one_cell_methods_refuse_what_llamacpp_asserts():
         lambda: cells.pos_add(1, 1),  # empty
         lambda: cells.pos_div(1, 2),  # empty
         lambda: cells.shift_set(1, 1),  # empty
+        lambda: cells.pos_get(1),  # empty
+        lambda: cells.get_shift(1),  # empty
     ]
     for k, call in enumerate(refused):
         with pytest.raises(AssertionError):
@@ -389,3 +396,97 @@ def test_equality_compares_every_field():
     pairs = base.copy()
     pairs.seq_pos[0] = []
     assert base != pairs
+
+
+# ---- reset, the used range, the flag, ranges of many cells ---------------------------------
+
+
+def test_new_and_reset_cells_are_empty_without_shift():
+    """``reset``: every cell empty, no shift, ``has_shift`` false, no used cell
+    (``used_max_p1() == 0``), as new cells; a default ``KVCells`` has no cell (llama.cpp's
+    empty vectors)."""
+    assert KVCells().size() == 0
+    fresh = KVCells(N_CELLS)
+    cells, _ = build([(3, {0, 1}), None, (5, {2})] + [None] * (N_CELLS - 3))
+    cells.pos_add(2, 4)
+    cells.reset()
+    for c in (fresh, cells):
+        assert c.get_has_shift() is False
+        assert (c.used_max_p1(), c.get_used(), c.n_shifted) == (0, 0, 0)
+        check_invariants(c)
+    assert cells == fresh
+
+
+def test_reset_shift_forgets_every_shift():
+    """``reset_shift``: every cell's shift back to 0, the flag false; positions and sequences
+    stay."""
+    cells, _ = build([(3, {0}), (4, {1}), (9, {2})] + [None] * (N_CELLS - 3))
+    cells.pos_add(0, 2)
+    cells.pos_div(1, 2)
+    cells.pos_add(2, -10)  # freed
+    cells.reset_shift()
+    assert cells.get_has_shift() is False and cells.n_shifted == 0
+    assert [row(cells, i) for i in (0, 1)] == [(5, {0}, 0), (2, {1}, 0)]
+    assert [cells.get_shift(i) for i in (0, 1)] == [0, 0]
+    check_invariants(cells)
+
+
+def test_used_max_p1_follows_the_last_used_cell():
+    """``used_max_p1``: the last non-empty cell plus one, whatever that cell's position (0
+    and 1 are positions, not markers), from ``pos_set`` on; 0 again once every cell is
+    freed."""
+    cells = KVCells(N_CELLS)
+    for i, p in [(2, 1), (5, 0), (6, 1)]:
+        cells.pos_set(i, p)
+        assert cells.used_max_p1() == i + 1
+        cells.seq_add(i, 0)
+        assert cells.used_max_p1() == i + 1
+    cells.rm(6)
+    assert cells.used_max_p1() == 6
+    assert cells.seq_rm(5, 0) is True and cells.used_max_p1() == 3
+    assert cells.pos_add(2, -2) is True and cells.used_max_p1() == 0
+    check_invariants(cells)
+
+
+def test_freed_cells_leave_every_sequence():
+    """``pos_add`` below 0 frees the cell: no sequence holds it any more, and its position
+    is in no sequence's ``seq_pos`` (llama.cpp: ``seq[i].reset()``, ``pos[i] = -1``)."""
+    cells, _ = build([(1, {0, 2}), (6, {1})] + [None] * (N_CELLS - 2))
+    freed = cells.pos_add_cells([0, 1], -3)
+    assert freed.tolist() == [0]
+    assert cells.is_empty(0) and cells.seq_get_all(0) == frozenset()
+    assert row(cells, 1) == (3, {1}, -3)
+    assert [cells.seq_pos_max(s) for s in range(N_SEQ + 1)] == [-1, 3, -1, -1]
+    assert cells.get_used() == 1
+    check_invariants(cells)
+
+
+def test_a_range_of_many_cells_keeps_seq_pos_sorted():
+    """More than ``SEQ_POS_REBUILD`` pairs of one sequence changing at once (a long prompt, a
+    range operation over it): ``seq_pos`` is still the sorted ``(pos, cell)`` pairs."""
+    n = 2 * SEQ_POS_REBUILD + 6
+    cells = KVCells(n)
+    idxs = np.arange(n)
+    seq = np.zeros((n, LLAMA_MAX_SEQ), bool)
+    seq[:, 0] = True
+    seq[::2, 1] = True
+    cells.fill_cells(idxs, 3 * (n - idxs), seq)  # positions falling along the cells
+    check_invariants(cells)
+    assert (cells.seq_pos_min(0), cells.seq_pos_max(0)) == (3, 3 * n)
+    assert cells.seq_pos[0][:2] == [(3, n - 1), (6, n - 2)]
+    cells.pos_add_cells(cells.seq_cells(0, 0, 3 * n + 1), 5)
+    check_invariants(cells)
+    assert cells.seq_pos_max(1) == 3 * n + 5
+    cells.seq_rm_cells(cells.seq_cells(1, 0, 3 * n + 6), 1)
+    check_invariants(cells)
+    assert cells.seq_pos[1] == [] and cells.get_used() == n
+
+
+def test_one_position_for_every_cell():
+    """A single position given for several cells is the position of each of them."""
+    cells = KVCells(N_CELLS)
+    cells.pos_set_cells([1, 4, 6], 7)
+    cells.seq_add_cells([1, 4, 6], 2)
+    assert [row(cells, i) for i in (1, 4, 6)] == [(7, {2}, 0)] * 3
+    assert cells.seq_pos[2] == [(7, 1), (7, 4), (7, 6)]
+    check_invariants(cells)
