@@ -77,9 +77,10 @@ positions: query $i = KW + r$ sits at $Kw + r$ and sees key $j$ when
 $\mathrm{pos}(i) - \mathrm{pos}(j) < n_{swa}$, that is
 
 $$
-j \ge i - n_{swa} + 1 \quad (j \ge KW), \qquad
-\lfloor j/G \rfloor \ge Kw + r + 1 - n_{swa} \iff j \ge KW - G\,(n_{swa} - r - 1)
-\quad (j < KW).
+\begin{aligned}
+j &\ge i - n_{swa} + 1 && (j \ge KW), \\
+\lfloor j/G \rfloor \ge Kw + r + 1 - n_{swa} \iff j &\ge KW - G\,(n_{swa} - r - 1) && (j < KW).
+\end{aligned}
 $$
 
 When $r + 1 < n_{swa}$ the window reaches into the grouped tokens and holds
