@@ -79,7 +79,8 @@ from reference.model_loader import default_model_path
 
 __all__ = [
     "OURS_CMD", "PEER_CMD", "LoadResult", "RequestRecord", "ServerError", "ServerProcess",
-    "add_arguments", "bench_load", "bench_scenarios", "free_port", "hf_dir_for",
+    "add_arguments", "bench_load", "bench_scenarios", "draft_commands", "draft_hf_dir",
+    "free_port", "hf_dir_for",
     "itl_under_arrivals", "longest_stall", "main", "make_prompts", "markdown_table",
     "median_summary", "percentile", "prefix_cache_ttft", "ratio_table", "report", "run", "run_load",
     "save_tokenizer_from_gguf", "scenario_table", "server_argv", "stream_request", "summarize",
@@ -111,6 +112,38 @@ WORDS = (
 
 class ServerError(CLIError):
     """A server did not start, did not answer ``/health`` in time, or died."""
+
+
+def draft_hf_dir(hf_dir: Path, k: int, cache_root: str | Path | None = None) -> Path:
+    """A HF folder of ``hf_dir``'s first ``k`` layers (its embeddings, final norm and
+    output kept): the draft model both servers load for ``--draft-layers`` (cached).
+
+    Raises:
+        CLIError: ``k`` is not between 1 and the model's layer count.
+    """
+    config = json.loads((hf_dir / "config.json").read_text())
+    n_layer = int(config["num_hidden_layers"])
+    if not 1 <= k <= n_layer:
+        raise CLIError(f"--draft-layers = {k} must be between 1 and {n_layer}")
+    root = Path(cache_root) if cache_root else Path.home() / ".cache" / "llamaref"
+    out = root / f"{hf_dir.name}-first{k}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from safetensors.numpy import load_file, save_file
+    tmp = root / f".{out.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {name: t for name, t in load_file(str(hf_dir / "model.safetensors")).items()
+               if not name.startswith("model.layers.")
+               or int(name.split(".")[2]) < k}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": k}, indent=2))
+    for f in hf_dir.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, tmp / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -939,6 +972,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long prompt length in 'arrivals' and 'prefix'")
     add("--vs", choices=["mlx-lm"], help="run mlx_lm.server too, alternating, and print ratios")
     add("--repeats", type=int, default=1, help="runs per test; tables show medians")
+    add("--draft-layers", type=int, default=0, metavar="K",
+        help="both servers draft with the model's first K layers (speculative decoding)")
+    add("--draft-as", choices=["layers", "model"], default="layers",
+        help="ours: --draft-layers K over the same weights, or -md of the K-layer folder")
+    add("--draft-max", type=int, default=3, help="tokens drafted per step (both servers)")
     add("--ours-cmd", default=OURS_CMD, help="our server's command template")
     add("--peer-cmd", default=PEER_CMD, help="the peer's command template")
     add("--seed", type=int, default=0, help="seed of the prompts and disconnects")
@@ -956,6 +994,26 @@ def _ctx(args: argparse.Namespace) -> int:
     return max(load, arrivals)
 
 
+def draft_commands(args: argparse.Namespace) -> tuple[str, str]:
+    """Our command and the peer's, with ``--draft-layers K``'s draft added to both: ours
+    drafts with the target's first K layers (``--draft-layers K``, or with ``--draft-as
+    model`` the same layers loaded as a second model, ``-md {draft}``), mlx-lm loads them
+    as its draft model (``--draft-model {draft}``); ``--draft-max`` tokens a step for both.
+
+    Examples:
+        >>> a = argparse.Namespace(ours_cmd="ours", peer_cmd="peer", draft_layers=4,
+        ...                        draft_max=2, draft_as="layers")
+        >>> draft_commands(a)
+        ('ours --draft-layers 4 --draft-max 2', 'peer --draft-model {draft} --num-draft-tokens 2')
+    """
+    if not args.draft_layers:
+        return args.ours_cmd, args.peer_cmd
+    ours = (f"--draft-layers {args.draft_layers}" if args.draft_as == "layers"
+            else "-md {draft}")
+    return (f"{args.ours_cmd} {ours} --draft-max {args.draft_max}",
+            f"{args.peer_cmd} --draft-model {{draft}} --num-draft-tokens {args.draft_max}")
+
+
 def run(args: argparse.Namespace) -> dict:
     """Start the servers, run the tests, stop the servers.
 
@@ -964,9 +1022,11 @@ def run(args: argparse.Namespace) -> dict:
     """
     hf_dir = hf_dir_for(args.model or default_model_path())
     parallel = max(max(args.clients), args.arrival_clients + args.arrivals)
-    specs = [("ours", args.ours_cmd)] + ([(args.vs, args.peer_cmd)] if args.vs else [])
-    servers = [ServerProcess(name, cmd, hf_dir, parallel=parallel, ctx=_ctx(args))
-               for name, cmd in specs]
+    ours_cmd, peer_cmd = draft_commands(args)
+    draft = str(draft_hf_dir(hf_dir, args.draft_layers)) if args.draft_layers else ""
+    specs = [("ours", ours_cmd)] + ([(args.vs, peer_cmd)] if args.vs else [])
+    servers = [ServerProcess(name, cmd, hf_dir, parallel=parallel, ctx=_ctx(args),
+                             draft=draft) for name, cmd in specs]
     try:
         for server in servers:
             server.__enter__()

@@ -390,7 +390,7 @@ async def slots_get(state: ServerState, request: Request) -> Response:
     if not state.slots_enabled:
         raise NotSupported("This server does not support slots endpoint.")
     info = await in_thread(engine.call, lambda: slots_json(
-        engine.scheduler.slots, speculative=engine.scheduler.draft is not None))
+        engine.scheduler.slots, speculative=engine.scheduler.speculator is not None))
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(
             s["is_processing"] for s in info):
         raise Unavailable("no slot available")

@@ -44,9 +44,11 @@ from reference.common import LLAMA_DEFAULT_SEED
 from reference.model_loader import load_model
 from reference.sampling import SamplerParams
 from reference.tokenizer import load_tokenizer
+from reference.tools.lookup import ngram_cache_load
 from reference.tools.server.params import SlotParams
 from reference.tools.server.scheduler import Scheduler, SchedulerConfig
 from reference.tools.server.spans import user_delimiter
+from reference.tools.server.speculator import SPEC_TYPES, SPEC_TYPES_LLAMA_CPP
 from reference.tools.speculative import check_draft_vocab, draft_layers
 
 DEFAULT_N_SLOTS = 4  # server.cpp:156-161: n_parallel = -1 ("auto") means 4 unified slots
@@ -62,7 +64,9 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         swa_full=args.swa_full, cache_ram_mib=args.cache_ram,
         cache_idle_slots=args.cache_idle_slots, n_cache_reuse=args.cache_reuse,
         prompt_budget=args.prompt_budget, draft_n_max=args.draft_max,
-        draft_n_min=args.draft_min, draft_p_min=args.draft_p_min)
+        draft_n_min=args.draft_min, draft_p_min=args.draft_p_min,
+        spec_types=tuple(spec_type_list(args)), spec_ngram_size_n=args.spec_ngram_size_n,
+        spec_ngram_size_m=args.spec_ngram_size_m)
 # --8<-- [end:scheduler_config]
 
 
@@ -123,11 +127,12 @@ def check_serve_flags(args: argparse.Namespace) -> None:
 
 def check_draft_flags(args: argparse.Namespace) -> None:
     """The speculative flags: one draft at most (``-md`` or ``--draft-layers``), a draft
-    file that exists, and draft sizes and probabilities in range."""
+    file that exists, drafter types this server has, each with what it needs, and sizes
+    and probabilities in range."""
     if args.model_draft is not None and args.draft_layers is not None:
         raise CLIError("give one draft: -md/--model-draft FILE or --draft-layers K, not both")
-    if args.model_draft is not None and not Path(args.model_draft).is_file():
-        raise CLIError("-md/--model-draft: no such file")
+    if args.model_draft is not None and not Path(args.model_draft).exists():
+        raise CLIError("-md/--model-draft: no such file or folder")
     if args.draft_layers is not None and args.draft_layers < 1:
         raise CLIError(f"--draft-layers = {args.draft_layers} must be >= 1")
     for flag, value in (("--draft-max", args.draft_max), ("--draft-min", args.draft_min)):
@@ -135,6 +140,54 @@ def check_draft_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} = {value} must be >= 0")
     if not 0.0 <= args.draft_p_min <= 1.0:
         raise CLIError(f"--draft-p-min = {args.draft_p_min} must be in [0, 1]")
+    check_spec_types(args)
+
+
+def spec_type_list(args: argparse.Namespace) -> list[str]:
+    """``--spec-type``'s names, every use and every comma (empty: not given)."""
+    return [t.strip() for v in args.spec_type or [] for t in v.split(",")]
+
+
+def check_spec_types(args: argparse.Namespace) -> None:
+    """``--spec-type`` names drafters this server has; ``draft-simple`` exactly when a
+    draft model is given; ``-lcs``/``-lcd`` only for ``ngram-cache``, as readable files;
+    n-gram sizes in llama.cpp's ranges."""
+    types = spec_type_list(args)
+    for t in types:
+        if t not in SPEC_TYPES_LLAMA_CPP:
+            raise CLIError(f"--spec-type {t!r}: unknown; llama-server's types are "
+                           f"{', '.join(SPEC_TYPES_LLAMA_CPP)}")
+        if t != "none" and t not in SPEC_TYPES:
+            raise CLIError(f"--spec-type {t}: not available here; use "
+                           f"{', '.join(SPEC_TYPES)}")
+    has_draft = args.model_draft is not None or args.draft_layers is not None
+    if "draft-simple" in types and not has_draft:
+        raise CLIError("--spec-type draft-simple needs a draft: -md FILE or --draft-layers K")
+    if types and has_draft and "draft-simple" not in types:
+        raise CLIError("a draft model is given but --spec-type does not use it: add "
+                       "draft-simple")
+    for flag, path in (("-lcs/--lookup-cache-static", args.lookup_cache_static),
+                       ("-lcd/--lookup-cache-dynamic", args.lookup_cache_dynamic)):
+        if path is None:
+            continue
+        if "ngram-cache" not in types:
+            raise CLIError(f"{flag} is read by --spec-type ngram-cache only")
+        if not Path(path).is_file():
+            raise CLIError(f"{flag}: no such file")
+    for flag, value in (("--spec-ngram-simple-size-n", args.spec_ngram_size_n),
+                        ("--spec-ngram-simple-size-m", args.spec_ngram_size_m)):
+        if not 1 <= value <= 1024:
+            raise CLIError(f"{flag} = {value} must be between 1 and 1024")
+    if args.spec_ngram_min_hits < 1:
+        raise CLIError(f"--spec-ngram-simple-min-hits = {args.spec_ngram_min_hits} must be "
+                       ">= 1")
+
+
+def load_ngram_caches(args: argparse.Namespace) -> dict:
+    """``-lcs``/``-lcd``'s n-gram caches (read once; the server never writes them)."""
+    return {name: ngram_cache_load(path) for name, path in (
+        ("static", args.lookup_cache_static), ("dynamic", args.lookup_cache_dynamic))
+        if path is not None}
 
 
 def split_csv(value: str | None) -> list[str]:
@@ -201,7 +254,8 @@ def load_engine(args: argparse.Namespace, state: ServerState) -> Engine:
 
     def sampler_for(params: SamplerParams):
         return make_sampler(backend, params, hparams.n_vocab, tokenizer)
-    engine = Engine(Scheduler(ctx, tokenizer, sampler_for, config, draft=draft),
+    engine = Engine(Scheduler(ctx, tokenizer, sampler_for, config, draft=draft,
+                              ngram_caches=load_ngram_caches(args)),
                     max_queue=args.max_queue)
     state.tokenizer, state.n_vocab = tokenizer, hparams.n_vocab
     state.user_delimiter = user_delimiter(tokenizer)
@@ -481,7 +535,8 @@ def add_serve_command(sub) -> None:
         help="full-size SWA cache: no checkpoints needed, context shift possible"))
     d = p.add_argument_group("speculative decoding in the slots (llama-server's names)")
     d.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
-                   metavar="FNAME", help="draft model: a GGUF with the target's vocabulary")
+                   metavar="FNAME",
+                   help="draft model (GGUF or HF folder) with the target's vocabulary")
     d.add_argument("--draft-layers", type=int, default=None, metavar="K",
                    help="draft with the target's own first K layers (instead of -md)")
     d.add_argument("--draft-max", "--spec-draft-n-max", "--draft", "--draft-n",
@@ -492,6 +547,22 @@ def add_serve_command(sub) -> None:
     d.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float,
                    default=0.0, metavar="P",
                    help="stop drafting below this probability (default: 0.00)")
+    d.add_argument("--spec-type", action="append", metavar="TYPES",
+                   help="comma list of drafters: ngram-simple, ngram-cache, draft-simple "
+                        "(default: draft-simple with a draft model, else none)")
+    d.add_argument("--spec-ngram-simple-size-n", dest="spec_ngram_size_n", type=int,
+                   default=12, metavar="N", help="ngram-simple: n-gram looked up (default: 12)")
+    d.add_argument("--spec-ngram-simple-size-m", dest="spec_ngram_size_m", type=int,
+                   default=48, metavar="N",
+                   help="ngram-simple: most tokens drafted (default: 48)")
+    d.add_argument("--spec-ngram-simple-min-hits", dest="spec_ngram_min_hits", type=int,
+                   default=1, metavar="N",
+                   help="accepted for llama-server's command lines; ngram-simple does not "
+                        "read it (nor does llama.cpp's)")
+    d.add_argument("-lcs", "--lookup-cache-static", metavar="FNAME",
+                   help="ngram-cache: static n-gram cache (llama-lookup-create's file)")
+    d.add_argument("-lcd", "--lookup-cache-dynamic", metavar="FNAME",
+                   help="ngram-cache: dynamic n-gram cache (read, not updated)")
     s = add_sampling_flags(p, ["seed", "temp", "top_k", "top_p", "min_p", "repeat_last_n",
                                "repeat_penalty"])
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="N")

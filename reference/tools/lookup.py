@@ -206,6 +206,36 @@ def ngram_cache_draft(inp: list[int], draft: list[int], n_draft: int, ngram_min:
 # --8<-- [end:ngram_cache_draft]
 
 
+# --8<-- [start:ngram_simple_draft]
+def ngram_simple_draft(tokens: list[int], sampled: int, size_n: int, size_m: int) -> list[int]:
+    """``ngram-simple``'s draft (``common_ngram_simple_draft``, ``ngram-map.cpp:49-110``):
+    copy what followed the last time the current n-gram appeared.
+
+    The pattern is the last ``size_n - 1`` tokens of ``tokens`` and ``sampled``. The latest
+    earlier occurrence is searched backwards from ``start = len(tokens) - size_n - 1`` down to
+    1 (an occurrence at 0 is never found: llama.cpp uses 0 for "no match"); the draft is the
+    ``min(size_m, len(tokens) - (j + size_n))`` tokens after the occurrence at ``j``, and
+    nothing when that is fewer than ``size_n`` or when ``tokens`` has at most
+    ``size_n + size_m + 1`` tokens.
+
+    Examples:
+        >>> ngram_simple_draft([9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2], 3, size_n=3, size_m=4)
+        [4, 5, 6, 7]
+        >>> ngram_simple_draft([1, 2, 3, 4, 5, 6, 7, 8, 1, 2], 3, size_n=3, size_m=4)  # at 0
+        []
+    """
+    cur_len = len(tokens)
+    if cur_len <= size_n + size_m + 1:
+        return []
+    pattern = [*tokens[cur_len - size_n + 1:], sampled]
+    for j in range(cur_len - size_n - 1, 0, -1):
+        if tokens[j:j + size_n] == pattern:
+            n_copy = min(size_m, cur_len - (j + size_n))
+            return tokens[j + size_n:j + size_n + n_copy] if n_copy >= size_n else []
+    return []
+# --8<-- [end:ngram_simple_draft]
+
+
 # --8<-- [start:ngram_cache_io]
 def ngram_cache_save(cache: NgramCache, path: str | Path) -> None:
     """``common_ngram_cache_save``: the records, int32 little-endian, no header.
@@ -440,6 +470,7 @@ __all__ = [
     "ngram_cache_merge",
     "ngram_cache_save",
     "ngram_cache_update",
+    "ngram_simple_draft",
     "try_draft",
     "try_draft_static",
 ]

@@ -167,11 +167,12 @@ def check_self_extend_memory(memory: Memory, recurrent: bool, swa: str = SWA_GRO
         >>> hp = tiny_gemma_hparams("gemma2", n_swa=4)
         >>> mem = create_memory(hp, n_ctx_seq=512, swa_full=False, n_ubatch=8)
         >>> check_self_extend_memory(mem, False, SWA_EXACT)
-        >>> check_self_extend_memory(mem, False)
-        Traceback (most recent call last):
-        ...
-        reference.tools.self_extend.SelfExtendError: Self-Extend moves the positions of every cell, and this model's sliding-window cache keeps only its window (it cannot move them): use --swa-full, or --grp-attn-swa exact (the SWA layers keep their exact positions)
-    """  # noqa: E501
+        >>> try:
+        ...     check_self_extend_memory(mem, False)
+        ... except SelfExtendError as e:
+        ...     print(e)  # doctest: +ELLIPSIS
+        Self-Extend moves the positions of ... use --swa-full, or --grp-attn-swa exact ...
+    """
     if swa not in SWA_MODES:
         raise SelfExtendError(f"--grp-attn-swa {swa!r}: use one of {', '.join(SWA_MODES)}")
     if recurrent:
@@ -213,11 +214,12 @@ def check_group_attention(ga_n: int, ga_w: int) -> None:
 
     Examples:
         >>> check_group_attention(4, 512)
-        >>> check_group_attention(3, 512)
-        Traceback (most recent call last):
-        ...
-        reference.tools.self_extend.SelfExtendError: --grp-attn-w 512 must be a positive multiple of --grp-attn-n 3
-    """  # noqa: E501
+        >>> try:
+        ...     check_group_attention(3, 512)
+        ... except SelfExtendError as e:
+        ...     print(e)
+        --grp-attn-w 512 must be a positive multiple of --grp-attn-n 3
+    """
     if ga_n < 1:
         raise SelfExtendError(f"--grp-attn-n {ga_n} must be >= 1 (1: no Self-Extend)")
     if ga_n > 1 and (ga_w < 1 or ga_w % ga_n != 0):

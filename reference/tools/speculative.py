@@ -423,37 +423,87 @@ def draft_simple_chain(n_vocab: int) -> SamplerChain:
 
 
 # --8<-- [start:draft_greedy]
+@dataclass(frozen=True)
+class DraftSeq:
+    """One sequence's share of a ``draft-simple`` call (``common_speculative_draft_params``):
+    draft after ``id_last``, decoded at ``pos0`` on ``seq_id``, at most ``n_max`` tokens;
+    ``pending``: tokens the draft's sequence still lacks before ``id_last`` (at positions
+    ``pos0 - len(pending)`` on), decoded in the same first batch."""
+
+    seq_id: int
+    id_last: int
+    pos0: int
+    n_max: int
+    pending: tuple[int, ...] = ()
+
+
+def draft_simple(ctx_dft: Any, chains: dict[int, SamplerChain], seqs: list[DraftSeq],
+                 n_max: int, n_min: int, p_min: float, n_vocab: int) -> dict[int, list[int]]:
+    r"""``draft-simple``'s ``draft()`` (``common/speculative.cpp:308-413``): every sequence
+    drafts in the same draft decodes.
+
+    The first decode holds each sequence's ``pending`` tokens and its ``id_last`` at its
+    ``pos0`` (only ``id_last`` outputs); each later decode holds one row per sequence still
+    drafting. A sequence proposes the most probable candidate of its chain (top-10 at
+    temperature 1, [`draft_simple_chain`][], reset at each call) while that probability is
+    at least ``p_min`` and its draft is shorter than both ``n_max`` and its own ``n_max``;
+    each proposal is decoded when the sequence drafts on after it. So a call costs
+    $1 + \max_s |\text{draft}_s|$ decodes at most, whatever the number of sequences. A
+    draft shorter than ``n_min`` is dropped. Afterwards the draft's cache holds, for each
+    sequence, its ``pending`` tokens, ``id_last`` from ``pos0``, and at least every drafted
+    token but the last; a sequence that may draft nothing (``n_max <= 0``) is not decoded.
+
+    Returns:
+        ``seq_id`` -> its draft (every sequence of ``seqs`` has an entry, maybe empty).
+
+    Raises:
+        SpeculativeError: a draft decode failed (the cache may hold part of the drafts).
+    """
+    out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
+    going = [s for s in seqs if min(n_max, s.n_max) > 0]
+    if not going:
+        return out
+    tok, pos, seq, logits, rows = [], [], [], [], []
+    for s in going:
+        chains[s.seq_id].reset()
+        n = len(s.pending)
+        tok += [*s.pending, s.id_last]
+        pos += range(s.pos0 - n, s.pos0 + 1)
+        seq += [[s.seq_id]] * (n + 1)
+        logits += [False] * n + [True]
+        rows.append(len(tok) - 1)
+    decode_checked(ctx_dft, Batch(token=tok, pos=pos, seq_id=seq, logits=logits), "draft")
+    while going:
+        going_next = []
+        for row, s in zip(rows, going, strict=True):
+            chain, draft = chains[s.seq_id], out[s.seq_id]
+            _, q = chain_probs(chain, _widen(ctx_dft.get_logits_ith(row), n_vocab))
+            token = int(np.argmax(q))
+            if q[token] < p_min:  # only very confident drafts
+                continue
+            chain.accept(token)
+            draft.append(token)
+            if len(draft) < min(n_max, s.n_max):
+                going_next.append(s)
+        going, rows = going_next, list(range(len(going_next)))
+        if going:
+            decode_checked(ctx_dft, Batch(
+                token=[out[s.seq_id][-1] for s in going],
+                pos=[s.pos0 + len(out[s.seq_id]) for s in going],
+                seq_id=[[s.seq_id] for s in going], logits=[True] * len(going)), "draft")
+    return {k: v if len(v) >= n_min else [] for k, v in out.items()}
+
+
 def draft_greedy(ctx_dft: Any, chain: SamplerChain, id_last: int, pos0: int, n_max: int,
                  n_min: int, p_min: float, n_vocab: int, seq_id: int = 0) -> list[int]:
-    """``draft-simple``'s ``draft()`` for one sequence (``common/speculative.cpp:308-413``).
-
-    The draft decodes ``id_last`` at ``pos0`` on ``seq_id``, then proposes the most probable
-    candidate of ``chain`` (top-10 at temperature 1, [`draft_simple_chain`][]) while its
-    probability is at least ``p_min`` and fewer than ``n_max`` tokens are drafted, decoding
-    each proposal but the last. A draft shorter than ``n_min`` is dropped (``[]``). The
-    draft's cache then holds ``id_last`` and all drafted tokens but the last, from ``pos0``.
+    """[`draft_simple`][] for one sequence: the draft after ``id_last`` (decoded at
+    ``pos0`` on ``seq_id``), at most ``n_max`` tokens, ``[]`` when shorter than ``n_min``.
 
     Raises:
         SpeculativeError: a draft decode failed (the cache may hold part of the draft).
     """
-    if n_max <= 0:
-        return []
-    chain.reset()
-    decode_checked(ctx_dft, Batch(token=[id_last], pos=[pos0], seq_id=[[seq_id]]), "draft")
-    out: list[int] = []
-    while True:
-        logits = _widen(ctx_dft.get_logits_ith(-1), n_vocab)
-        _, q = chain_probs(chain, logits)
-        token = int(np.argmax(q))
-        if q[token] < p_min:  # only very confident drafts
-            break
-        chain.accept(token)
-        out.append(token)
-        if len(out) >= n_max:
-            break
-        decode_checked(ctx_dft, Batch(token=[token], pos=[pos0 + len(out)],
-                                      seq_id=[[seq_id]]), "draft")
-    return out if len(out) >= n_min else []
+    return draft_simple(ctx_dft, {seq_id: chain}, [DraftSeq(seq_id, id_last, pos0, n_max)],
+                        n_max, n_min, p_min, n_vocab)[seq_id]
 # --8<-- [end:draft_greedy]
 
 
@@ -1053,7 +1103,9 @@ __all__ = [
     "chain_probs",
     "check_draft_vocab",
     "draw",
+    "DraftSeq",
     "draft_greedy",
+    "draft_simple",
     "draft_layers",
     "draft_simple_chain",
     "residual",

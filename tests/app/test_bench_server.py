@@ -14,6 +14,7 @@ from llamaref.bench.server import (
     RequestRecord,
     ServerProcess,
     _plan,
+    draft_hf_dir,
     longest_stall,
     markdown_table,
     median_summary,
@@ -124,6 +125,33 @@ def tiny_hf_with_tokenizer(tmp_path_factory):
     save_tiny_hf(path, vocab_size=49152, hidden_size=32, tie_word_embeddings=True)
     save_tokenizer_from_gguf(default_model_path(), path)
     return path
+
+
+def test_the_draft_folder_is_the_models_first_layers(tiny_hf_with_tokenizer, tmp_path):
+    """``bench-server --draft-layers 1``: the draft both servers load is the model's first
+    layer, bit for bit, with its embeddings, norm, output and tokenizer; a count past the
+    model's layers is refused."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from llamaref.common import CLIError
+    out = draft_hf_dir(tiny_hf_with_tokenizer, 1, cache_root=tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    full_config = json.loads((tiny_hf_with_tokenizer / "config.json").read_text())
+    assert config == {**full_config, "num_hidden_layers": 1}
+    full = load_file(str(tiny_hf_with_tokenizer / "model.safetensors"))
+    part = load_file(str(out / "model.safetensors"))
+    assert set(part) == {n for n in full if not n.startswith("model.layers.")
+                         or n.startswith("model.layers.0.")}
+    for name, t in part.items():
+        np.testing.assert_array_equal(t, full[name])
+    assert (out / "tokenizer.json").is_file()
+    assert draft_hf_dir(tiny_hf_with_tokenizer, 1, cache_root=tmp_path) == out  # cached
+    n = full_config["num_hidden_layers"]
+    with pytest.raises(CLIError, match=f"--draft-layers = {n + 1} must be between 1 and {n}"):
+        draft_hf_dir(tiny_hf_with_tokenizer, n + 1, cache_root=tmp_path)
 
 
 @pytest.mark.slow

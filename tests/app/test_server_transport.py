@@ -461,6 +461,35 @@ def test_the_flags_of_llama_server_reach_the_server(tmp_path):
             serve_args(*bad)
 
 
+def test_the_chat_template_flag_is_the_template_of_every_chat_request():
+    """``llamaref serve --chat-template T``: ``/props`` reports T, and a chat request is
+    the completion of T's rendering of its messages (the same greedy tokens as
+    ``/completion`` with that text), not of the model's own template."""
+    from llamaref.server.main import load_engine
+    from reference.chat_template import render_chat_template
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    args = serve_args("--chat-template", template, "-c", "256", "--backend", "reference",
+                      "-np", "1", "--temp", "0")
+    state = new_state(args)
+    srv = LiveServer(lambda: load_engine(args, state), state=state)
+    try:
+        props = requests.get(srv.url + "/props", timeout=30).json()
+        assert props["chat_template"] == template
+        messages = [{"role": "user", "content": "Name a colour."}]
+        chat = requests.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "messages": messages, "max_tokens": 4, "temperature": 0}).json()
+        text = render_chat_template(template, messages, True, bos_token="", eos_token="")
+        assert text == "<user>Name a colour.</user><assistant>"
+        plain = requests.post(srv.url + "/completion", timeout=120, json={
+            "prompt": text, "n_predict": 4, "temperature": 0}).json()
+        assert chat["usage"]["prompt_tokens"] == plain["tokens_evaluated"]
+        assert chat["choices"][0]["message"]["content"] == plain["content"]
+        assert state.tokenizer.chat_template == template
+    finally:
+        srv.close()
+
+
 def test_several_host_addresses_are_all_served():
     probe = bind_sockets(["127.0.0.1"], 0)
     port = probe[0].getsockname()[1]

@@ -34,6 +34,7 @@ from reference.testing import (
 from reference.tokenizer import Tokenizer
 from reference.tools.generate import Generator
 from reference.tools.server.params import SlotParams
+from reference.tools.server.results import Final
 from reference.tools.server.scheduler import Scheduler, SchedulerConfig, StepReport
 from reference.tools.server.spans import user_delimiter
 from reference.tools.speculative import draft_layers
@@ -125,18 +126,45 @@ def make_draft(backend: str = "reference", kind: str = "llama", draft: str = "la
 
 
 def make_spec_scheduler(backend: str = "reference", kind: str = "llama",
-                        draft: str = "layers:1", n_slots: int = 4, n_ctx: int = 1024,
+                        draft: str | None = "layers:1", n_slots: int = 4, n_ctx: int = 1024,
                         kv_unified: bool = True, n_batch: int = 64, n_ubatch: int = 32,
-                        swa_full: bool = False, tok=None, clock=None, **config) -> Scheduler:
-    """``make_scheduler`` with a draft Context (``make_draft``'s ``draft``); ``tok``: the
-    tokenizer the scheduler sees (None: SmolLM2's)."""
+                        swa_full: bool = False, tok=None, clock=None, ngram_caches=None,
+                        **config) -> Scheduler:
+    """``make_scheduler`` with a draft Context (``make_draft``'s ``draft``; None: no draft
+    model, for the n-gram drafters of ``spec_types``); ``tok``: the tokenizer the scheduler
+    sees (None: SmolLM2's)."""
     kw = dict(n_ctx=n_ctx, kv_unified=kv_unified, n_batch=n_batch, n_ubatch=n_ubatch,
               swa_full=swa_full)
     ctx = make_context(backend, kind, n_seq_max=n_slots, **kw)
     return Scheduler(ctx, tok or tokenizer(), sampler_factory(backend),
                      SchedulerConfig(n_slots=n_slots, swa_full=swa_full, **config),
-                     clock=clock or time.perf_counter,
-                     draft=make_draft(backend, kind, draft, n_slots=n_slots, **kw))
+                     clock=clock or time.perf_counter, ngram_caches=ngram_caches,
+                     draft=None if draft is None else make_draft(backend, kind, draft,
+                                                                 n_slots=n_slots, **kw))
+
+
+def word_prompts(n: int, words: int = 6, letters: str = "wx", spread: int = 5
+                 ) -> list[list[int]]:
+    """``n`` distinct prompts of ``words`` to ``words + spread - 1`` made-up words
+    (``w0x0 w0x1 ...``), tokenized with BOS."""
+    tok = tokenizer()
+    a, b = letters
+    return [tok.tokenize(" ".join(f"{a}{i}{b}{j}" for j in range(words + i % spread)),
+                         add_special=True, parse_special=True) for i in range(n)]
+
+
+def collect(out: dict, i: int):
+    """A task callback that appends task ``i``'s results to ``out[i]``."""
+    return lambda r: out.setdefault(i, []).append(r)
+
+
+def finals(out: dict) -> dict:
+    """Each task's last result, which must be its ``Final``."""
+    res = {}
+    for i, rs in out.items():
+        assert isinstance(rs[-1], Final), rs[-1]
+        res[i] = rs[-1]
+    return res
 
 
 def make_engine(*args, max_queue: int = 1024, **kw) -> Engine:
@@ -186,11 +214,15 @@ class LiveServer:
     """uvicorn on a free port in a thread, with an engine thread behind it (the transport of
     ``llamaref serve``: its read deadline and its shutdown)."""
 
-    def __init__(self, factory, read_timeout: float = DEFAULT_TIMEOUT, **state_kw):
+    def __init__(self, factory, read_timeout: float = DEFAULT_TIMEOUT,
+                 state: ServerState | None = None, **state_kw):
         """``factory``: builds the Engine (on the engine's thread, as MLX needs);
-        ``read_timeout``: ``--timeout``; ``state_kw``: more ``ServerState`` fields."""
-        self.state = ServerState(tokenizer=tokenizer(), n_vocab=N_VOCAB, model_name="tiny",
-                                 user_delimiter=user_delimiter(tokenizer()), **state_kw)
+        ``read_timeout``: ``--timeout``; ``state``: the server's state (``llamaref
+        serve``'s, from ``new_state``; None: the tiny model's); ``state_kw``: more
+        ``ServerState`` fields."""
+        self.state = state or ServerState(
+            tokenizer=tokenizer(), n_vocab=N_VOCAB, model_name="tiny",
+            user_delimiter=user_delimiter(tokenizer()), **state_kw)
         self.app = build_app(self.state)
         start_engine(self.state, factory)
         for _ in range(3000):

@@ -24,31 +24,20 @@ from reference.tools.server.spans import user_delimiter, user_starts
 from tests.support.server_support import (
     BACKENDS,
     alone,
+    collect,
+    finals,
     greedy,
     make_context,
     make_scheduler,
     run_scheduler,
     sampler_factory,
     tokenizer,
+    word_prompts,
 )
 
 
 def prompts(n: int, words: int = 6) -> list[list[int]]:
-    tok = tokenizer()
-    return [tok.tokenize(" ".join(f"w{i}x{j}" for j in range(words + i % 5)), add_special=True,
-                         parse_special=True) for i in range(n)]
-
-
-def collect(tasks_out: dict, i: int):
-    return lambda r: tasks_out.setdefault(i, []).append(r)
-
-
-def finals(out: dict) -> dict[int, Final]:
-    res = {}
-    for i, rs in out.items():
-        assert isinstance(rs[-1], Final), rs[-1]
-        res[i] = rs[-1]
-    return res
+    return word_prompts(n, words, "wx", 5)
 
 
 # ---- batching is invisible --------------------------------------------------------------------

@@ -20,29 +20,20 @@ from reference.tools.server.slot import Task
 from tests.support.server_support import (
     BACKENDS,
     alone,
+    collect,
+    finals,
     greedy,
     make_scheduler,
     make_spec_scheduler,
     run_scheduler,
     tokenizer,
+    word_prompts,
 )
 from tests.tools.test_speculative import chi2_pvalue
 
 
 def prompts(n: int, words: int = 5) -> list[list[int]]:
-    tok = tokenizer()
-    return [tok.tokenize(" ".join(f"s{i}y{j}" for j in range(words + i % 4)), add_special=True,
-                         parse_special=True) for i in range(n)]
-
-
-def collect(out: dict, i: int):
-    return lambda r: out.setdefault(i, []).append(r)
-
-
-def finals(out: dict) -> dict[int, Final]:
-    for rs in out.values():
-        assert isinstance(rs[-1], Final), rs[-1]
-    return {i: rs[-1] for i, rs in out.items()}
+    return word_prompts(n, words, "sy", 4)
 
 
 def run_arrivals(sched, ps, params, arrivals) -> dict[int, Final]:
@@ -134,19 +125,23 @@ def test_a_draft_that_disagrees_is_counted_as_rejected():
 # ---- law 2: seeded sampling keeps the target's distribution ---------------------------------
 
 @settings(deadline=None, max_examples=3)
-@given(seed=st.integers(0, 2**31 - 1), draft=st.sampled_from(["layers:1", "layers:2", "other"]),
+@given(seed=st.integers(0, 2**31 - 1),
+       draft=st.sampled_from(["layers:1", "layers:2", "other", "ngram-simple", "ngram-cache"]),
        top_k=st.sampled_from([0, 2, 5]))
 def test_seeded_sampling_with_a_draft_is_sampling_without(seed, draft, top_k):
     """Every emitted token is the target chain's own sample of its own row, the chain's
     random numbers drawn once per token in the same order: the same seed gives the same
-    answer with or without a draft."""
+    answer with or without a draft, whichever drafter drafts."""
     ps = prompts(2)
+    ngram = draft.startswith("ngram")
+    kw = dict(draft=None, spec_types=(draft,), spec_ngram_size_n=1) if ngram else dict(
+        draft=draft)
     params = [SlotParams(n_predict=8, sampling=SamplerParams(seed=seed + i, temp=1.0,
                                                               top_k=top_k))
               for i in range(2)]
     plain = run_arrivals(make_scheduler("reference64", n_slots=2), ps, params, [0, 1])
-    spec = run_arrivals(make_spec_scheduler("reference64", draft=draft, n_slots=2,
-                                            draft_n_max=3), ps, params, [0, 1])
+    spec = run_arrivals(make_spec_scheduler("reference64", n_slots=2, draft_n_max=3, **kw),
+                        ps, params, [0, 1])
     assert [spec[i].tokens for i in range(2)] == [plain[i].tokens for i in range(2)]
 
 
@@ -335,7 +330,7 @@ def serve_args(*argv: str):
 @pytest.mark.parametrize("argv, message", [
     (["--draft-layers", "1", "-md", "x.gguf"], "give one draft: -md/--model-draft FILE or "
                                                "--draft-layers K, not both"),
-    (["-md", "no/such/draft.gguf"], "-md/--model-draft: no such file"),
+    (["-md", "no/such/draft.gguf"], "-md/--model-draft: no such file or folder"),
     (["--draft-layers", "0"], "--draft-layers = 0 must be >= 1"),
     (["--draft-max", "-1"], "--draft-max = -1 must be >= 0"),
     (["--spec-draft-n-min", "-1"], "--draft-min = -1 must be >= 0"),
@@ -367,3 +362,213 @@ def test_serve_with_draft_layers_speculates_in_its_slots():
     got = finals(out)
     assert got[0].tokens == got[1].tokens
     assert sum(r.n_draft_verified for r in reports) > 0
+
+
+# ---- the drafters: n-grams, a draft model, in llama.cpp's order, every slot at once ---------
+
+#: (spec_types, draft) cases: n-gram drafters need no draft model
+DRAFTERS = [(("ngram-simple",), None), (("ngram-cache",), None),
+            (("ngram-cache", "ngram-simple"), None), (("draft-simple", "ngram-cache"), "layers:1"),
+            (("ngram-simple", "draft-simple"), "other")]
+
+
+def repeating_prompts(n: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so that the n-gram drafters find something."""
+    return [p + p[1:] + p[1:] for p in prompts(n, words=3)]
+
+
+@settings(deadline=None, max_examples=10)
+@given(arrivals=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+       lengths=st.lists(st.integers(1, 16), min_size=3, max_size=3),
+       n_slots=st.integers(1, 3), drafters=st.sampled_from(DRAFTERS),
+       size_n=st.integers(1, 3), size_m=st.integers(1, 6), unified=st.booleans())
+def test_greedy_answers_with_any_drafter_equal_each_prompt_alone(arrivals, lengths, n_slots,
+                                                                 drafters, size_n, size_m,
+                                                                 unified):
+    types, draft = drafters
+    ps = repeating_prompts(len(arrivals))
+    sched = make_spec_scheduler("reference64", draft=draft, n_slots=n_slots, n_ctx=512,
+                                kv_unified=unified, draft_n_max=3, spec_types=types,
+                                spec_ngram_size_n=size_n, spec_ngram_size_m=size_m)
+    got = run_arrivals(sched, ps, [greedy(n) for n in lengths], arrivals)
+    for i, p in enumerate(ps):
+        assert got[i].tokens == alone("reference64", p, lengths[i]), (i, types)
+
+
+def test_ngram_simple_drafts_what_followed_the_last_token_before():
+    """The tiny model's plain answer to this prompt repeats ``16882 7540 7010``: with
+    ``size_n = 1``, once ``16882`` comes again ngram-simple drafts what followed it, the
+    target accepts it, and the answer is the plain one."""
+    p = repeating_prompts(3)[2]
+    want = alone("reference64", p, 24)
+    assert want[13:16] == want[21:24] == [16882, 7540, 7010]
+    sched = make_spec_scheduler("reference64", draft=None, n_slots=1,
+                                spec_types=("ngram-simple",), spec_ngram_size_n=1,
+                                spec_ngram_size_m=4)
+    out: dict = {}
+    reports = run_scheduler(sched, [Task(1, p, greedy(24), collect(out, 0))])
+    assert finals(out)[0].tokens == want
+    assert sum(r.n_draft_accepted for r in reports) >= 1
+    assert sched.speculator.n_drafts["ngram-simple"] > 0
+
+
+def test_ngram_cache_drafts_from_a_static_cache_that_knows_the_text():
+    """A static cache (``-lcs``) that has seen the plain answer, two by two tokens: every
+    slot's drafts are its answer, all accepted; fewer target decodes than tokens."""
+    from reference.tools.lookup import ngram
+    ps = prompts(3)
+    want = [alone("reference64", p, 16) for p in ps]
+    static: dict = {}
+    for p, w in zip(ps, want, strict=True):
+        text = [*p, *w]
+        for i in range(2, len(text)):
+            static.setdefault(ngram(text[i - 2:i]), {})[text[i]] = 2
+    sched = make_spec_scheduler("reference64", draft=None, n_slots=3,
+                                spec_types=("ngram-cache",),
+                                ngram_caches={"static": static})
+    out: dict = {}
+    reports = run_scheduler(sched, [Task(i + 1, p, greedy(16), collect(out, i))
+                                    for i, p in enumerate(ps)])
+    n_draft = sum(r.n_draft for r in reports)
+    assert n_draft > 0 and sum(r.n_draft_accepted for r in reports) == n_draft
+    assert sum(r.n_decode for r in reports) < 16
+    for i in range(3):
+        assert finals(out)[i].tokens == want[i]
+
+
+def test_every_generating_slot_drafts_in_the_same_draft_decodes():
+    """Four slots generating together: a step's draft work is one batch per draft
+    position (llama.cpp's ``draft()``), not one chain of decodes per slot. The accepted
+    tokens the draft has not seen ride in the first of them."""
+    ps = prompts(4)
+    sched = make_spec_scheduler("reference64", draft="layers:1", n_slots=4, draft_n_max=3)
+    calls: list[int] = []
+    decode = sched.draft.decode
+    sched.draft.decode = lambda b: calls.append(len(b.token)) or decode(b)
+    for i, p in enumerate(ps):
+        sched.add_task(Task(i + 1, p, greedy(12), lambda r: None))
+    per_step = []
+    while sched.step().busy:
+        if all(s.state.name == "GENERATING" for s in sched.slots):
+            per_step.append(list(calls))
+        calls.clear()
+    steady = [c for c in per_step if c]
+    assert steady and all(len(c) <= 1 + 3 for c in steady), steady
+    assert any(c[0] >= 4 for c in steady)  # the first batch holds every slot's row
+
+
+def test_the_ngram_cache_counts_what_counting_from_scratch_counts():
+    """A slot's context cache after drafts over a growing conversation equals one count of
+    the whole of it; a conversation that does not extend the counted one starts again."""
+    from reference.tools.lookup import ngram_cache_update
+    from reference.tools.server.speculator import DraftRequest, NgramCacheDrafter
+
+    d = NgramCacheDrafter()
+    hist = [5, 6, 7, 5, 6]
+    for nxt in [7, 5, 9, 9, 6]:
+        d.draft([DraftRequest(0, 4, nxt, list(hist))])
+        hist.append(nxt)
+    want: dict = {}
+    ngram_cache_update(want, 1, 4, hist, len(hist))
+    assert d.seqs[0].cache == want
+    d.draft([DraftRequest(0, 4, 3, [1, 2])])  # another conversation
+    fresh: dict = {}
+    ngram_cache_update(fresh, 1, 4, [1, 2, 3], 3)
+    assert d.seqs[0].cache == fresh
+
+
+def test_the_first_drafter_with_a_draft_wins_in_llama_cpps_order():
+    """``common_speculative_draft``: ngram-simple, then ngram-cache, then draft-simple,
+    whatever the order given; a request without a draft goes to the next; a draft is cut
+    to the request's ``n_max``."""
+    from reference.tools.server.speculator import DraftRequest, Speculator
+
+    class Fixed:
+        def __init__(self, name, drafts):
+            self.name, self.drafts, self.n_max, self.asked = name, drafts, 9, []
+
+        def draft(self, requests):
+            self.asked.append([r.seq_id for r in requests])
+            return {r.seq_id: self.drafts.get(r.seq_id, []) for r in requests}
+
+        def forget(self, seq_id):
+            pass
+
+    a, b = Fixed("ngram-simple", {0: [1, 2, 3]}), Fixed("draft-simple", {0: [9], 1: [4, 5]})
+    spec = Speculator([a, b])
+    got = spec.draft([DraftRequest(0, 2, 7, [1]), DraftRequest(1, 5, 7, [1]),
+                      DraftRequest(2, 5, 7, [1])])
+    assert got == {0: [1, 2], 1: [4, 5]}
+    assert a.asked == [[0, 1, 2]] and b.asked == [[1, 2]]
+    assert spec.n_drafts == {"ngram-simple": 1, "draft-simple": 1}
+
+
+@pytest.mark.parametrize("types, draft, message", [
+    (("ngram-map-k",), None, "--spec-type ngram-map-k is not specified here"),
+    (("ngram-foo",), None, "--spec-type 'ngram-foo' is not a speculative decoding type"),
+    (("draft-simple",), None, "--spec-type draft-simple needs a draft model"),
+    (("ngram-simple",), "layers:1", "a draft model is given but --spec-type ngram-simple "
+                                    "does not use it"),
+])
+def test_drafter_types_that_cannot_serve_are_refused(types, draft, message):
+    with pytest.raises(SchedulerError, match=message):
+        make_spec_scheduler("reference", draft=draft, n_slots=1, n_ctx=128, spec_types=types)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_a_recurrent_target_refuses_ngram_drafts_too(kind):
+    with pytest.raises(SchedulerError, match="recurrent model .Mamba. cannot"):
+        make_spec_scheduler("reference", kind, draft=None, n_slots=1, n_ctx=128,
+                            spec_types=("ngram-simple",))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spec-type", "ngram-mod"], "--spec-type ngram-mod: not available here; use "
+                                   "ngram-simple, ngram-cache, draft-simple"),
+    (["--spec-type", "ngram,none"], "--spec-type 'ngram': unknown; llama-server's types are "
+                                    "none, draft-simple, draft-eagle3, draft-mtp, "
+                                    "draft-dflash, draft-dspark, ngram-simple, ngram-map-k, "
+                                    "ngram-map-k4v, ngram-mod, ngram-cache"),
+    (["--spec-type", "draft-simple"], "--spec-type draft-simple needs a draft: -md FILE or "
+                                      "--draft-layers K"),
+    (["--draft-layers", "1", "--spec-type", "ngram-cache"],
+     "a draft model is given but --spec-type does not use it: add draft-simple"),
+    (["-lcs", "x.bin"], "-lcs/--lookup-cache-static is read by --spec-type ngram-cache only"),
+    (["--spec-type", "ngram-cache", "-lcd", "no/such.bin"],
+     "-lcd/--lookup-cache-dynamic: no such file"),
+    (["--spec-ngram-simple-size-n", "0"], "--spec-ngram-simple-size-n = 0 must be between 1 "
+                                          "and 1024"),
+    (["--spec-ngram-simple-size-m", "1025"], "--spec-ngram-simple-size-m = 1025 must be "
+                                             "between 1 and 1024"),
+    (["--spec-ngram-simple-min-hits", "0"], "--spec-ngram-simple-min-hits = 0 must be >= 1"),
+])
+def test_bad_spec_type_flags_of_serve_are_refused_before_loading(argv, message):
+    from llamaref.common import CLIError
+    with pytest.raises(CLIError) as e:
+        serve_args(*argv)
+    assert str(e.value) == message
+
+
+def test_serve_with_ngram_drafters_and_a_lookup_cache(tmp_path):
+    """``llamaref serve --spec-type ngram-cache,ngram-simple -lcs FILE``: no draft model,
+    both n-gram drafters in llama.cpp's order, the static cache read from the file; the
+    slots say they speculate; a greedy answer is the answer without."""
+    from llamaref.server.main import load_engine, new_state
+    from reference.tools.lookup import ngram, ngram_cache_save
+    path = tmp_path / "static.bin"
+    ngram_cache_save({ngram([1, 2]): {3: 4}}, path)
+    args = serve_args("--spec-type", "ngram-cache", "--spec-type", "ngram-simple", "-lcs",
+                      str(path), "--spec-ngram-simple-size-n", "2", "-c", "256",
+                      "--backend", "reference", "-np", "2")
+    sched = load_engine(args, new_state(args)).scheduler
+    assert sched.draft is None and sched.speculator.types == ["ngram-simple", "ngram-cache"]
+    assert sched.speculator.drafters[1].nc_static == {ngram([1, 2]): {3: 4}}
+    prompt = sched.tokenizer.tokenize("one two three one two three one two", add_special=True,
+                                      parse_special=True)
+    out: dict = {}
+    run_scheduler(sched, [Task(1, prompt, greedy(8, cache_prompt=False), collect(out, 0))])
+    plain = serve_args("-c", "256", "--backend", "reference", "-np", "2")
+    sched2 = load_engine(plain, new_state(plain)).scheduler
+    assert sched2.speculator is None
+    run_scheduler(sched2, [Task(2, prompt, greedy(8, cache_prompt=False), collect(out, 1))])
+    assert finals(out)[0].tokens == finals(out)[1].tokens

@@ -299,3 +299,64 @@ def test_llamacpp_residual_is_biased_exactly_when_candidate_sets_differ():
 def test_the_chi_square_helper():
     assert abs(chi2_sf(3.841, 1) - 0.05) < 1e-3 and abs(chi2_sf(18.307, 10) - 0.05) < 1e-3
     assert abs(chi2_sf(0.5, 4) - 0.9735) < 1e-3
+
+
+# ---- draft-simple over several sequences: one batch, the drafts of each alone ---------------
+
+def _prompted(flavour, d_hp, d_w, prompts, decode_last: bool):
+    """A draft Context with ``prompts[s]`` decoded on sequence ``s`` (without its last
+    token unless ``decode_last``)."""
+    ctx = flavour.make(d_hp, d_w, n_ctx=256, n_seq_max=len(prompts))
+    for s, p in enumerate(prompts):
+        toks = p if decode_last else p[:-1]
+        if toks:
+            assert ctx.decode(Batch(token=toks, pos=list(range(len(toks))),
+                                    seq_id=[[s]] * len(toks))) == 0
+    return ctx
+
+
+def _seq_positions(ctx, s):
+    mem = ctx.memory
+    cells = mem.v_cells[mem.seq_to_stream[s]]
+    return sorted(int(p) for p in cells.pos[cells.seq_cells(s, 0, 1 << 30)])
+
+
+@every
+@pytest.mark.parametrize("n_max, n_min, p_min", [(4, 0, 0.0), (6, 3, 0.13), (5, 0, 0.19)])
+def test_drafting_sequences_together_is_drafting_each_alone(flavour, n_max, n_min, p_min):
+    """``draft_simple`` over 3 sequences (with per-sequence limits, one with pending
+    tokens) gives each sequence the draft ``draft_greedy`` gives it alone, leaves each
+    sequence's cells at the same positions, and decodes at most 1 + the longest draft
+    times."""
+    from reference.tools.speculative import (
+        DraftSeq,
+        draft_greedy,
+        draft_simple,
+        draft_simple_chain,
+    )
+    d_hp, d_w = drafts(flavour)["other-model"]
+    prompts = [[1, 5, 9, 3], [7, 7, 2, 30, 11, 4], [3]]
+    limits = [n_max, 2, n_max]
+    together = _prompted(flavour, d_hp, d_w, prompts, decode_last=False)
+    calls = []
+    decode = together.decode
+    together.decode = lambda b: calls.append(len(b.token)) or decode(b)
+    chains = {s: draft_simple_chain(32) for s in range(3)}
+    # sequence 1 lacks its last two prompt tokens: they ride in the first batch
+    mem = together.memory
+    mem.seq_rm(1, 3, -1)
+    seqs = [DraftSeq(0, prompts[0][-1], 3, limits[0]),
+            DraftSeq(1, prompts[1][-1], 5, limits[1], pending=(30, 11)),
+            DraftSeq(2, prompts[2][-1], 0, limits[2])]
+    got = draft_simple(together, chains, seqs, n_max, n_min, p_min, 32)
+    longest = max(len(v) for v in got.values()) if n_min == 0 else min(n_max, max(limits))
+    assert len(calls) <= 1 + longest  # not one decode chain per sequence
+    assert calls[0] == 3 + 2  # every sequence's first row, and the pending tokens
+    for s, p in enumerate(prompts):
+        alone = _prompted(flavour, d_hp, d_w, [p], decode_last=False)
+        want = draft_greedy(alone, draft_simple_chain(32), p[-1], len(p) - 1,
+                            min(n_max, limits[s]), n_min, p_min, 32)
+        assert got[s] == want, s
+        for ctx in (together, alone):
+            ctx.memory.seq_rm(s if ctx is together else 0, len(p) + max(0, len(want) - 1), -1)
+        assert _seq_positions(together, s) == _seq_positions(alone, 0), s

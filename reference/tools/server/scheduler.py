@@ -73,12 +73,11 @@ from reference.tools.server.errors import (
 from reference.tools.server.prompt_cache import PromptCache
 from reference.tools.server.results import Failed, Final, Partial, Timings, TokenOutput, TokenProb
 from reference.tools.server.slot import Checkpoint, Slot, SlotState, Task, select_slot
+from reference.tools.server.speculator import DraftRequest, make_speculator
 from reference.tools.server.text import StopText, common_prefix
 from reference.tools.speculative import (
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
     SpeculativeError,
-    draft_greedy,
-    draft_simple_chain,
     sample_and_accept_n,
 )
 
@@ -108,30 +107,49 @@ def sampling_failure(e: Exception) -> ServerError:
 
 # --8<-- [start:check_draft]
 def check_draft(ctx: Any, draft: Any, config: SchedulerConfig) -> None:
-    """A draft Context the slots can speculate with, or a
-    [`SchedulerError`][reference.tools.server.scheduler.SchedulerError] that says what to
-    change (raised before anything is built).
+    """A server setup that can speculate: drafter types it knows, a draft Context exactly
+    when ``draft-simple`` is asked for, one the slots can use, and sizes in range.
 
     The target must be able to drop the rejected tokens of a draft from a sequence
-    (``seq_rm`` of a suffix): a recurrent target (Mamba) cannot. llama.cpp, at the pinned
+    (``common_context_can_seq_rm``): a recurrent memory cannot. llama-server, at the pinned
     commit, saves and restores a ``PARTIAL_ONLY`` checkpoint around each draft there
-    (``server-context.cpp:3905-3925``); this specification refuses the draft instead.
+    (``server-context.cpp:3905-3925``); this specification refuses speculation instead.
     """
-    if ctx.recurrent:
+    types = spec_types(config, draft)
+    if types and ctx.recurrent:
         raise SchedulerError("speculative decoding needs a target whose cache can drop "
                              "rejected draft tokens; a recurrent model (Mamba) cannot: "
-                             "serve it without a draft model")
+                             "serve it without speculative decoding")
+    if draft is not None and "draft-simple" not in types:
+        raise SchedulerError(f"a draft model is given but --spec-type {','.join(types)} "
+                             "does not use it: add draft-simple")
+    for name, v in (("--spec-ngram-simple-size-n", config.spec_ngram_size_n),
+                    ("--spec-ngram-simple-size-m", config.spec_ngram_size_m)):
+        if not 1 <= v <= 1024:
+            raise SchedulerError(f"{name} = {v} must be between 1 and 1024")
+    if config.draft_n_max < 0 or config.draft_n_min < 0 or not (
+            0.0 <= config.draft_p_min <= 1.0):
+        raise SchedulerError(f"--draft-max = {config.draft_n_max} and --draft-min = "
+                             f"{config.draft_n_min} must be >= 0 and --draft-p-min = "
+                             f"{config.draft_p_min} in [0, 1]")
+    if draft is None:
+        return
     if draft.n_seq_max < config.n_slots:
         raise SchedulerError(f"{config.n_slots} slots need a draft Context with n_seq_max "
                              f">= {config.n_slots}, got {draft.n_seq_max}")
     if abs(draft.n_vocab - ctx.n_vocab) > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
         raise SchedulerError(f"the draft's vocabulary ({draft.n_vocab} tokens) is not the "
                              f"target's ({ctx.n_vocab}): use a draft of the same family")
-    if config.draft_n_max < 0 or config.draft_n_min < 0 or not (
-            0.0 <= config.draft_p_min <= 1.0):
-        raise SchedulerError(f"--draft-max = {config.draft_n_max} and --draft-min = "
-                             f"{config.draft_n_min} must be >= 0 and --draft-p-min = "
-                             f"{config.draft_p_min} in [0, 1]")
+
+
+def spec_types(config: SchedulerConfig, draft: Any) -> tuple[str, ...]:
+    """The drafter types the server uses: ``--spec-type``'s, or ``draft-simple`` when only
+    a draft model is given (llama-server then ignores the draft model: it needs
+    ``--spec-type draft-simple``, ``common/arg.cpp:565-573``)."""
+    types = tuple(t for t in config.spec_types if t != "none")
+    if not config.spec_types and draft is not None:
+        return ("draft-simple",)
+    return types
 # --8<-- [end:check_draft]
 
 
@@ -159,6 +177,12 @@ class SchedulerConfig:
         draft_n_min: ``--spec-draft-n-min`` (``--draft-min``): shorter drafts are dropped.
         draft_p_min: ``--spec-draft-p-min`` (``--draft-p-min``): drafting stops at a token
             whose draft probability is below this.
+        spec_types: ``--spec-type``: the drafters (see
+            [`reference.tools.server.speculator`][reference.tools.server.speculator]);
+            empty: ``draft-simple`` with a draft Context, else none.
+        spec_ngram_size_n: ``--spec-ngram-simple-size-n``: the n-gram ``ngram-simple``
+            looks up.
+        spec_ngram_size_m: ``--spec-ngram-simple-size-m``: the most tokens it copies.
     """
 
     n_slots: int = 4
@@ -174,6 +198,9 @@ class SchedulerConfig:
     draft_n_max: int = 3
     draft_n_min: int = 0
     draft_p_min: float = 0.0
+    spec_types: tuple[str, ...] = ()
+    spec_ngram_size_n: int = 12
+    spec_ngram_size_m: int = 48
 # --8<-- [end:SchedulerConfig]
 
 
@@ -263,15 +290,19 @@ class Scheduler:
     def __init__(self, ctx: Any, tokenizer: Any,
                  make_sampler: Callable[[SamplerParams], tuple[Any, bool]],
                  config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter, draft: Any = None):
+                 clock: Callable[[], float] = time.perf_counter, draft: Any = None,
+                 ngram_caches: dict | None = None):
         config = config or SchedulerConfig()
         if ctx.n_seq_max < config.n_slots or config.n_slots < 1:
             raise SchedulerError(f"{config.n_slots} slots need a Context with n_seq_max >= "
                                  f"{config.n_slots}, got {ctx.n_seq_max}")
-        if draft is not None:
-            check_draft(ctx, draft, config)
+        check_draft(ctx, draft, config)
+        try:
+            self.speculator = make_speculator(spec_types(config, draft), config, ctx.n_vocab,
+                                              draft, ngram_caches)
+        except SpeculativeError as e:
+            raise SchedulerError(str(e)) from None
         self.draft = draft
-        self.draft_chain = draft_simple_chain(ctx.n_vocab) if draft is not None else None
         self.ctx, self.tokenizer, self.make_sampler, self.config = (
             ctx, tokenizer, make_sampler, config)
         self.clock = clock
@@ -461,13 +492,15 @@ class Scheduler:
 
     # --8<-- [start:build_batch]
     def _build_batch(self) -> tuple[Batch, int]:
-        """The generating slots' tokens, then prompt chunks up to ``n_batch`` tokens (or
-        ``prompt_budget`` prompt tokens while some slot generates)."""
+        """The generating slots' tokens (each with its draft), then prompt chunks up to
+        ``n_batch`` tokens (or ``prompt_budget`` prompt tokens while some slot generates)."""
         tok, pos, seq, out = [], [], [], []
-        for slot in self.slots:
-            if slot.state != SlotState.GENERATING:
-                continue
-            draft = self._draft(slot, len(tok))
+        generating = [s for s in self.slots if s.state == SlotState.GENERATING]
+        drafts = self._drafts(generating)
+        for slot in generating:
+            # a slot's rows never straddle two n_batch chunks
+            draft = drafts.get(slot.id, [])[:max(0, self.n_batch - len(tok) - 1)]
+            self.report.n_draft += len(draft)
             slot.i_batch = len(tok)
             for t in (slot.sampled, *draft):
                 tok.append(t)
@@ -492,64 +525,26 @@ class Scheduler:
     # --8<-- [end:build_batch]
 
     # --8<-- [start:draft]
-    def _draft(self, slot: Slot, n_in_batch: int) -> list[int]:
-        """The tokens ``slot`` drafts after its sampled token (none without a draft).
+    def _drafts(self, generating: list[Slot]) -> dict[int, list[int]]:
+        """The drafts of the generating slots, in one call of the speculator (none
+        without one).
 
-        At most ``draft_n_max``, and (``get_n_draft_max``) at most ``n_ctx - n_tokens - 2``
-        and one less than the tokens ``n_predict`` still allows; also no more than the
-        batch has room for, so that a slot's rows are never split over two ``n_batch``
-        chunks by the budget. The draft's sequence is first brought in step with the slot's
-        tokens (their common prefix kept, the rest decoded); after drafting it holds the
-        slot's tokens and the sampled one. A draft decode that fails drops the draft's
-        sequence and drafts nothing (the step goes on without speculation for this slot).
+        A slot may draft at most ``n_ctx - n_tokens - 2`` tokens, and one less than the
+        tokens ``n_predict`` still allows (``get_n_draft_max``); each drafter has its own
+        limit too (``--draft-max`` for ``draft-simple``, ``size_m`` for ``ngram-simple``,
+        8 for ``ngram-cache``).
         """
-        if self.draft is None:
-            return []
-        params, n_tokens = slot.task.params, len(slot.tokens)
-        n = min(self.config.draft_n_max, slot.n_ctx - n_tokens - 2,
-                self.n_batch - n_in_batch - 1)
-        if params.n_predict > 0:
-            n = min(n, params.n_predict - slot.n_decoded - 1)
-        if n <= 0 or n < self.config.draft_n_min:
-            return []
-        mem = self.draft.memory
-        try:
-            self._draft_catch_up(slot)
-            draft = draft_greedy(self.draft, self.draft_chain, slot.sampled, n_tokens, n,
-                                 self.config.draft_n_min, self.config.draft_p_min,
-                                 self.ctx.n_vocab, seq_id=slot.id)
-        except SpeculativeError:
-            draft = []
-            mem.seq_rm(slot.id, -1, -1)
-            slot.draft_tokens = []
-            return draft
-        if mem.seq_rm(slot.id, n_tokens + 1, -1):
-            slot.draft_tokens = [*slot.tokens, slot.sampled]
-        else:
-            mem.seq_rm(slot.id, -1, -1)
-            slot.draft_tokens = []
-        self.report.n_draft += len(draft)
-        return draft
-
-    def _draft_catch_up(self, slot: Slot) -> None:
-        """The draft's sequence made to hold ``slot.tokens``: the common prefix kept, the
-        rest decoded (``common_speculative_process`` mirrors every target batch instead;
-        the cache it leaves is the same)."""
-        mem, want = self.draft.memory, slot.tokens
-        keep = common_prefix(slot.draft_tokens, want)
-        if not mem.seq_rm(slot.id, keep, -1):
-            mem.seq_rm(slot.id, -1, -1)
-            keep = 0
-        slot.draft_tokens = list(want[:keep])
-        step = self.draft.n_batch
-        for i in range(keep, len(want), step):
-            chunk = want[i:i + step]
-            ret = self.draft.decode(Batch(token=chunk, pos=list(range(i, i + len(chunk))),
-                                          seq_id=[[slot.id]] * len(chunk),
-                                          logits=[False] * (len(chunk) - 1) + [True]))
-            if ret != 0:
-                raise SpeculativeError(f"the draft decode returned {ret}")
-            slot.draft_tokens.extend(chunk)
+        if self.speculator is None:
+            return {}
+        requests = []
+        for slot in generating:
+            params = slot.task.params
+            n = slot.n_ctx - len(slot.tokens) - 2
+            if params.n_predict > 0:
+                n = min(n, params.n_predict - slot.n_decoded - 1)
+            if n > 0:
+                requests.append(DraftRequest(slot.id, n, slot.sampled, slot.tokens))
+        return self.speculator.draft(requests) if requests else {}
     # --8<-- [end:draft]
 
     # --8<-- [start:start_prompt]
@@ -1006,9 +1001,8 @@ class Scheduler:
         too)."""
         self.memory.seq_rm(slot.id, -1, -1)
         slot.tokens, slot.checkpoints = [], []
-        if self.draft is not None:
-            self.draft.memory.seq_rm(slot.id, -1, -1)
-            slot.draft_tokens = []
+        if self.speculator is not None:
+            self.speculator.forget(slot.id)
 
     # ---- the slot actions ------------------------------------------------------------------
 

@@ -113,8 +113,6 @@ class Slot:
         checkpoints: partial states, oldest first ([`Checkpoint`][]).
         t_last_used: when the slot was last released, by the scheduler's clock
             (least-recently-used choice).
-        draft_tokens: the tokens the draft Context holds for this sequence, in position
-            order (speculative decoding; caught up lazily before each draft).
         spec_draft: the drafted tokens in the batch being decoded (empty: no draft).
         spec_rows: the target's logits rows of ``[sampled, *spec_draft]`` decoded so far.
     """
@@ -126,7 +124,6 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     t_last_used: float = -1.0
-    draft_tokens: list[int] = field(default_factory=list)
     # per task
     sampler: Any = None
     on_device: bool = False
