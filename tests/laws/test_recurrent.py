@@ -30,6 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.batch import Batch, BatchAllocr, Ubatch
+from reference.common import LLAMA_MAX_SEQ
 from reference.memory.interface import MemoryStatus
 from reference.memory.recurrent import (
     MemCell,
@@ -297,6 +298,9 @@ def mem_at(pos: int, n_seq_max: int = 2) -> RecurrentMemory:
         (10, -1, True, 9),  # after the last position: nothing
         (3, 5, True, 9),  # the middle: nothing (only the last position has a cell)
         (4, 4, True, 9),
+        (0, 0, True, 9),  # p1 == 0 is an empty range, not infinity
+        (5, 9, True, 9),  # p1 == pos: the last position is not in the range
+        (9, 9, True, 9),
     ],
 )
 def test_seq_rm_cases(p0, p1, ok, pos_after):
@@ -324,6 +328,8 @@ def test_seq_rm_all_sequences():
     decode(mem, [1, 2], [1, 1])
     before = snapshot(mem)
     assert mem.seq_rm(-1, 2, 5) is False
+    assert mem.seq_rm(-1, 0, 5) is False  # from the start, but not to the end
+    assert mem.seq_rm(-1, 2, -1) is False  # to the end, but not from the start
     assert mem.seq_rm(-1, 3, 3) is True
     assert_same_snapshot(snapshot(mem), before)
     assert mem.seq_rm(-1, -1, -1) is True
@@ -478,10 +484,148 @@ def test_ids_without_a_cell_are_ignored():
 
 
 def test_constructor_refusals():
-    with pytest.raises(RecurrentMemoryError, match="mem_size"):
+    """``mem_size >= 1`` and ``n_seq_max`` in ``[1, LLAMA_MAX_SEQ]``, both bounds accepted."""
+    with pytest.raises(RecurrentMemoryError, match=r"^mem_size=0 must be >= 1$"):
         RecurrentMemory(HP, 0, 1)
-    with pytest.raises(RecurrentMemoryError, match="n_seq_max"):
+    with pytest.raises(RecurrentMemoryError, match=r"^n_seq_max=0 must be in \[1, 256\]$"):
         RecurrentMemory(HP, 1, 0)
+    with pytest.raises(RecurrentMemoryError, match=r"^n_seq_max=257 must be in \[1, 256\]$"):
+        RecurrentMemory(HP, 1, LLAMA_MAX_SEQ + 1)
+    assert RecurrentMemory(HP, 1, LLAMA_MAX_SEQ).n_seq_max == LLAMA_MAX_SEQ
+    assert RecurrentMemory(HP, 1, 1).get_size() == 1
+
+
+def test_a_new_memory_is_empty():
+    """As llama.cpp's constructor leaves it: one sequence by default, ``head = used = n = 0``,
+    ``rs_z = -1``, every cell blank and every tail -1, the rows zero; there is no ubatch to
+    undo and no ubatch to give an input to."""
+    mem = RecurrentMemory(HP, 2)
+    assert mem.n_seq_max == 1
+    assert (mem.size, mem.head, mem.used, mem.n, mem.rs_z) == (2, 0, 0, 0, -1)
+    for i in range(2):
+        assert_blank(mem, i)
+        assert mem.cells[i].tail == -1
+    assert all(x.shape[0] == 2 and not x.any() for x in mem.r_l + mem.s_l)
+    with pytest.raises(RecurrentMemoryError, match=r"^remove_ubatch undoes the last apply_ubatch"):
+        mem.remove_ubatch(range(0, 1), one_seq_ubatch(0, [0]))
+    with pytest.raises(RecurrentMemoryError, match=r"^ubatch of 1 sequence sets does not match "
+                                                   r"the 0 cells of the last apply_ubatch$"):
+        mem.rs_input(one_seq_ubatch(0, [0]))
+
+
+def test_rs_input_is_that_of_the_last_applied_ubatch():
+    """``llm_graph_input_rs`` of the ubatch just applied: its ``n_seqs`` sets read cells
+    ``head ..``, ``s_copy`` is an ``int32`` tensor (``GGML_TYPE_I32``) of ``n_rs`` sources;
+    a ubatch with no set, or with more sets than the cells the last apply placed, is
+    refused by name."""
+    mem = new_mem()
+    ub = one_seq_ubatch(0, [0, 1])
+    [cells] = mem.prepare([ub])
+    mem.apply_ubatch(cells, ub)
+    inp = mem.rs_input(ub)
+    assert (inp.head, inp.n_seqs, inp.n_rs) == (mem.head, 1, 1)
+    assert inp.s_copy.dtype == np.int32 and inp.s_copy.tolist() == [inp.rs_z]
+    fake_forward(mem, ub)
+    ub2 = one_seq_ubatch(0, [2])  # the sequence goes on: its own row, no zero row
+    [cells2] = mem.prepare([ub2])
+    mem.apply_ubatch(cells2, ub2)
+    inp2 = mem.rs_input(ub2)
+    assert (inp2.rs_z, mem.rs_z) == (-1, -1) and inp2.s_copy.tolist() == [mem.head]
+    two = Ubatch(**{**ub2.__dict__, "n_seq_tokens": 1, "n_seqs": 2})
+    none = Ubatch(**{**ub2.__dict__, "n_seqs": 0})
+    for bad, n in ((two, 2), (none, 0)):
+        with pytest.raises(RecurrentMemoryError, match=rf"^ubatch of {n} sequence sets does not "
+                                                       r"match the 1 cells of the last "
+                                                       r"apply_ubatch$"):
+            mem.graph_input(cells2, bad)
+
+
+def test_refusals_name_the_id_and_its_range():
+    """An id out of range is named with the range; ``-1`` is offered where it means every
+    sequence (``seq_rm``) and only there."""
+    mem = new_mem()
+    with pytest.raises(RecurrentMemoryError, match=r"^seq_id=-2 out of range \[0, 3\) "
+                                                   r"\(or -1 for all sequences\)$"):
+        mem.seq_rm(-2, -1, -1)
+    with pytest.raises(RecurrentMemoryError, match=r"^seq_id=3 out of range \[0, 3\)$"):
+        mem.seq_cp(0, 3)
+    with pytest.raises(RecurrentMemoryError, match=r"^seq_id=-1 out of range \[0, 3\)$"):
+        mem.seq_keep(-1)
+
+
+def test_seq_rm_reaches_cells_after_an_empty_one():
+    """The removal visits every cell, not only those up to the first one out of range."""
+    mem = new_mem()
+    decode(mem, [1, 2, 3], [0, 1, 2])
+    assert [mem.cells[s].tail for s in range(3)] == [0, 1, 2]
+    assert mem.seq_rm(0, -1, -1)
+    assert mem.seq_rm(2, -1, -1)  # cell 2, after the empty cell 0
+    assert mem.seq_pos_max(2) == -1 and mem.used == 1
+    assert_blank(mem, 2)
+    assert mem.seq_rm(-1, -1, -1)  # every sequence: cell 1, after the empty cell 0
+    assert mem.used == 0 and mem.seq_pos_max(1) == -1
+    assert_blank(mem, 1)
+    check_invariants(mem)
+
+
+def cell_of_a_new_sequence(mem: RecurrentMemory, seq_ids: list[int]) -> list[int]:
+    """The cells new sequences ``seq_ids`` (one token each, one ubatch) are placed in."""
+    assert decode(mem, [1] * len(seq_ids), seq_ids, n_ubatch=len(seq_ids))
+    return [mem.cells[s].tail for s in seq_ids]
+
+
+def test_a_placement_is_the_range_of_its_cells():
+    """``find_slot``'s ``head .. head + n``: from the lowest to the highest cell its sets
+    hold (llama.cpp: ``min = size - 1``, ``max = 0``, then every set's cell); new sequences
+    take the empty cells in order from the head, and set ``s`` ends in cell ``head + s``."""
+    mem = new_mem(n_seq_max=4)
+    b = Batch(token=[1, 2], seq_id=[[0], [1]])
+    ub = BatchAllocr(b, n_vocab=100, n_seq_max=4, memory=mem).split_equal(8, True)
+    assert mem.prepare([ub]) == [range(0, 2)]  # cells 0 and 1 of 4
+    decode(mem, [1], [0])
+    assert mem.prepare([one_seq_ubatch(0, [1])]) == [range(0, 1)]  # cell 0 alone
+    decode(mem, [1, 2, 3], [1, 2, 3], n_ubatch=3)
+    assert [mem.cells[s].tail for s in range(4)] == [0, 1, 2, 3]
+    assert mem.prepare([one_seq_ubatch(3, [1])]) == [range(3, 4)]  # the last cell alone
+    mem.seq_rm(1, -1, -1)
+    mem.seq_rm(2, -1, -1)
+    assert mem.prepare([one_seq_ubatch(1, [0])]) == [range(1, 2)]  # the first empty cell
+    assert mem.prepare([one_seq_ubatch(2, [0])]) == [range(1, 2)]
+    check_invariants(mem)
+
+
+def test_a_freed_cell_after_the_head_leaves_the_head():
+    """``seq_rm`` lowers the head to a cell it frees before it, never raises it: the next
+    new sequence takes the first empty cell from the head (llama.cpp's ``new_head``)."""
+    mem = new_mem(n_seq_max=6)
+    decode(mem, [1, 2, 3, 4], [0, 1, 2, 3], n_ubatch=4)  # cells 0..3, head 0
+    assert mem.head == 0
+    mem.seq_rm(1, -1, -1)  # cells 1 and 3 freed, both after the head
+    mem.seq_rm(3, -1, -1)
+    assert mem.head == 0
+    assert cell_of_a_new_sequence(mem, [4]) == [1]
+
+
+@pytest.mark.parametrize(("n_freed", "new", "cells"), [
+    (3, [9], [9]),  # head 8 == used 6 + 2: the search starts at the head
+    (4, [9], [0]),  # head 8 > used 5 + 2: it starts at cell 0
+    (5, [9, 10], [9, 10]),  # two sets: head 8 == used 4 + 2 * 2
+    (6, [9, 10], [0, 1]),  # head 8 > used 3 + 2 * 2
+])
+def test_the_search_starts_at_the_head_unless_enough_cells_are_free_before(n_freed, new, cells):
+    """``find_slot`` starts at cell 0 when ``head > used + 2 n_seqs``, at the head otherwise
+    (llama.cpp: "if we have enough unused cells before the current head")."""
+    mem = new_mem(n_seq_max=12)
+    decode(mem, list(range(1, 10)), list(range(9)), n_ubatch=9)  # sequence s in cell s
+    for s in range(n_freed):
+        mem.seq_rm(s, -1, -1)
+    decode(mem, [5], [8])  # sequence 8 goes on: the head is its cell
+    assert mem.head == 8 and mem.used == 9 - n_freed
+    assert cell_of_a_new_sequence(mem, new) == cells
+    assert mem.rs_z == cells[0]  # the zero row: the first cell of the range no cell reads
+    for i in set(range(n_freed)) - set(cells):
+        assert_blank(mem, i)  # the cells outside the range are left as they were
+    check_invariants(mem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +651,22 @@ def test_prepare_is_all_or_nothing():
     assert_same_snapshot(snapshot(mem), before)
     with pytest.raises(RecurrentMemoryError, match="no cell"):
         mem.apply_ubatch(range(0, 1), one_seq_ubatch(2, [0]))
+    assert_same_snapshot(snapshot(mem), before)
+
+
+def test_apply_ubatch_refuses_a_placement_it_does_not_land_in():
+    """``apply_ubatch`` runs ``find_slot`` again, as llama.cpp's ``apply``: landing anywhere
+    but the placement ``prepare`` gave (a ubatch applied out of order) is refused by name,
+    the memory unchanged."""
+    mem = busy_mem()
+    before = snapshot(mem)
+    ub = one_seq_ubatch(0, [5])
+    [cells] = mem.prepare([ub])
+    wrong = range(cells.start + 1, cells.stop + 1)
+    with pytest.raises(RecurrentMemoryError, match="^" + re.escape(
+            f"the ubatch lands in cells {cells}, not in its placement {wrong}: "
+            "prepare() the ubatches in order") + "$"):
+        mem.apply_ubatch(wrong, ub)
     assert_same_snapshot(snapshot(mem), before)
 
 
@@ -541,10 +701,35 @@ def test_backup_restore_puts_back_cells_and_rows():
         mem.load_rows(range(mem.size), rows[:-1])  # one array per layer and state
 
 
+def test_init_batch_splits_by_sequence_when_every_token_embeds():
+    """llama.cpp's ``init_batch``: ``split_seq(n_ubatch)`` when every token outputs an
+    embedding (``embd_all``), ``split_equal(n_ubatch, sequential=True)`` otherwise; then
+    every ubatch is placed, and nothing changes until one is applied."""
+    mem = new_mem()
+    batch = Batch(token=[1, 2, 3, 4], seq_id=[[0], [1], [0], [1]])
+
+    def split(n_ubatch: int, embd_all: bool) -> list[list[int]]:
+        balloc = BatchAllocr(batch, n_vocab=100, n_seq_max=3, memory=mem)
+        mctx = mem.init_batch(balloc, n_ubatch, embd_all=embd_all)
+        assert mctx.get_status() == MemoryStatus.SUCCESS
+        assert len(mctx.placements) == len(mctx.ubatches)
+        return [ub.idx.tolist() for ub in mctx.ubatches]
+
+    before = snapshot(mem)
+    assert split(8, embd_all=True) == [[0, 2], [1, 3]]  # one sequence per ubatch
+    assert split(1, embd_all=True) == [[0], [1], [2], [3]]
+    assert split(8, embd_all=False) == [[0, 2, 1, 3]]  # two sets of two tokens
+    assert_same_snapshot(snapshot(mem), before)
+
+
 def test_update_has_nothing_to_do():
     mem = busy_mem()
+    before = snapshot(mem)
     assert mem.update() is False
-    assert mem.init_update().get_status() == MemoryStatus.NO_UPDATE
+    update = mem.init_update()
+    assert update.get_status() == MemoryStatus.NO_UPDATE and update.memory is mem
+    assert update.apply() is False  # nothing turned
+    assert_same_snapshot(snapshot(mem), before)
 
 
 def test_find_slot_refuses_unequal_sets():
@@ -895,6 +1080,114 @@ def test_refused_blobs_leave_the_memory_bit_identical(case):
     assert_same_snapshot(snapshot(mem), before)
 
 
+def crafted_blob(cells, seq_id: int = -1, s_trans: int = 0, widths=(HP.n_r, HP.n_s),
+                 n_seq_field=None, count_field=None, n_layer_field=None, layers: bool = True,
+                 extra: bytes = b"", blocks: bytes | None = None) -> bytes:
+    """A blob of the documented layout written by hand (HP's arch and fingerprint, float64
+    rows of zeros): ``cells`` as ``(pos, seq_ids)``; the ``*_field`` arguments replace a
+    count as written (a cell's sequences, the cells, the layers); ``layers=False`` ends the
+    body after ``n_layer``; ``blocks`` replaces the layer blocks. The header is 57 bytes:
+    arch (4 + 5), fingerprint (32), the types, ``seq_id`` and the cell count (16)."""
+    import struct
+
+    from reference.memory.blob import seal
+    from reference.memory.recurrent import RS_STATE_MAGIC, RS_STATE_VERSION
+    from reference.memory.state import hparams_fingerprint
+
+    body = struct.pack("<I", len(HP.arch)) + HP.arch.encode() + hparams_fingerprint(HP)
+    count = len(cells) if count_field is None else count_field
+    body += struct.pack("<iiiI", 28, 28, seq_id, count)
+    for pos, ids in cells:
+        n = len(ids) if n_seq_field is None else n_seq_field
+        body += struct.pack("<iI", pos, n) + b"".join(struct.pack("<i", i) for i in ids)
+    n_layer = HP.n_layer if n_layer_field is None else n_layer_field
+    body += struct.pack("<II", s_trans, n_layer)
+    for width in widths if layers and blocks is None else ():
+        for _ in range(HP.n_layer):
+            body += struct.pack("<iQ", 28, 8 * width) + bytes(8 * width * len(cells))
+    return seal(RS_STATE_MAGIC, RS_STATE_VERSION, body + (blocks or b"") + extra)
+
+
+def layer_block(ggml_type: int, size_row: int, n_cells: int = 1) -> bytes:
+    """One layer's block: its type, its row size in bytes, ``n_cells`` rows of zeros."""
+    import struct
+
+    return struct.pack("<iQ", ggml_type, size_row) + bytes(size_row * n_cells)
+
+
+def crafted_refusals() -> list[tuple[str, bytes, int, str]]:
+    """(name, blob, dest_seq_id, the whole message): each rule of ``state_parse`` and
+    ``state_check`` that a blob of the right kind, model and dtype can still break."""
+    ids256 = tuple(range(256))
+    return [
+        ("negative position", crafted_blob([(-1, (0,))]), -1, "cell 0: position -1 < 0"),
+        ("no sequence", crafted_blob([(2, ())]), -1,
+         "cell 0: sequence ids () not ascending and unique"),
+        ("descending ids", crafted_blob([(2, (1, 0))]), -1,
+         "cell 0: sequence ids (1, 0) not ascending and unique"),
+        ("repeated id", crafted_blob([(2, (0, 2)), (4, (1, 1))]), -1,
+         "cell 1: sequence ids (1, 1) not ascending and unique"),
+        ("another sequence's cell", crafted_blob([(2, (2,))], seq_id=1), 0,
+         "cell 0: sequence ids (2,) in a blob of sequence 1"),
+        ("two sequences in a sequence blob", crafted_blob([(2, (1, 2))], seq_id=1), 0,
+         "cell 0: sequence ids (1, 2) in a blob of sequence 1"),
+        ("seq id out of range", crafted_blob([(2, (0,)), (3, (3,))]), -1,
+         "cell 1: seq_id 3 out of range [0, 3)"),
+        ("negative seq id", crafted_blob([(2, (-1,))]), -1,
+         "cell 0: seq_id -1 out of range [0, 3)"),
+        ("256 sequences: read, then out of range", crafted_blob([(2, ids256)]), -1,
+         "cell 0: seq_id 3 out of range [0, 3)"),
+        ("257 sequences", crafted_blob([(2, (0,))], n_seq_field=257), -1,
+         "a cell lists 257 sequences"),
+        ("2**32 - 1 sequences (a u32)", crafted_blob([(2, (0,))], n_seq_field=2**32 - 1), -1,
+         "a cell lists 4294967295 sequences"),
+        # a u32 count of 2**31 cells: the first cell reads s_trans and n_layer as its position
+        # and its 2 sequences, and the first id is past the end (byte 65)
+        ("2**31 cells (a u32)", crafted_blob([], count_field=2**31, layers=False), -1,
+         "recurrent state blob truncated at byte 65: 4 bytes needed at offset 65"),
+        # a u32 count of 2**31 layers: the first layer block is past the end (byte 77)
+        ("2**31 layers (a u32)", crafted_blob([(2, (0,))], n_layer_field=2**31, layers=False),
+         -1, "recurrent state blob truncated at byte 77: 12 bytes needed at offset 77"),
+        ("transposed", crafted_blob([(2, (0,))], s_trans=1), -1,
+         "transposed S rows (s_trans = 1) are not supported"),
+        ("conv rows of another width", crafted_blob([(2, (0,))], widths=(4, 4)), -1,
+         "layer 0: rows of 4/4 elements (conv/ssm), this memory holds 3/4"),
+        ("ssm rows of another width", crafted_blob([(2, (0,))], widths=(3, 5)), -1,
+         "layer 0: rows of 3/5 elements (conv/ssm), this memory holds 3/4"),
+        ("bytes after the last layer", crafted_blob([(2, (0,))], extra=bytes(3)), -1,
+         "recurrent state blob has 3 unread bytes"),
+        ("conv rows of another type", crafted_blob([(2, (0,))], blocks=layer_block(0, 12)), -1,
+         "layer 0 conv rows are float32 (ggml type 0), the header says float64 (ggml type 28)"),
+        ("ssm row size not whole elements",
+         crafted_blob([(2, (0,))], blocks=2 * layer_block(28, 24) + layer_block(28, 20)), -1,
+         "layer 0 ssm row size 20 is not a whole number of float64 elements"),
+    ]
+
+
+@pytest.mark.parametrize("case", crafted_refusals(), ids=lambda c: c[0])
+def test_crafted_blobs_are_refused_by_name(case):
+    """Each rule named by its whole message, the memory bit-identical; the same layout
+    with every rule kept is restored (the crafting is right)."""
+    _, blob, dest, message = case
+    mem = busy_mem()
+    before = snapshot(mem)
+    with pytest.raises(StateError, match="^" + re.escape(message) + "$"):
+        state_read(mem, HP, blob, dest_seq_id=dest)
+    assert_same_snapshot(snapshot(mem), before)
+
+
+def test_a_crafted_blob_that_keeps_every_rule_is_restored():
+    """Position 0 is a position (one token absorbed), in a whole blob and a sequence blob."""
+    mem = busy_mem()
+    state_read(mem, HP, crafted_blob([(0, (0, 2)), (5, (1,))]))
+    assert [mem.seq_pos_max(s) for s in range(3)] == [0, 5, 0]
+    assert mem.cells[0].tail == mem.cells[2].tail == 0 and mem.cells[1].tail == 1
+    state_read(mem, HP, crafted_blob([(0, (1,))], seq_id=1), dest_seq_id=2)
+    assert [mem.seq_pos_max(s) for s in range(3)] == [0, 5, 0]
+    assert mem.cells[2].tail not in (mem.cells[0].tail, mem.cells[1].tail)
+    check_invariants(mem)
+
+
 def test_refused_file_leaves_memory_unchanged(tmp_path):
     mem = busy_mem()
     path = tmp_path / "rs.bin"
@@ -931,8 +1224,14 @@ def test_refused_files_name_the_file(tmp_path):
 
 
 def test_state_write_refusals():
+    """A sequence out of range, or the hyperparameters of another model, each by its whole
+    message (a blob is written for the memory's own model; reading checks the same)."""
     mem = busy_mem()
-    with pytest.raises(StateError, match="out of range"):
+    with pytest.raises(StateError, match=r"^seq_id=3 out of range \[0, 3\) or -1$"):
         state_write(mem, HP, seq_id=3)
-    with pytest.raises(StateError, match="hparams"):
+    with pytest.raises(StateError, match="^hparams are not those of this memory$"):
         state_write(mem, StubHParams(n_layer=3))
+    before = snapshot(mem)
+    with pytest.raises(StateError, match="^hparams are not those of this memory$"):
+        state_read(mem, StubHParams(n_layer=3), state_write(mem, HP))
+    assert_same_snapshot(snapshot(mem), before)

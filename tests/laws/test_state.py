@@ -1349,3 +1349,109 @@ def test_prepare_checks_everything_and_changes_nothing():
                     seq_id=1)
     state_read(cache, HP_SMALL, six, 0)  # fits: 5 free + cell 0, which only seq 0 held
     assert (cache.seq_pos_min(0), cache.seq_pos_max(0), cache.v_cells[0].get_used()) == (0, 5, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bytes of a blob (reference/memory/blob.py): the frame, the reader, tokens, files
+# ---------------------------------------------------------------------------------------------
+
+
+def _frame(version: int = 3, total: int | None = None, body: bytes = b"") -> bytes:
+    """A header ``TEST | version | total`` and ``body``, with no checksum of its own."""
+    head = b"TEST" + struct.pack("<IQ", version, 48 + len(body) if total is None else total)
+    return head + body
+
+
+def test_unseal_names_the_first_fault_of_a_frame():
+    """``magic | version | total size | body | sha256``: a blob is checked in that order,
+    each fault refused by its whole message; a frame of exactly 48 bytes (an empty body)
+    and a body read to its last byte are fine."""
+    from reference.memory.blob import seal, unseal
+
+    blob = seal(b"TEST", 3, b"abc")
+    assert len(blob) == 51 and blob[:16] == _frame(body=b"abc")[:16]
+    io = unseal(blob, b"TEST", 3, "test blob")
+    assert io.read_bytes(3) == b"abc" and io.off == len(io.data) == 3
+    assert unseal(seal(b"TEST", 3, b""), b"TEST", 3, "test blob").data.nbytes == 0
+    flipped = blob[:20] + bytes([blob[20] ^ 1]) + blob[21:]
+    short = _frame(total=47, body=bytes(31))  # 47 bytes that say 47: no room for the checksum
+    cases = [
+        (blob[:15], "test blob truncated at byte 15: the header needs 16 bytes"),
+        (blob[:16], "test blob truncated at byte 16: the header says 51 bytes"),
+        (b"TESU" + blob[4:], "bad magic b'TESU': not a test blob (expected b'TEST')"),
+        (seal(b"TEST", 4, b"abc"), "test blob format version 4 (written by a newer llamaref): "
+                                   "this reader knows version 3"),
+        (seal(b"TEST", 2, b"abc"), "test blob format version 2: this reader knows version 3"),
+        (blob[:-1], "test blob truncated at byte 50: the header says 51 bytes"),
+        (blob + b"\0\0", "test blob has 2 bytes after its end (51 bytes)"),
+        (short, "test blob size 47 is smaller than its header and checksum"),
+        (flipped, "test blob checksum mismatch: the bytes are corrupted"),
+    ]
+    for data, message in cases:
+        with pytest.raises(StateError, match=f"^{re.escape(message)}$"):
+            unseal(data, b"TEST", 3, "test blob")
+
+
+def test_the_reader_refuses_a_read_past_the_end_by_name():
+    """``llama_io_read_buffer``'s "unexpectedly reached end of buffer", with where: the
+    body's length, the bytes asked, the offset. Reading to the last byte is fine."""
+    from reference.memory.blob import BlobReader, BlobWriter
+
+    io = BlobWriter()
+    io.write("Ii", 7, -7)
+    io.write_string("né")
+    io.write_array(np.arange(3, dtype=">i4"))  # big-endian in, little-endian out
+    data = io.getvalue()
+    assert data[8:15] == b"\x03\x00\x00\x00n\xc3\xa9" and data[15:19] == b"\x00" * 4
+    rd = BlobReader(data, "test blob")
+    assert rd.read("Ii") == (7, -7) and rd.read_string() == "né"
+    a = rd.read_array(np.dtype(np.int32), (3,))
+    assert a.tolist() == [0, 1, 2] and a.dtype == np.int32 and rd.off == len(data)
+    assert rd.read_bytes(0) == b""
+    for n in (1, -1):
+        with pytest.raises(StateError, match=f"^test blob truncated at byte 27: {n} bytes "
+                                             "needed at offset 27$"):
+            rd.read_bytes(n)
+    bad = BlobReader(struct.pack("<I", 2) + b"\xff\xfe", "test blob")
+    assert bad.read_string() == "\ufffd\ufffd"  # invalid UTF-8 is replaced, not an error
+
+
+def test_state_file_tokens_are_int32():
+    """A state file stores its tokens as int32 (``llama_token``): every int32 is kept,
+    anything beyond is refused; the tokens are flattened."""
+    from reference.memory.blob import check_tokens
+
+    assert check_tokens([-2**31, 2**31 - 1]).tolist() == [-2**31, 2**31 - 1]
+    assert check_tokens([[1, 2], [3, 4]]).tolist() == [1, 2, 3, 4]
+    assert check_tokens([]).size == 0
+    for bad in ([2**31], [-2**31 - 1], [0, 2**31]):
+        with pytest.raises(StateError, match="^token ids must fit an int32$"):
+            check_tokens(bad)
+
+
+def test_row_types_are_ggml_types():
+    from reference.memory.blob import ggml_type_name, ggml_type_of
+
+    assert [ggml_type_of(t) for t in (np.float32, np.float16, np.float64)] == [0, 1, 28]
+    with pytest.raises(StateError, match=r"^cache dtype int32 has no ggml type here "
+                                         r"\(float32, float16, float64\)$"):
+        ggml_type_of(np.int32)
+    assert ggml_type_name(1) == "float16 (ggml type 1)" and ggml_type_name(2) == "ggml type 2"
+
+
+def test_a_file_is_replaced_through_a_temporary_file_beside_it(tmp_path, monkeypatch):
+    """The temporary file is in the target's folder (so the rename never crosses file
+    systems, whatever the system's temporary folder), and nothing of it stays: on success
+    it is the file, on failure it is removed and the old file is left as it was."""
+    from reference.memory.blob import write_atomic
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no such folder"))
+    path = tmp_path / "state.bin"
+    write_atomic(path, b"old")
+    write_atomic(path, b"new")
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["state.bin"]
+    (tmp_path / "a folder").mkdir()
+    with pytest.raises(OSError):
+        write_atomic(tmp_path / "a folder", b"x")  # a rename over a folder fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a folder", "state.bin"]
+    assert list((tmp_path / "a folder").iterdir()) == [] and path.read_bytes() == b"new"
