@@ -1414,6 +1414,10 @@ def test_the_reader_refuses_a_read_past_the_end_by_name():
             rd.read_bytes(n)
     bad = BlobReader(struct.pack("<I", 2) + b"\xff\xfe", "test blob")
     assert bad.read_string() == "\ufffd\ufffd"  # invalid UTF-8 is replaced, not an error
+    huge = BlobReader(struct.pack("<I", 2**31) + b"ab", "test blob")  # a u32 length
+    with pytest.raises(StateError, match="^test blob truncated at byte 6: 2147483648 bytes "
+                                         "needed at offset 4$"):
+        huge.read_string()
 
 
 def test_state_file_tokens_are_int32():
