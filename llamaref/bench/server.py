@@ -120,6 +120,22 @@ def draft_hf_dir(hf_dir: Path, k: int, cache_root: str | Path | None = None) -> 
 
     Raises:
         CLIError: ``k`` is not between 1 and the model's layer count.
+
+    Examples:
+        >>> import tempfile
+        >>> import numpy as np
+        >>> from safetensors.numpy import load_file, save_file
+        >>> hf = Path(tempfile.mkdtemp()) / "tiny"
+        >>> hf.mkdir()
+        >>> _ = (hf / "config.json").write_text('{"num_hidden_layers": 3}')
+        >>> w = {f"model.layers.{i}.w": np.zeros(2, np.float32) for i in range(3)}
+        >>> save_file({**w, "lm_head.weight": np.ones(2, np.float32)},
+        ...           str(hf / "model.safetensors"))
+        >>> out = draft_hf_dir(hf, 2, cache_root=hf.parent)
+        >>> out.name, sorted(load_file(str(out / "model.safetensors")))
+        ('tiny-first2', ['lm_head.weight', 'model.layers.0.w', 'model.layers.1.w'])
+        >>> json.loads((out / "config.json").read_text())["num_hidden_layers"]
+        2
     """
     config = json.loads((hf_dir / "config.json").read_text())
     n_layer = int(config["num_hidden_layers"])

@@ -48,8 +48,8 @@ from reference.tools.lookup import ngram_cache_load
 from reference.tools.server.params import SlotParams
 from reference.tools.server.scheduler import Scheduler, SchedulerConfig
 from reference.tools.server.spans import user_delimiter
-from reference.tools.server.speculator import SPEC_TYPES, SPEC_TYPES_LLAMA_CPP
-from reference.tools.speculative import check_draft_vocab, draft_layers
+from reference.tools.server.speculator import check_spec_setup
+from reference.tools.speculative import SpeculativeError, check_draft_vocab, draft_layers
 
 DEFAULT_N_SLOTS = 4  # server.cpp:156-161: n_parallel = -1 ("auto") means 4 unified slots
 
@@ -149,23 +149,15 @@ def spec_type_list(args: argparse.Namespace) -> list[str]:
 
 
 def check_spec_types(args: argparse.Namespace) -> None:
-    """``--spec-type`` names drafters this server has; ``draft-simple`` exactly when a
-    draft model is given; ``-lcs``/``-lcd`` only for ``ngram-cache``, as readable files;
-    n-gram sizes in llama.cpp's ranges."""
+    """``--spec-type`` as [`check_spec_setup`][reference.tools.server.speculator.check_spec_setup]
+    has it; ``-lcs``/``-lcd`` only for ``ngram-cache``, as readable files; ``min-hits >= 1``."""
     types = spec_type_list(args)
-    for t in types:
-        if t not in SPEC_TYPES_LLAMA_CPP:
-            raise CLIError(f"--spec-type {t!r}: unknown; llama-server's types are "
-                           f"{', '.join(SPEC_TYPES_LLAMA_CPP)}")
-        if t != "none" and t not in SPEC_TYPES:
-            raise CLIError(f"--spec-type {t}: not available here; use "
-                           f"{', '.join(SPEC_TYPES)}")
     has_draft = args.model_draft is not None or args.draft_layers is not None
-    if "draft-simple" in types and not has_draft:
-        raise CLIError("--spec-type draft-simple needs a draft: -md FILE or --draft-layers K")
-    if types and has_draft and "draft-simple" not in types:
-        raise CLIError("a draft model is given but --spec-type does not use it: add "
-                       "draft-simple")
+    try:
+        check_spec_setup(types or (["draft-simple"] if has_draft else []), has_draft,
+                         args.spec_ngram_size_n, args.spec_ngram_size_m)
+    except SpeculativeError as e:
+        raise CLIError(str(e)) from None
     for flag, path in (("-lcs/--lookup-cache-static", args.lookup_cache_static),
                        ("-lcd/--lookup-cache-dynamic", args.lookup_cache_dynamic)):
         if path is None:
@@ -174,10 +166,6 @@ def check_spec_types(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} is read by --spec-type ngram-cache only")
         if not Path(path).is_file():
             raise CLIError(f"{flag}: no such file")
-    for flag, value in (("--spec-ngram-simple-size-n", args.spec_ngram_size_n),
-                        ("--spec-ngram-simple-size-m", args.spec_ngram_size_m)):
-        if not 1 <= value <= 1024:
-            raise CLIError(f"{flag} = {value} must be between 1 and 1024")
     if args.spec_ngram_min_hits < 1:
         raise CLIError(f"--spec-ngram-simple-min-hits = {args.spec_ngram_min_hits} must be "
                        ">= 1")

@@ -428,7 +428,12 @@ class DraftSeq:
     """One sequence's share of a ``draft-simple`` call (``common_speculative_draft_params``):
     draft after ``id_last``, decoded at ``pos0`` on ``seq_id``, at most ``n_max`` tokens;
     ``pending``: tokens the draft's sequence still lacks before ``id_last`` (at positions
-    ``pos0 - len(pending)`` on), decoded in the same first batch."""
+    ``pos0 - len(pending)`` on), decoded in the same first batch.
+
+    Examples:
+        >>> DraftSeq(seq_id=1, id_last=5, pos0=2, n_max=3, pending=(1, 2))  # 1 2 5 at 0 1 2
+        DraftSeq(seq_id=1, id_last=5, pos0=2, n_max=3, pending=(1, 2))
+    """
 
     seq_id: int
     id_last: int
@@ -458,6 +463,20 @@ def draft_simple(ctx_dft: Any, chains: dict[int, SamplerChain], seqs: list[Draft
 
     Raises:
         SpeculativeError: a draft decode failed (the cache may hold part of the drafts).
+
+    Examples:
+        >>> from reference.context import Context
+        >>> from reference.testing import random_weights, tiny_hparams
+        >>> hp = tiny_hparams()
+        >>> ctx = Context(hp, random_weights(hp), n_ctx=64, n_seq_max=2)
+        >>> chains = {s: draft_simple_chain(hp.n_vocab) for s in (0, 1)}
+        >>> seqs = [DraftSeq(0, id_last=5, pos0=2, n_max=3, pending=(1, 2)),
+        ...         DraftSeq(1, id_last=7, pos0=0, n_max=1)]
+        >>> out = draft_simple(ctx, chains, seqs, 4, n_min=0, p_min=0.0, n_vocab=hp.n_vocab)
+        >>> len(out[0]), len(out[1])
+        (3, 1)
+        >>> ctx.memory.seq_pos_max(0), ctx.memory.seq_pos_max(1)  # every draft but the last
+        (4, 0)
     """
     out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
     going = [s for s in seqs if min(n_max, s.n_max) > 0]

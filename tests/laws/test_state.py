@@ -969,9 +969,14 @@ def test_state_file_round_trip_and_refusals(tmp_path: Path):
 
     data = path.read_bytes()
     before = snapshot(fresh)
-    for bad in (data[:-1], data[:20], b"LRKV" + data[4:]):
+    refusals = (
+        (data[:-1], f"state file truncated at byte {len(data) - 1}"),
+        (data[:20], "state file truncated at byte 20"),
+        (b"LRKV" + data[4:], "bad magic b'LRKV': not a state file"),
+    )
+    for bad, message in refusals:
         path.write_bytes(bad)
-        with pytest.raises(StateError):
+        with pytest.raises(StateError, match=re.escape(message)):
             state_load_file(path, fresh, HP)
         assert_same(before, snapshot(fresh))
 
@@ -1386,6 +1391,11 @@ def test_unseal_names_the_first_fault_of_a_frame():
         (blob + b"\0\0", "test blob has 2 bytes after its end (51 bytes)"),
         (short, "test blob size 47 is smaller than its header and checksum"),
         (flipped, "test blob checksum mismatch: the bytes are corrupted"),
+        # version and size are unsigned (u32, u64): a top bit set is a large number
+        (seal(b"TEST", 2**32 - 1, b""), "test blob format version 4294967295 (written by a "
+                                        "newer llamaref): this reader knows version 3"),
+        (_frame(total=2**63 + 51, body=b"abc"),
+         f"test blob truncated at byte 19: the header says {2**63 + 51} bytes"),
     ]
     for data, message in cases:
         with pytest.raises(StateError, match=f"^{re.escape(message)}$"):
@@ -1428,6 +1438,8 @@ def test_state_file_tokens_are_int32():
     assert check_tokens([-2**31, 2**31 - 1]).tolist() == [-2**31, 2**31 - 1]
     assert check_tokens([[1, 2], [3, 4]]).tolist() == [1, 2, 3, 4]
     assert check_tokens([]).size == 0
+    for tokens in ([], np.array([5, 6], dtype=np.int32), [np.uint8(7)]):
+        assert check_tokens(tokens).dtype == np.int64
     for bad in ([2**31], [-2**31 - 1], [0, 2**31]):
         with pytest.raises(StateError, match="^token ids must fit an int32$"):
             check_tokens(bad)

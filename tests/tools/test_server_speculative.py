@@ -504,9 +504,9 @@ def test_the_first_drafter_with_a_draft_wins_in_llama_cpps_order():
 
 
 @pytest.mark.parametrize("types, draft, message", [
-    (("ngram-map-k",), None, "--spec-type ngram-map-k is not specified here"),
-    (("ngram-foo",), None, "--spec-type 'ngram-foo' is not a speculative decoding type"),
-    (("draft-simple",), None, "--spec-type draft-simple needs a draft model"),
+    (("ngram-map-k",), None, "--spec-type ngram-map-k: not available here"),
+    (("ngram-foo",), None, "--spec-type 'ngram-foo': unknown; llama-server's types are"),
+    (("draft-simple",), None, "--spec-type draft-simple needs a draft: -md FILE"),
     (("ngram-simple",), "layers:1", "a draft model is given but --spec-type ngram-simple "
                                     "does not use it"),
 ])
@@ -532,7 +532,7 @@ def test_a_recurrent_target_refuses_ngram_drafts_too(kind):
     (["--spec-type", "draft-simple"], "--spec-type draft-simple needs a draft: -md FILE or "
                                       "--draft-layers K"),
     (["--draft-layers", "1", "--spec-type", "ngram-cache"],
-     "a draft model is given but --spec-type does not use it: add draft-simple"),
+     "a draft model is given but --spec-type ngram-cache does not use it: add draft-simple"),
     (["-lcs", "x.bin"], "-lcs/--lookup-cache-static is read by --spec-type ngram-cache only"),
     (["--spec-type", "ngram-cache", "-lcd", "no/such.bin"],
      "-lcd/--lookup-cache-dynamic: no such file"),

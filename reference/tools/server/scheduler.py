@@ -73,7 +73,7 @@ from reference.tools.server.errors import (
 from reference.tools.server.prompt_cache import PromptCache
 from reference.tools.server.results import Failed, Final, Partial, Timings, TokenOutput, TokenProb
 from reference.tools.server.slot import Checkpoint, Slot, SlotState, Task, select_slot
-from reference.tools.server.speculator import DraftRequest, make_speculator
+from reference.tools.server.speculator import DraftRequest, check_spec_setup, make_speculator
 from reference.tools.server.text import StopText, common_prefix
 from reference.tools.speculative import (
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
@@ -120,13 +120,11 @@ def check_draft(ctx: Any, draft: Any, config: SchedulerConfig) -> None:
         raise SchedulerError("speculative decoding needs a target whose cache can drop "
                              "rejected draft tokens; a recurrent model (Mamba) cannot: "
                              "serve it without speculative decoding")
-    if draft is not None and "draft-simple" not in types:
-        raise SchedulerError(f"a draft model is given but --spec-type {','.join(types)} "
-                             "does not use it: add draft-simple")
-    for name, v in (("--spec-ngram-simple-size-n", config.spec_ngram_size_n),
-                    ("--spec-ngram-simple-size-m", config.spec_ngram_size_m)):
-        if not 1 <= v <= 1024:
-            raise SchedulerError(f"{name} = {v} must be between 1 and 1024")
+    try:
+        check_spec_setup(config.spec_types or types, draft is not None,
+                         config.spec_ngram_size_n, config.spec_ngram_size_m)
+    except SpeculativeError as e:
+        raise SchedulerError(str(e)) from None
     if config.draft_n_max < 0 or config.draft_n_min < 0 or not (
             0.0 <= config.draft_p_min <= 1.0):
         raise SchedulerError(f"--draft-max = {config.draft_n_max} and --draft-min = "

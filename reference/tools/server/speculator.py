@@ -88,6 +88,11 @@ class DraftRequest:
         n_max: the most tokens the slot may draft (> 0).
         id_last: the slot's last sampled token (not yet in ``prompt``).
         prompt: the slot's tokens, positions 0 to ``len(prompt) - 1``.
+
+    Examples:
+        >>> r = DraftRequest(seq_id=0, n_max=4, id_last=3, prompt=[1, 2, 3, 4, 5, 1, 2])
+        >>> NgramSimple(size_n=2, size_m=3).draft([r])  # (2, 3) was followed by 4 5 1
+        {0: [4, 5, 1]}
     """
 
     seq_id: int
@@ -98,7 +103,15 @@ class DraftRequest:
 
 class NgramSimple:
     """``ngram-simple`` (``common_speculative_impl_ngram_simple``, ``speculative.cpp:
-    1750-1794``): no state; drafts up to ``size_m`` tokens."""
+    1750-1794``): no state; drafts up to ``size_m`` tokens
+    ([`ngram_simple_draft`][reference.tools.lookup.ngram_simple_draft] of each request).
+
+    Examples:
+        >>> NgramSimple(size_n=2, size_m=3).draft([DraftRequest(7, 4, 3, [1, 2, 3, 4, 5, 2])])
+        {7: []}
+
+        (six tokens are too few: ``ngram_simple_draft`` needs more than ``size_n + size_m + 1``)
+    """
 
     name = "ngram-simple"
 
@@ -130,6 +143,13 @@ class NgramCacheDrafter:
     Args:
         nc_static: ``-lcs``'s cache (not updated).
         nc_dynamic: ``-lcd``'s cache (not updated).
+
+    Examples:
+        >>> d = NgramCacheDrafter()  # no files: the slot's own n-grams only
+        >>> d.draft([DraftRequest(seq_id=0, n_max=8, id_last=3, prompt=[1, 2, 3, 4, 5, 1, 2])])
+        {0: [4, 5, 1, 2, 3, 4, 5, 1]}
+        >>> len(d.seqs[0].seen)  # it has counted the prompt and id_last
+        8
     """
 
     name = "ngram-cache"
@@ -182,6 +202,20 @@ class DraftSimple:
     not fit in that batch (a new prompt) is first caught up alone, ``n_batch`` tokens at a
     time. After drafting, the sequence holds the slot's tokens, ``id_last`` and the drafted
     tokens but the last, so that the next call finds the accepted ones there.
+
+    Examples:
+        >>> from reference.context import Context
+        >>> from reference.testing import random_weights, tiny_hparams
+        >>> from reference.tools.server.scheduler import SchedulerConfig
+        >>> hp = tiny_hparams()
+        >>> ctx_dft = Context(hp, random_weights(hp), n_ctx=64, n_seq_max=1)
+        >>> d = DraftSimple(ctx_dft, hp.n_vocab, SchedulerConfig(draft_n_max=3, draft_p_min=0))
+        >>> first = d.draft([DraftRequest(seq_id=0, n_max=3, id_last=5, prompt=[1, 2])])[0]
+        >>> len(first), d.held[0] == [1, 2, 5, *first[:-1]]
+        (3, True)
+        >>> _ = d.draft([DraftRequest(0, 3, 7, [1, 2, 5, first[0]])])  # first[0] accepted
+        >>> d.held[0][:5] == [1, 2, 5, first[0], 7]  # first[1:] dropped, 7 decoded after
+        True
     """
 
     name = "draft-simple"
@@ -281,6 +315,14 @@ class Speculator:
     Attributes:
         n_drafts: drafter name -> drafts it made (``#gen drafts``).
         n_tokens: drafter name -> tokens it drafted (``#gen tokens``).
+
+    Examples:
+        >>> spec = Speculator([NgramSimple(size_n=2, size_m=3), NgramCacheDrafter()])
+        >>> spec.draft([DraftRequest(0, 2, 3, [1, 2, 3, 4, 5, 1, 2]),  # cut to n_max = 2
+        ...             DraftRequest(1, 4, 9, [9, 8, 9, 8])])  # ngram-simple finds none
+        {0: [4, 5], 1: [8, 9, 8, 9]}
+        >>> spec.n_drafts, spec.n_tokens
+        ({'ngram-simple': 1, 'ngram-cache': 1}, {'ngram-simple': 2, 'ngram-cache': 4})
     """
 
     def __init__(self, drafters: list[Any]):
@@ -329,6 +371,49 @@ class Speculator:
             d.forget(seq_id)
 
 
+# --8<-- [start:check_spec_setup]
+def check_spec_setup(types: list[str] | tuple[str, ...], has_draft: bool, size_n: int = 12,
+                     size_m: int = 48) -> None:
+    """A ``--spec-type`` list the server can run: names llama.cpp knows and this
+    specification has, ``draft-simple`` exactly when there is a draft model, and
+    ``ngram-simple``'s sizes in llama.cpp's ranges (``common/arg.cpp``: 1 to 1024).
+
+    Args:
+        types: drafter names as given (``none`` is allowed and means nothing).
+        has_draft: whether a draft model is given (``-md`` or ``--draft-layers``).
+        size_n: ``--spec-ngram-simple-size-n``.
+        size_m: ``--spec-ngram-simple-size-m``.
+
+    Raises:
+        SpeculativeError: the first rule that fails, named.
+
+    Examples:
+        >>> check_spec_setup(["ngram-simple", "none"], has_draft=False)
+        >>> check_spec_setup(["ngram-mod"], has_draft=False)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        reference.tools.speculative.SpeculativeError: --spec-type ngram-mod: not available ...
+    """
+    for t in types:
+        if t not in SPEC_TYPES_LLAMA_CPP:
+            raise SpeculativeError(f"--spec-type {t!r}: unknown; llama-server's types are "
+                                   f"{', '.join(SPEC_TYPES_LLAMA_CPP)}")
+        if t != "none" and t not in SPEC_TYPES:
+            raise SpeculativeError(f"--spec-type {t}: not available here; use "
+                                   f"{', '.join(SPEC_TYPES)}")
+    if "draft-simple" in types and not has_draft:
+        raise SpeculativeError("--spec-type draft-simple needs a draft: -md FILE or "
+                               "--draft-layers K")
+    if has_draft and "draft-simple" not in types:
+        raise SpeculativeError(f"a draft model is given but --spec-type {','.join(types)} "
+                               "does not use it: add draft-simple")
+    for flag, value in (("--spec-ngram-simple-size-n", size_n),
+                        ("--spec-ngram-simple-size-m", size_m)):
+        if not 1 <= value <= 1024:
+            raise SpeculativeError(f"{flag} = {value} must be between 1 and 1024")
+# --8<-- [end:check_spec_setup]
+
+
 def make_speculator(types: list[str] | tuple[str, ...], config: Any, n_vocab: int,
                     ctx_dft: Any = None,
                     ngram_caches: Mapping[str, NgramCache] | None = None) -> Speculator | None:
@@ -342,19 +427,17 @@ def make_speculator(types: list[str] | tuple[str, ...], config: Any, n_vocab: in
         ngram_caches: ``{"static": ..., "dynamic": ...}`` for ``ngram-cache``.
 
     Raises:
-        SpeculativeError: an unknown or unsupported type, or ``draft-simple`` without a
-            draft Context.
+        SpeculativeError: a setup [`check_spec_setup`][] refuses.
+
+    Examples:
+        >>> from reference.tools.server.scheduler import SchedulerConfig
+        >>> make_speculator(["ngram-cache", "ngram-simple"], SchedulerConfig(), 32).types
+        ['ngram-simple', 'ngram-cache']
+        >>> make_speculator(["none"], SchedulerConfig(), 32) is None
+        True
     """
-    for t in types:
-        if t not in SPEC_TYPES_LLAMA_CPP:
-            raise SpeculativeError(f"--spec-type {t!r} is not a speculative decoding type; "
-                                   f"known: {', '.join(SPEC_TYPES_LLAMA_CPP)}")
-        if t != "none" and t not in SPEC_TYPES:
-            raise SpeculativeError(f"--spec-type {t} is not specified here; use one of "
-                                   f"{', '.join(SPEC_TYPES)}")
-    if "draft-simple" in types and ctx_dft is None:
-        raise SpeculativeError("--spec-type draft-simple needs a draft model "
-                               "(-md FILE or --draft-layers K)")
+    check_spec_setup(types, ctx_dft is not None, config.spec_ngram_size_n,
+                     config.spec_ngram_size_m)
     caches = ngram_caches or {}
     drafters: list[Any] = []
     for t in SPEC_TYPES:
@@ -378,5 +461,6 @@ __all__ = [
     "NgramCacheDrafter",
     "NgramSimple",
     "Speculator",
+    "check_spec_setup",
     "make_speculator",
 ]
