@@ -14,8 +14,8 @@ tools: the KV cache ([`reference.memory.state`][reference.memory.state]), the re
   ``magic | version | total size | body | sha256(everything before)``, so that a blob of
   another kind, another version, cut short or corrupted is refused before anything is read;
 - [`ggml_type_of`][] and [`ggml_type_name`][]: a row dtype as the ggml type id a blob stores;
-- [`check_tokens`][] and [`write_atomic`][]: the token list of a state file, and the file
-  replaced in one rename, so that a crash never leaves half a file.
+- [`check_int32`][], [`check_tokens`][] and [`write_atomic`][]: the token list of a state
+  file, and the file replaced in one rename, so that a crash never leaves half a file.
 
 Every refusal is a [`StateError`][], raised before the memory changes.
 """
@@ -236,8 +236,33 @@ def ggml_type_name(t: int) -> str:
     return f"{d} (ggml type {t})" if d is not None else f"ggml type {t}"
 
 
+def check_int32(values: ArrayLike, what: str) -> np.ndarray:
+    """``values`` flattened to ``(n,)`` int64, each checked to fit an int32.
+
+    Raises:
+        StateError: ``"{what} must fit an int32"``: a value beyond int32, or one that is not
+            an integer NumPy can hold (beyond int64, not a number).
+
+    Examples:
+        >>> check_int32([[1, 2], [3, 4]], "token ids").tolist()
+        [1, 2, 3, 4]
+        >>> check_int32([2**64], "output ids")
+        Traceback (most recent call last):
+        ...
+        reference.memory.blob.StateError: output ids must fit an int32
+    """
+    try:
+        v = np.asarray(values, dtype=np.int64).reshape(-1)
+    except (OverflowError, TypeError, ValueError):
+        raise StateError(f"{what} must fit an int32") from None
+    if v.size and (v.min() < -(2**31) or v.max() >= 2**31):
+        raise StateError(f"{what} must fit an int32")
+    return v
+
+
 def check_tokens(tokens: ArrayLike) -> np.ndarray:
-    """The tokens of a state file, flattened to ``(n,)`` int64, each checked to fit an int32.
+    """The tokens of a state file, flattened to ``(n,)`` int64, each checked to fit an int32
+    ([`check_int32`][]).
 
     Raises:
         StateError: a token id beyond int32.
@@ -246,10 +271,7 @@ def check_tokens(tokens: ArrayLike) -> np.ndarray:
         >>> check_tokens([[1, 2], [3, 4]]).tolist()
         [1, 2, 3, 4]
     """
-    toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if toks.size and (toks.min() < -(2**31) or toks.max() >= 2**31):
-        raise StateError("token ids must fit an int32")
-    return toks
+    return check_int32(tokens, "token ids")
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:

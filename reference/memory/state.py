@@ -82,6 +82,7 @@ from reference.memory.blob import (
     BlobReader,
     BlobWriter,
     StateError,
+    check_int32,
     check_tokens,
     ggml_type_name,
     ggml_type_of,
@@ -937,9 +938,7 @@ def context_state_write(
             raise StateError(f"logits must be (n_outputs, n_vocab), got shape {logits.shape}")
         body.write("IiII", 1, ggml_type_of(logits.dtype), *logits.shape)
         body.write_array(logits)
-    ids = np.asarray(output_ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
-        raise StateError("output ids must fit an int32")
+    ids = check_int32(output_ids, "output ids")
     body.write("I", ids.size)
     body.write_array(ids.astype(np.int32))
     blob = memory.state_write(hparams)

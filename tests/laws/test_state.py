@@ -967,12 +967,17 @@ def test_state_file_round_trip_and_refusals(tmp_path: Path):
     assert state_load_file(seq_path, fresh, HP, dest_seq_id=0).tolist() == toks
     assert fresh.seq_pos_max(0) == cache.seq_pos_max(1)
 
+    from reference.memory.blob import seal
+    from reference.memory.state import FILE_MAGIC, FILE_VERSION
+
     data = path.read_bytes()
     before = snapshot(fresh)
     refusals = (
         (data[:-1], f"state file truncated at byte {len(data) - 1}"),
         (data[:20], "state file truncated at byte 20"),
         (b"LRKV" + data[4:], "bad magic b'LRKV': not a state file"),
+        (seal(FILE_MAGIC, FILE_VERSION, struct.pack("<I", 2**32 - 1) + bytes(8)),
+         f"state file truncated at byte 12: {(2**32 - 1) * 4} bytes needed at offset 4"),
     )
     for bad, message in refusals:
         path.write_bytes(bad)
@@ -997,6 +1002,79 @@ def test_context_state_round_trip():
         with pytest.raises(StateError):
             context_state_read(fresh, HP, blob[:n])
         assert_same(before, snapshot(fresh))
+
+
+def test_context_state_layout_and_refusals_by_message():
+    """The context blob is the documented layout, field by field; output ids are any int32
+    and nothing beyond; each crafted fault is refused with its whole message, the memory
+    unchanged."""
+    from reference.memory.blob import seal
+    from reference.memory.state import CONTEXT_MAGIC, CONTEXT_VERSION
+
+    cache = KVCache(HP, kv_size=32, n_seq_max=2)
+    decode(cache, W32, HP, PREFIX_TOKENS, PREFIX_SEQS)
+    logits = np.arange(2 * HP.n_vocab, dtype=np.float32).reshape(2, HP.n_vocab)
+    ids = [-2**31, 2**31 - 1, -1]
+    mem = cache.state_write(HP)
+    rows, ids_bytes = logits.tobytes(), np.array(ids, "<i4").tobytes()
+
+    def body(has=1, head=(0, 2, HP.n_vocab), n_ids=3, ids_bytes=ids_bytes, n_mem=None,
+             tail=b""):
+        out = struct.pack("<I", has) + (struct.pack("<iII", *head) + rows if has else b"")
+        n_mem = len(mem) if n_mem is None else n_mem
+        return out + struct.pack("<I", n_ids) + ids_bytes + struct.pack("<Q", n_mem) + mem + tail
+
+    blob = context_state_write(cache, HP, logits, ids)
+    assert blob == seal(CONTEXT_MAGIC, CONTEXT_VERSION, body())
+    assert context_state_write(cache, HP, None, []) == seal(
+        CONTEXT_MAGIC, CONTEXT_VERSION, body(has=0, n_ids=0, ids_bytes=b""))
+    got_logits, got_ids = context_state_read(cache, HP, blob)
+    assert got_logits.tobytes() == logits.tobytes() and got_ids.tolist() == ids
+    for bad in ([2**31], [-2**31 - 1], [0, 2**31, 5], [2**64], ["a"]):
+        with pytest.raises(StateError, match="^output ids must fit an int32$"):
+            context_state_write(cache, HP, logits, bad)
+
+    n_body = len(body())
+    cases = [
+        (blob[:20], "context state truncated at byte 20: the header says "
+                    f"{n_body + 48} bytes"),
+        (seal(CONTEXT_MAGIC, CONTEXT_VERSION, body(head=(-1, 2, HP.n_vocab))),
+         "unsupported logits type ggml type -1"),
+        (seal(CONTEXT_MAGIC, CONTEXT_VERSION, body(head=(0, 2**32 - 1, HP.n_vocab))),
+         f"context state truncated at byte {n_body}: {(2**32 - 1) * HP.n_vocab * 4} bytes "
+         "needed at offset 16"),
+        (seal(CONTEXT_MAGIC, CONTEXT_VERSION, body(n_ids=2**32 - 1)),
+         f"context state truncated at byte {n_body}: {(2**32 - 1) * 4} bytes needed at "
+         f"offset {20 + logits.nbytes}"),
+        (seal(CONTEXT_MAGIC, CONTEXT_VERSION, body(n_mem=2**63 + 1)),
+         f"context state truncated at byte {n_body}: {2**63 + 1} bytes needed at offset "
+         f"{n_body - len(mem)}"),
+        (seal(CONTEXT_MAGIC, CONTEXT_VERSION, body(tail=b"\0\0\0")),
+         "context state has 3 unread bytes"),
+    ]
+    before = snapshot(cache)
+    for data, message in cases:
+        with pytest.raises(StateError, match=f"^{re.escape(message)}$"):
+            context_state_read(cache, HP, data)
+        assert_same(before, snapshot(cache))
+
+
+def test_a_sequence_blob_header_is_eight_bytes():
+    """``u32 magic | i32 seq_id``: seven bytes are a truncated header; eight are a header
+    whose memory state is empty, refused by the memory; the id is signed (-1: the whole
+    memory)."""
+    from reference.memory.state import seq_state_read, seq_state_write
+
+    cache = KVCache(HP, kv_size=8, n_seq_max=2)
+    whole = seq_state_write(cache, HP, -1)  # seq_id -1: every sequence, an i32 of -1
+    assert whole == struct.pack("<Ii", SEQ_STATE_MAGIC, -1) + cache.state_write(HP)
+    head = struct.pack("<Ii", SEQ_STATE_MAGIC, 1)
+    with pytest.raises(StateError, match="^sequence state truncated at byte 7: the header "
+                                         "needs 8$"):
+        seq_state_read(cache, HP, head[:7], 0)
+    with pytest.raises(StateError, match="^state blob truncated at byte 0: the header needs "
+                                         "16 bytes$"):
+        seq_state_read(cache, HP, head, 0)
 
 
 def test_write_refuses_bad_arguments():
@@ -1440,7 +1518,7 @@ def test_state_file_tokens_are_int32():
     assert check_tokens([]).size == 0
     for tokens in ([], np.array([5, 6], dtype=np.int32), [np.uint8(7)]):
         assert check_tokens(tokens).dtype == np.int64
-    for bad in ([2**31], [-2**31 - 1], [0, 2**31]):
+    for bad in ([2**31], [-2**31 - 1], [0, 2**31], [2**63], [-2**70], ["7a"]):
         with pytest.raises(StateError, match="^token ids must fit an int32$"):
             check_tokens(bad)
 
