@@ -440,6 +440,7 @@ def ggml_rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow
         (64, 2048, 500000.0, 32.0, 1.0),
         (8, 64, 10.0, 32.0, 1.0),  # low clamped at 0
         (8, 1_000_000, 10.0, 32.0, 1.0),  # high clamped at n_dims - 1, below low
+        (4, 10_000_000, 10000.0, 32.0, 1.0),  # ceil d(beta_slow) = 4 = n_dims: clamped to 3
         # d(beta_slow) = 55.0000008 in double: float32's logf gives ceil 55, double would give 56
         (128, 17206, 10000.0, 32.0, 1.0),
         (128, 218548, 500000.0, 32.0, 1.0),  # the same at base 5e5: 51, not 52
