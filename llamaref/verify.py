@@ -170,7 +170,7 @@ def op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
     checks.append(_nmse_check("ops", f"RMS_NORM*attn_norm(n_embd={hparams.n_embd},eps={eps:g})",
                               cur, np.array(twin), MAX_NMSE["default"]))
     layer = RL.layer_weights({k: _dense(v) for k, v in weights.items() if k.startswith("blk.0.")},
-                             0, np.float32)
+                             0, np.float32, hparams)
     d, n_head, n_head_kv = hparams.n_embd_head_k, hparams.n_head, hparams.n_head_kv
     q, k, v = RL.build_qkv(layer, cur, d, n_head, n_head_kv)  # (n_tokens, n_head(_kv), d)
     pos = np.arange(len(tokens))  # (n_tokens,)
@@ -185,6 +185,8 @@ def op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
                               f"{rope.freq_base:g})", q_r, np.array(twin), MAX_NMSE["default"]))
     checks += _attention_checks(hparams, q_r, k_r, v)
     attn = R.build_attn_mha(q_r, k_r, v, _causal_mask(len(tokens)), _kq_scale(hparams))
+    if hparams.n_expert:  # Mixtral, Qwen3-MoE: the experts instead of a dense FFN
+        return checks + _moe_checks(hparams, weights, layer, cur, attn)
     gate = R.mul_mat(layer["ffn_gate"], cur)  # (n_tokens, n_ff)
     up = R.mul_mat(layer["ffn_up"], cur)  # (n_tokens, n_ff)
     glu = "geglu" if hparams.arch in GEMMA_ARCHS else "swiglu"  # Gemma: GELU-gated FFN
@@ -209,6 +211,27 @@ def op_checks(hparams, weights: dict, tokens: np.ndarray) -> list[Check]:
                                   f"{tuple(w.shape)})", ref, np.array(out), MAX_NMSE["mul_mat"]))
     return checks
 # --8<-- [end:op_checks]
+
+
+def _moe_checks(hparams, weights: dict, layer: dict, cur: np.ndarray,
+                attn: np.ndarray) -> list[Check]:
+    """The block's experts (router, top-k, ``mul_mat_id``, gating) whole, MLX against NumPy,
+    and the matmuls around them."""
+    blk = {k: v for k, v in weights.items() if k.startswith("blk.0.")}
+    twin_layer = AL.layer_weights(AL.prepare_weights(blk), 0, np.float32, hparams)
+    ref = RL.build_moe(cur, layer, hparams)  # (n_tokens, n_embd)
+    out = AL.build_moe(mx.array(cur), twin_layer, hparams)
+    checks = [_nmse_check("ops", f"MOE_FFN(n_expert={hparams.n_expert},used="
+                          f"{hparams.n_expert_used},n_ff_exp={hparams.n_ff_expert()})", ref,
+                          np.array(out), MAX_NMSE["mul_mat"])]
+    for name, x in {"attn_q": cur, "attn_k": cur, "attn_v": cur, "attn_output": attn,
+                    "ffn_gate_inp": cur}.items():
+        w = weights[f"blk.0.{name}.weight"]
+        ref = R.mul_mat(_dense(w), x)  # (n_tokens, n_out)
+        out = AL.linear(AL.prepare_weights({"w": w})["w"], mx.array(x))
+        checks.append(_nmse_check("ops", f"MUL_MAT(blk.0.{name}, {_kind(w)}, "
+                                  f"{tuple(w.shape)})", ref, np.array(out), MAX_NMSE["mul_mat"]))
+    return checks
 
 
 def _kq_scale(hparams) -> float:

@@ -7,9 +7,10 @@ default, its checks). The fields land in the dataclasses of
 only: it knows the bytes of a file, not what a key means to a model.
 
 [`hparams_from_gguf`][] reads exactly the keys llama.cpp reads for the ``llama``, ``qwen2``,
-``gemma``, ``gemma2`` and ``gemma3`` architectures (``llama_model_base::load_hparams`` in
-``src/llama-model.cpp``, then ``load_arch_hparams`` in ``src/models/llama.cpp`` /
-``qwen2.cpp`` / ``gemma.cpp`` / ``gemma2.cpp`` / ``gemma3.cpp``; key names from
+``qwen3``, ``qwen3moe``, ``gemma``, ``gemma2`` and ``gemma3`` architectures
+(``llama_model_base::load_hparams`` in ``src/llama-model.cpp``, then ``load_arch_hparams`` in
+``src/models/llama.cpp`` / ``qwen2.cpp`` / ``qwen3.cpp`` / ``qwen3moe.cpp`` / ``gemma.cpp`` /
+``gemma2.cpp`` / ``gemma3.cpp``; key names from
 ``src/llama-arch.cpp``). ``{arch}`` is ``general.architecture``:
 
 | GGUF key | field | when absent |
@@ -37,6 +38,9 @@ only: it knows the bytes of a file, not what a key means to a model.
 | ``gemma2.attn_logit_softcapping`` | ``f_attn_logit_softcapping`` | 50 (must be > 0) |
 | ``gemma2.final_logit_softcapping`` | ``f_final_logit_softcapping`` | 30 (must be > 0) |
 | ``gemma3.final_logit_softcapping`` | ``f_final_logit_softcapping`` | 0, none |
+| ``llama.expert_count``, ``qwen3moe.expert_count`` | ``n_expert`` | 0 (dense) (8) |
+| ``llama.expert_used_count``, ``qwen3moe.expert_used_count`` | ``n_expert_used`` | 0 |
+| ``qwen3moe.expert_feed_forward_length`` | ``n_ff_exp`` | 0: ``n_ff / n_expert_used`` |
 | ``tokenizer.ggml.tokens`` (length), else ``{arch}.vocab_size`` | ``n_vocab`` | required |
 | (arch) | ``rope_type``: llama NORM, the others NEOX | |
 | no ``output.weight`` tensor | ``tied_output`` (gemma, gemma2: always (5)) | |
@@ -56,7 +60,9 @@ over all-dense flags; ``llama_model_base::load_swa_pattern``). (4) 4096, and it 
 (5) A gemma/gemma2 file with an ``output.weight`` is refused: llama.cpp's loader creates no
 output tensor for them. (6) Gemma's query scale has no key: llama.cpp derives it from the layer
 count ([`gemma_attention_scale`][]). (7) Gemma 2's ``rope_freq_scale_train``; Gemma 3's RoPE
-scaling is for its global layers only. [`llama_metadata`][] refuses hyperparameters a file
+scaling is for its global layers only. (8) A ``llama`` file with experts is Mixtral; a
+``qwen3moe`` file must have them; both graphs normalise the chosen experts' weights, so
+``expert_weights_norm`` is always True. [`llama_metadata`][] refuses hyperparameters a file
 cannot state ([`gguf_representable_errors`][]).
 
 The selective state space models (``mamba``, ``mamba2``) are read by
@@ -285,6 +291,18 @@ _LLAMA_KEYS = (  # in the order they are read: a default or a check uses the row
             lambda f: f["n_ctx_train"], encode=lambda hp: hp.n_ctx_orig_yarn or hp.n_ctx_train),
 )
 
+_EXPERT_KEYS = (  # llama_model_base::load_hparams reads them for every arch (0: no experts)
+    GGUFKey("expert_count", "n_expert", int, 0, omit_default=True),
+    GGUFKey("expert_used_count", "n_expert_used", int, 0, per_layer=True, omit_default=True),
+)
+
+_QWEN3MOE_KEYS = (  # llama_model_qwen3moe::load_arch_hparams: the experts' width
+    *_LLAMA_KEYS,
+    *_EXPERT_KEYS,
+    GGUFKey("expert_feed_forward_length", "n_ff_exp", int, 0, per_layer=True,
+            omit_default=True),
+)
+
 _GEMMA2_KEYS = (  # llm_build_gemma2's load_arch_hparams, after the common keys
     *(row for row in _LLAMA_KEYS if row.key != "attention.sliding_window"),
     GGUFKey("attention.sliding_window", "n_swa", int, GEMMA2_N_SWA, check=_has_window),
@@ -327,8 +345,10 @@ _MAMBA_KEYS = (
 #: ``n_swa``; for Gemma 2/3 ``f_attention_scale`` and ``rope_freq_scale_train_swa``
 #: (``_gemma_derived_fields``).
 GGUF_KEYS: dict[str, tuple[GGUFKey, ...]] = {
-    "llama": _LLAMA_KEYS,
+    "llama": (*_LLAMA_KEYS, *_EXPERT_KEYS),  # Mixtral: llama with experts
     "qwen2": _LLAMA_KEYS,
+    "qwen3": _LLAMA_KEYS,
+    "qwen3moe": _QWEN3MOE_KEYS,
     "gemma": _LLAMA_KEYS,
     "gemma2": _GEMMA2_KEYS,
     "gemma3": _GEMMA3_KEYS,
@@ -679,7 +699,7 @@ def _model_metadata(
 
 # --8<-- [start:llama_metadata]
 def llama_metadata(hparams: LlamaHParams, vocab: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The GGUF metadata that describes ``hparams`` (arch ``llama`` or ``qwen2``).
+    """The GGUF metadata that describes ``hparams`` (an arch of ``LLAMA_ARCHS``).
 
     The inverse of [`hparams_from_gguf`][], through the same table (`GGUF_KEYS`):
     reading the keys back gives ``hparams`` again (floats rounded to float32, as llama.cpp
@@ -742,6 +762,9 @@ def gguf_representable_errors(hp: LlamaHParams) -> list[str]:
     rope_type = ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX
     if hp.rope_type != rope_type:
         errors.append(f"rope_type={hp.rope_type}, but llama.cpp's {arch} uses {rope_type}")
+    if hp.n_expert and not hp.expert_weights_norm:
+        errors.append(f"llama.cpp's {arch} normalises the chosen experts' weights (norm_w = "
+                      "true): expert_weights_norm must be True")
     has_pattern = arch in ("gemma2", "gemma3")
     if not has_pattern and not all(hp.swa_layers):
         errors.append("a per-layer SWA pattern (swa_layers) needs gemma2 or gemma3")

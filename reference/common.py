@@ -63,3 +63,8 @@ class LlamarefError(Exception):
         (True, True)
     """
 # --8<-- [end:LlamarefError]
+
+
+class QuantError(LlamarefError, ValueError):
+    """A block format cannot be read or written: unsupported type, sizes that do not fit, or
+    weights a quantizer refuses (here so that every quant module can raise it)."""

@@ -19,10 +19,19 @@ $$
 $$
 
 ``qwen2`` keeps the HF layout and uses the NeoX mode instead (as llama.cpp does), and so do
-``gemma``, ``gemma2`` and ``gemma3`` ([`gemma_hparams_from_hf`][]): their RMS norm gains are
+``qwen3`` and ``qwen3moe`` (with the per-head ``q_norm``/``k_norm`` gains as
+``attn_q_norm``/``attn_k_norm``), and ``gemma``, ``gemma2`` and ``gemma3``
+([`gemma_hparams_from_hf`][]): their RMS norm gains are
 stored plus one (HF's Gemma norm multiplies by $1 + w$), their norms around attention and FFN
 have Gemma 2's names, and their query scale, window pattern, per-layer RoPE and soft-caps come
 from the config.
+
+Experts. Mixtral (``MixtralForCausalLM``, llama.cpp's ``llama`` with experts, Q/K permuted like
+any llama) and Qwen3-MoE store a router (``block_sparse_moe.gate`` / ``mlp.gate``:
+``ffn_gate_inp``) and one matrix per expert (``experts.{e}.w1/w3/w2`` /
+``gate_proj/up_proj/down_proj``): they are stacked into GGUF's 3-D ``ffn_gate_exps``,
+``ffn_up_exps``, ``ffn_down_exps`` ([`expert_tensor_name`][]), as ``convert_hf_to_gguf``
+does.
 
 RoPE settings. transformers 5 stores them in ``config["rope_parameters"]`` (``rope_theta``,
 ``rope_type``, ``partial_rotary_factor``, ``factor`` ...); older configs use ``rope_theta``
@@ -46,6 +55,7 @@ from numpy.typing import DTypeLike
 from reference.common import LlamarefError
 from reference.hparams import (
     GEMMA_ARCHS,
+    QWEN3_ARCHS,
     ROPE_SCALING_TYPE_LINEAR,
     ROPE_SCALING_TYPE_YARN,
     ROPE_TYPE_NEOX,
@@ -69,6 +79,9 @@ HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",  # llama.cpp's llama with n_expert > 0
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # model_type gemma3_text
@@ -92,6 +105,20 @@ HF_LAYER_TENSOR_NAMES = {  # model.layers.{il}.<key> -> blk.{il}.<value>
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",  # qwen3, qwen3moe
+    "self_attn.k_norm": "attn_k_norm",  # qwen3, qwen3moe
+    "mlp.gate": "ffn_gate_inp",  # qwen3moe's router
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's router
+}
+# The experts: model.layers.{il}.<prefix>.experts.{e}.<key> -> blk.{il}.<value>, stacked over e
+# (Qwen3-MoE: mlp.experts.{e}.gate_proj ...; Mixtral: block_sparse_moe.experts.{e}.w1 ...)
+HF_EXPERT_TENSOR_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
 }
 HF_GEMMA2_LAYER_TENSOR_NAMES = {  # gemma2/gemma3: the norms around attention and FFN
     **HF_LAYER_TENSOR_NAMES,
@@ -131,6 +158,42 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str | None:
         return f"blk.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
 # --8<-- [end:gguf_tensor_name]
+
+
+# --8<-- [start:expert_tensor_name]
+def expert_tensor_name(hf_name: str) -> tuple[str, int] | None:
+    """The GGUF name of a HF expert tensor and the expert's index, or None for another tensor.
+
+    A HF checkpoint stores one matrix per expert (``...experts.{e}.gate_proj.weight``); a
+    GGUF one 3-D tensor per layer, the experts stacked on the first axis
+    (``ffn_gate_exps.weight`` ``(n_expert, n_ff_exp, n_embd)``), as the converter writes it.
+
+    Examples:
+        >>> expert_tensor_name("model.layers.1.mlp.experts.3.down_proj.weight")
+        ('blk.1.ffn_down_exps.weight', 3)
+        >>> expert_tensor_name("model.layers.0.block_sparse_moe.experts.7.w3.weight")
+        ('blk.0.ffn_up_exps.weight', 7)
+    """
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(\w+)\.weight", hf_name)
+    if m is None or m.group(3) not in HF_EXPERT_TENSOR_NAMES:
+        return None
+    return f"blk.{m.group(1)}.{HF_EXPERT_TENSOR_NAMES[m.group(3)]}.weight", int(m.group(2))
+# --8<-- [end:expert_tensor_name]
+
+
+def _fused_experts(hf_name: str, t: np.ndarray) -> dict[str, np.ndarray]:
+    """transformers 5's in-memory layout (``mlp.experts.gate_up_proj`` ``(n_expert, 2 n_ff,
+    n_embd)``, gate first, and ``mlp.experts.down_proj``) as GGUF expert tensors; {} for
+    another tensor."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
+    if m is None:
+        return {}
+    b = f"blk.{m.group(1)}."
+    if m.group(2) == "down_proj":
+        return {b + "ffn_down_exps.weight": t}
+    n_ff = t.shape[1] // 2
+    return {b + "ffn_gate_exps.weight": t[:, :n_ff], b + "ffn_up_exps.weight": t[:, n_ff:]}
 
 
 # --8<-- [start:permute]
@@ -218,8 +281,9 @@ def llama3_rope_factors(rope: dict, n_rot: int, freq_base: float) -> np.ndarray:
 def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
     """Map a HF ``config.json`` (as a dict) to [`LlamaHParams`][].
 
-    Mamba and Mamba-2 configs go to [`mamba_hparams_from_hf`][], Gemma, Gemma 2 and Gemma 3
-    configs to [`gemma_hparams_from_hf`][].
+    Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE, and Mixtral (a ``llama`` with experts, see
+    ``_expert_fields``). Mamba and Mamba-2 configs go to [`mamba_hparams_from_hf`][], Gemma,
+    Gemma 2 and Gemma 3 configs to [`gemma_hparams_from_hf`][].
 
     Args:
         config: the parsed ``config.json``.
@@ -228,7 +292,8 @@ def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
         The hyperparameters, with llama.cpp's field names.
 
     Raises:
-        HFLoadError: unknown architecture, unsupported RoPE type, or Qwen2's sliding window.
+        HFLoadError: unknown architecture, unsupported RoPE type, a Qwen sliding window,
+            Qwen3's attention biases, Qwen3-MoE's dense layers.
 
     Examples:
         >>> hp = hparams_from_hf({"architectures": ["MistralForCausalLM"], "vocab_size": 10,
@@ -250,15 +315,22 @@ def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
     if arch in GEMMA_ARCHS:
         return gemma_hparams_from_hf(config)
     n_head = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    # transformers' Qwen3Config has head_dim = 128 when the config does not say
+    default_head_dim = 128 if hf_arch == "Qwen3ForCausalLM" else config["hidden_size"] // n_head
+    head_dim = config.get("head_dim") or default_head_dim
     rope = _rope_parameters(config)
     n_rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     scaling = _rope_scaling(rope)
     n_swa = 0
-    if hf_arch == "MistralForCausalLM":
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         n_swa = config.get("sliding_window") or 0
-    if hf_arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-        raise HFLoadError("Qwen2 with use_sliding_window=true is not supported")
+    if hf_arch.startswith("Qwen") and config.get("use_sliding_window"):
+        name = hf_arch.removesuffix("ForCausalLM")
+        raise HFLoadError(f"{name} with use_sliding_window=true is not supported")
+    if arch in QWEN3_ARCHS and config.get("attention_bias"):
+        raise HFLoadError(f"{arch}: attention_bias=true is not supported (llama.cpp's {arch} "
+                          "has no Q/K/V biases)")
+    experts = _expert_fields(arch, config)
     n_ctx_train = config.get("max_position_embeddings", 0)
     scaling.setdefault("n_ctx_orig_yarn", n_ctx_train)  # llama.cpp's default when no key
     try:
@@ -275,17 +347,48 @@ def hparams_from_hf(config: dict) -> LlamaHParams | MambaHParams:
             n_rot=n_rot,
             n_ff=config["intermediate_size"],
             f_norm_rms_eps=config["rms_norm_eps"],
-            rope_type=ROPE_TYPE_NEOX if arch == "qwen2" else ROPE_TYPE_NORM,
+            rope_type=ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX,
             rope_freq_base_train=float(rope.get("rope_theta", 10000.0)),
             n_swa=n_swa,
             swa_type=SWA_TYPE_STANDARD if n_swa > 0 else SWA_TYPE_NONE,
             tied_output=bool(config.get("tie_word_embeddings", False)),
             **scaling,
+            **experts,
         )
     except HParamsError as e:
         raise HFLoadError(f"inconsistent config.json: {e}") from e
     return _float32_fields(hparams)
 # --8<-- [end:hparams_from_hf]
+
+
+# --8<-- [start:expert_fields]
+def _expert_fields(arch: str, config: dict) -> dict:
+    """The experts of a Mixtral / Qwen3-MoE config, as ``LlamaHParams`` fields.
+
+    Mixtral: ``num_local_experts`` experts of ``intermediate_size`` (llama.cpp's ``n_ff``),
+    weights always normalised. Qwen3-MoE: ``num_experts`` of ``moe_intermediate_size``
+    (``n_ff_exp``), normalised when ``norm_topk_prob`` (HF's default: false, which llama.cpp
+    does not compute: such a model loads here but cannot be written as a GGUF).
+
+    Raises:
+        HFLoadError: Qwen3-MoE dense layers (``mlp_only_layers``, ``decoder_sparse_step``
+            other than 1): llama.cpp's qwen3moe has experts in every layer.
+    """
+    if "num_local_experts" in config and arch == "llama":
+        return dict(n_expert=config["num_local_experts"],
+                    n_expert_used=config["num_experts_per_tok"])
+    if arch != "qwen3moe":
+        return {}
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise HFLoadError("qwen3moe: dense layers (mlp_only_layers, decoder_sparse_step != 1) "
+                          "are not supported: llama.cpp's qwen3moe has experts in every layer")
+    return dict(
+        n_expert=config.get("num_experts") or config["num_local_experts"],
+        n_expert_used=config["num_experts_per_tok"],
+        n_ff_exp=config["moe_intermediate_size"],
+        expert_weights_norm=bool(config.get("norm_topk_prob", False)),
+    )
+# --8<-- [end:expert_fields]
 
 
 def _rope_scaling(rope: dict) -> dict:
@@ -537,8 +640,15 @@ def load_hf(
     if isinstance(hp, MambaHParams):
         return load_mamba_hf(path, hp, dtype)
     weights: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}  # GGUF name -> expert -> matrix
     for hf_name, t in _read_safetensors(path).items():
-        name = gguf_tensor_name(hf_name, hp.arch)
+        expert = expert_tensor_name(hf_name)
+        if expert is not None:
+            experts.setdefault(expert[0], {})[expert[1]] = t.astype(dtype)
+            continue
+        fused = _fused_experts(hf_name, t.astype(dtype))
+        weights.update(fused)
+        name = None if fused else gguf_tensor_name(hf_name, hp.arch)
         if name is None:
             continue
         if hp.arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
@@ -550,6 +660,7 @@ def load_hf(
         elif hp.arch == "llama" and re.search(r"\.attn_k\.", name):
             t = permute(t, hp.n_head_kv, hp.n_rot)
         weights[name] = t
+    weights.update(_stack_experts(experts, hp.n_expert))
     if "output.weight" not in weights and not hp.tied_output:
         hp = _replace(hp, tied_output=True)
     if "output.weight" in weights and hp.tied_output:
@@ -562,10 +673,38 @@ def load_hf(
 # --8<-- [end:load_hf]
 
 
+def _stack_experts(experts: dict[str, dict[int, np.ndarray]], n_expert: int) -> dict:
+    """One ``(n_expert, rows, cols)`` tensor per GGUF name, expert ``e`` at index ``e``.
+
+    Raises:
+        HFLoadError: an expert missing, or more than ``n_expert``.
+    """
+    out = {}
+    for name, mats in experts.items():
+        if sorted(mats) != list(range(n_expert)):
+            raise HFLoadError(f"{name}: experts {sorted(mats)} in the checkpoint, expected "
+                              f"0..{n_expert - 1}")
+        out[name] = np.stack([mats[e] for e in range(n_expert)])  # (n_expert, rows, cols)
+    return out
+
+
 def _replace(hp: LlamaHParams, **changes) -> LlamaHParams:
     from dataclasses import replace
 
     return replace(hp, **changes)
+
+
+def _ffn_shapes(hp: LlamaHParams, b: str) -> dict[str, tuple[int, ...]]:
+    """The FFN tensors of block ``b``: dense, or the router and the experts."""
+    if not hp.n_expert:
+        return {b + "ffn_gate.weight": (hp.n_ff, hp.n_embd),
+                b + "ffn_up.weight": (hp.n_ff, hp.n_embd),
+                b + "ffn_down.weight": (hp.n_embd, hp.n_ff)}
+    n_ff, n_exp = hp.n_ff_expert(), hp.n_expert
+    return {b + "ffn_gate_inp.weight": (n_exp, hp.n_embd),
+            b + "ffn_gate_exps.weight": (n_exp, n_ff, hp.n_embd),
+            b + "ffn_up_exps.weight": (n_exp, n_ff, hp.n_embd),
+            b + "ffn_down_exps.weight": (n_exp, hp.n_embd, n_ff)}
 
 
 def _check_shapes(hp: LlamaHParams, weights: dict[str, np.ndarray]) -> None:
@@ -580,10 +719,11 @@ def _check_shapes(hp: LlamaHParams, weights: dict[str, np.ndarray]) -> None:
             b + "attn_v.weight": (hp.n_head_kv * hp.n_embd_head_v, hp.n_embd),
             b + "attn_output.weight": (hp.n_embd, hp.n_head * hp.n_embd_head_v),
             b + "ffn_norm.weight": (hp.n_embd,),
-            b + "ffn_gate.weight": (hp.n_ff, hp.n_embd),
-            b + "ffn_up.weight": (hp.n_ff, hp.n_embd),
-            b + "ffn_down.weight": (hp.n_embd, hp.n_ff),
         })
+        expected.update(_ffn_shapes(hp, b))
+        if hp.arch in QWEN3_ARCHS:
+            expected[b + "attn_q_norm.weight"] = (d,)
+            expected[b + "attn_k_norm.weight"] = (d,)
         if hp.arch in ("gemma2", "gemma3"):
             expected[b + "post_attention_norm.weight"] = (hp.n_embd,)
             expected[b + "post_ffw_norm.weight"] = (hp.n_embd,)

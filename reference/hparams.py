@@ -13,8 +13,10 @@ n_{gqa} = n_{head} / n_{head\_kv}, \qquad
 n_{embd\_k\_gqa} = n_{embd\_head\_k} \cdot n_{head\_kv}.
 $$
 
-[`LlamaHParams`][] describes the ``llama``, ``qwen2``, ``gemma``, ``gemma2`` and ``gemma3``
-architectures (``LLAMA_ARCHS``), checked by [`hparams_errors`][]; beside it are what llama.cpp
+[`LlamaHParams`][] describes the ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma``,
+``gemma2`` and ``gemma3`` architectures (``LLAMA_ARCHS``), checked by [`hparams_errors`][];
+a mixture of experts (Mixtral as ``llama``, ``qwen3moe``) has ``n_expert > 0`` and its
+experts' width is [`n_ff_expert`][LlamaHParams.n_ff_expert]; beside it are what llama.cpp
 derives from it: the sliding window ([`is_masked_swa`][], [`swa_pattern`][]), the RoPE
 parameters of a context ([`rope_cparams`][]) and Gemma 2/3's query scale, which no key holds
 ([`gemma_attention_scale`][]). The selective state space models (``mamba``, ``mamba2``) have
@@ -36,7 +38,11 @@ from reference.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM, RopeParams  # noq
 
 # The GGUF architectures each dataclass describes (general.architecture).
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # reference.models.gemma's graphs
-LLAMA_ARCHS = ("llama", "qwen2", *GEMMA_ARCHS)  # the architectures LlamaHParams describes
+QWEN3_ARCHS = ("qwen3", "qwen3moe")  # per-head RMS norms of Q and K (attn_q_norm, attn_k_norm)
+MOE_ARCHS = ("llama", "qwen3moe")  # the architectures whose FFN may be a mixture of experts
+LLAMA_ARCHS = ("llama", "qwen2", *QWEN3_ARCHS, *GEMMA_ARCHS)  # what LlamaHParams describes
+#: ``LLAMA_MAX_EXPERTS`` (``src/llama-hparams.h``): the most experts llama.cpp loads
+LLAMA_MAX_EXPERTS = 1024
 
 # Sliding-window kinds, as llama.cpp's llama_swa_type.
 SWA_TYPE_NONE = 0
@@ -130,6 +136,11 @@ def hparams_errors(hp: LlamaHParams) -> list[str]:
                       f"{hp.n_layer} (or none: every layer is SWA)")
     if hp.f_attn_logit_softcapping < 0 or hp.f_final_logit_softcapping < 0:
         errors.append("soft-capping values must be >= 0 (0: no soft-capping)")
+    errors += expert_errors(hp)
+    if hp.arch in QWEN3_ARCHS and not hp.n_embd_head_k == hp.n_embd_head_v == hp.n_rot:
+        errors.append(f"{hp.arch}: n_embd_head_k={hp.n_embd_head_k}, n_embd_head_v="
+                      f"{hp.n_embd_head_v} and n_rot={hp.n_rot} must be equal (llama.cpp's "
+                      "graph asserts it)")
     if hp.arch in GEMMA_ARCHS and hp.n_embd_head_k != hp.n_embd_head_v:
         errors.append(f"{hp.arch}: n_embd_head_k={hp.n_embd_head_k} must equal n_embd_head_v="
                       f"{hp.n_embd_head_v} (llama.cpp's Gemma graphs split Q, K, V heads with "
@@ -138,13 +149,60 @@ def hparams_errors(hp: LlamaHParams) -> list[str]:
 # --8<-- [end:hparams_errors]
 
 
+# --8<-- [start:expert_errors]
+def expert_errors(hp: LlamaHParams) -> list[str]:
+    """What is inconsistent in the experts of ``hp`` (``llama_model_base::load_hparams``'
+    asserts and ``qwen3moe``'s loader).
+
+    ``n_expert = 0`` is a dense FFN: no expert is used. Otherwise ``1 <= n_expert_used <=
+    n_expert <= LLAMA_MAX_EXPERTS``, on an architecture with experts (``MOE_ARCHS``);
+    ``qwen3moe`` must have them. ``n_ff_exp`` (``expert_feed_forward_length``) is
+    ``qwen3moe``'s: Mixtral's experts are ``n_ff`` wide.
+
+    Examples:
+        >>> hp = LlamaHParams(arch="qwen3moe", n_vocab=8, n_ctx_train=16, n_embd=8,
+        ...     n_layer=1, n_head=2, n_head_kv=2, n_embd_head_k=4, n_embd_head_v=4, n_rot=4,
+        ...     n_ff=8, f_norm_rms_eps=1e-5, n_expert=4, n_expert_used=2, n_ff_exp=6)
+        >>> expert_errors(hp), hp.n_ff_expert()
+        ([], 6)
+        >>> import dataclasses
+        >>> dataclasses.replace(hp, n_expert_used=5)
+        Traceback (most recent call last):
+        ...
+        reference.hparams.HParamsError: n_expert_used=5 must be in [1, n_expert=4]
+    """
+    if hp.n_expert < 0 or hp.n_expert_used < 0 or hp.n_ff_exp < 0:
+        return ["n_expert, n_expert_used and n_ff_exp must be >= 0"]
+    if hp.n_expert == 0:
+        if hp.arch == "qwen3moe":
+            return ["qwen3moe: n_expert must be > 0 (llama.cpp: 'n_expert must be > 0 for "
+                    "QWEN3MOE')"]
+        if hp.n_expert_used or hp.n_ff_exp:
+            return [f"n_expert_used={hp.n_expert_used} and n_ff_exp={hp.n_ff_exp} need "
+                    "experts (n_expert > 0)"]
+        return []
+    errors = []
+    if hp.arch not in MOE_ARCHS:
+        errors.append(f"{hp.arch}: no mixture of experts (n_expert={hp.n_expert}); "
+                      f"architectures with experts: {MOE_ARCHS}")
+    if hp.n_expert > LLAMA_MAX_EXPERTS:
+        errors.append(f"n_expert={hp.n_expert} exceeds LLAMA_MAX_EXPERTS={LLAMA_MAX_EXPERTS}")
+    if not 1 <= hp.n_expert_used <= hp.n_expert:
+        errors.append(f"n_expert_used={hp.n_expert_used} must be in [1, n_expert="
+                      f"{hp.n_expert}]")
+    if hp.n_ff_exp and hp.arch != "qwen3moe":
+        errors.append(f"{hp.arch}: n_ff_exp is qwen3moe's (the experts are n_ff wide)")
+    return errors
+# --8<-- [end:expert_errors]
+
+
 @dataclass(frozen=True)
 class LlamaHParams:
     r"""The hyperparameters the Llama-family forward pass needs (``llama_hparams``).
 
     Attributes:
         arch: GGUF ``general.architecture`` (one of ``LLAMA_ARCHS``: ``"llama"``,
-            ``"qwen2"``, ``"gemma"``, ``"gemma2"``, ``"gemma3"``).
+            ``"qwen2"``, ``"qwen3"``, ``"qwen3moe"``, ``"gemma"``, ``"gemma2"``, ``"gemma3"``).
         n_vocab: vocabulary size (rows of ``token_embd``).
         n_ctx_train: context length the model was trained with.
         n_embd: width of the residual stream.
@@ -156,7 +214,7 @@ class LlamaHParams:
         n_rot: number of rotated dimensions per head (``rope.dimension_count``).
         n_ff: hidden width of the feed-forward network.
         f_norm_rms_eps: epsilon of every ``rms_norm``.
-        rope_type: ``ROPE_TYPE_NORM`` (llama) or ``ROPE_TYPE_NEOX`` (qwen2, gemma*); fixed by
+        rope_type: ``ROPE_TYPE_NORM`` (llama) or ``ROPE_TYPE_NEOX`` (qwen*, gemma*); fixed by
             arch.
         rope_freq_base_train: RoPE base frequency (``rope.freq_base``).
         rope_freq_scale_train: RoPE frequency scale (``1 / rope.scaling.factor``).
@@ -180,6 +238,14 @@ class LlamaHParams:
         f_attn_logit_softcapping: Gemma 2's attention soft-cap $c$
             ($s \mapsto c \tanh(s / c)$ on the scaled scores); 0: none.
         f_final_logit_softcapping: Gemma 2's soft-cap of the logits; 0: none.
+        n_expert: experts of each FFN (``expert_count``); 0: a dense FFN.
+        n_expert_used: experts per token (``expert_used_count``), the $k$ of the top-k.
+        n_ff_exp: width of one expert (``expert_feed_forward_length``, ``qwen3moe`` only);
+            0: the default of [`n_ff_expert`][].
+        expert_weights_norm: scale the chosen experts' weights to sum to 1 (``build_moe_ffn``'s
+            ``norm_w``). llama.cpp's ``llama`` and ``qwen3moe`` graphs pass true: False
+            describes a HF Qwen3-MoE with ``norm_topk_prob = false``, which no GGUF of these
+            architectures can state.
     """
 
     arch: str
@@ -212,6 +278,10 @@ class LlamaHParams:
     rope_freq_scale_train_swa: float = 0.0
     f_attn_logit_softcapping: float = 0.0
     f_final_logit_softcapping: float = 0.0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "swa_layers", tuple(bool(b) for b in self.swa_layers))
@@ -242,6 +312,23 @@ class LlamaHParams:
         """Every layer uses the sliding window (a single cache serves them all)."""
         return all(self.is_swa(il) for il in range(self.n_layer))
     # --8<-- [end:is_swa]
+
+    # --8<-- [start:n_ff_expert]
+    def n_ff_expert(self) -> int:
+        """Width of one expert's FFN: ``qwen3moe``'s ``n_ff_exp``, else ``n_ff / n_expert_used``
+        (its loader's default); Mixtral's (``llama``) experts are ``n_ff`` wide.
+
+        Examples:
+            >>> hp = LlamaHParams(arch="llama", n_vocab=8, n_ctx_train=16, n_embd=8,
+            ...     n_layer=1, n_head=2, n_head_kv=2, n_embd_head_k=4, n_embd_head_v=4,
+            ...     n_rot=4, n_ff=12, f_norm_rms_eps=1e-5, n_expert=4, n_expert_used=2)
+            >>> hp.n_ff_expert()
+            12
+        """
+        if self.arch == "qwen3moe":
+            return self.n_ff_exp or self.n_ff // self.n_expert_used
+        return self.n_ff
+    # --8<-- [end:n_ff_expert]
 
     def n_gqa(self) -> int:
         """Query heads per key/value head."""

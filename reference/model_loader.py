@@ -9,7 +9,9 @@ matrices in NumPy order. GGUF weights stay quantized
 dequantizes them; HF weights are float32 arrays with llama's Q/K rows already permuted and
 Gemma's norm gains already stored as $1 + w$ ([`reference.hf`][reference.hf]), as
 ``convert_hf_to_gguf.py`` writes them. Which forward runs them is the architecture's
-([`reference.models`][reference.models]: Llama/Qwen2, Gemma 1-3, Mamba).
+([`reference.models`][reference.models]: Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral, Gemma 1-3,
+Mamba). A mixture of experts' ``ffn_*_exps`` stay 3-D quantized tensors; the forward
+dequantizes one expert at a time, only the experts a token chose.
 """
 
 from __future__ import annotations

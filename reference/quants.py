@@ -2,31 +2,43 @@ r"""GGUF block formats: how ggml stores quantized weights, and how to read them 
 
 A quantized GGUF tensor is a sequence of *blocks*. Each row of a weight matrix (the last
 dimension in NumPy order, ``ne[0]`` in ggml) is cut into blocks of ``block_size`` consecutive
-weights, and each block is stored in ``type_size`` bytes: one or two float16 numbers that set
-the scale of the block, followed by small integers (4, 5, 6 or 8 bits) packed into bytes.
-Dequantization of one weight is an affine map of its integer $q$: $w = d \cdot q$ for the
-symmetric types (Q4_0, Q5_0 and Q6_K after an offset, Q8_0), $w = d \cdot q + m$ for the
-types with a minimum (Q4_1, Q5_1; Q4_K and Q5_K subtract a quantized minimum).
+weights, and each block is stored in ``type_size`` bytes: one or a few numbers that set the
+scale of the block (float16 mostly; float32 in Q8_K, a bare exponent in MXFP4, 8-bit floats in
+NVFP4), followed by small integers (1.6 to 8 bits) packed into bytes. Dequantization of one
+weight is an affine map of its integer $q$, or of a table entry $K[q]$:
+
+- $w = d \cdot q$ for the symmetric types (Q4_0, Q5_0, Q3_K and Q6_K after an offset, Q8_0,
+  Q8_K; the ternary TQ1_0 and TQ2_0, whose $q - 1$ is $-1$, $0$ or $1$);
+- $w = d \cdot q + m$ for the types with a minimum (Q4_1, Q5_1; Q2_K, Q4_K and Q5_K subtract a
+  quantized minimum);
+- $w = d \cdot K[q]$ for the non-linear types: IQ4_NL and IQ4_XS (16 levels denser near zero),
+  MXFP4 and NVFP4 (the 16 values of the FP4 format E2M1).
 
 Why blocks: one scale per tensor would let one outlier weight flatten every other weight to
 zero; one scale per block of 32 keeps the error of each weight proportional to the largest
 weight *near it*, for the price of 16 bits of scale per 32 weights (0.5 bit per weight).
-The K-quants (Q4_K, Q5_K, Q6_K) go one step further: a *super-block* of ``QK_K = 256``
-weights has one float16 scale, and its 8 (or 16) sub-blocks have their own scales quantized
-to 6 (or 8) bits relative to it, which brings the overhead down to about 0.5 bit per weight
-with smaller sub-blocks.
+The K-quants (Q2_K to Q6_K) go one step further: a *super-block* of ``QK_K = 256`` weights
+has one or two float16 scales, and its 8 (or 16) sub-blocks have their own scales quantized
+to 4, 6 or 8 bits relative to them, which brings the overhead down to 0.25-0.6 bit per weight
+with smaller sub-blocks. IQ4_XS does the same for IQ4_NL's levels.
 
 This module mirrors ggml at the pinned commit:
 
 - the block structs of ``ggml/src/ggml-common.h`` (``block_q4_0``, ``block_q4_K``, ...) become
   `BLOCK_LAYOUTS` and the byte tables in each function's docstring;
 - ``dequantize_row_*`` of ``ggml/src/ggml-quants.c`` become ``dequantize_q4_0`` and friends,
-  bit-identical to ``gguf.quants.dequantize`` and to ggml's C loops evaluated as written
-  (float32 arithmetic in the same order; a C compiler that contracts ``d1 * q - m1`` into a
-  fused multiply-add may differ in the last bit);
+  for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, TQ1_0,
+  TQ2_0, IQ4_NL, IQ4_XS, MXFP4 and NVFP4, bit-identical to ggml's own C (tested through the
+  ``libggml-base`` that llama-cpp-python ships) and to ``gguf.quants.dequantize`` (which does
+  not read Q8_K): float32 arithmetic in the same order (a C compiler that contracts
+  ``d1 * q - m1`` into a fused multiply-add may differ in the last bit; the pinned build does
+  not). The grid I-quants (IQ1_*, IQ2_*, IQ3_*) are read by ``reference/quants_iq.py``;
 - ``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``, ``quantize_row_q4_1_ref`` (the
   reference quantizers used to make model files deterministically) become ``quantize_q8_0``,
-  ``quantize_q4_0``, ``quantize_q4_1``, byte-identical to ``gguf.quants.quantize``.
+  ``quantize_q4_0``, ``quantize_q4_1``, byte-identical to ``gguf.quants.quantize``; the
+  K-quants' (``quantize_row_q2_K_ref`` to ``quantize_row_q6_K_ref``, what ``llama-quantize``
+  writes into ``Q4_K_M``/``Q5_K_M``/``Q6_K`` files without an importance matrix) are in
+  ``reference/quants_k.py``, byte-identical to ggml's C.
 
 Every per-format function works on all blocks at once: its input is ``(..., type_size)`` bytes
 (or ``(..., block_size)`` floats) with any leading dimensions, and the fields of the block are
@@ -44,7 +56,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-from reference.common import LlamarefError
+from reference.common import QuantError
+from reference.quants_iq import IQ_DEQUANTIZERS
+from reference.quants_k import K_QUANTIZERS
 
 # --8<-- [start:constants]
 QK_K = 256  # weights per super-block of the K-quants
@@ -54,15 +68,13 @@ QK4_1 = 32
 QK5_0 = 32
 QK5_1 = 32
 QK8_0 = 32
+QK4_NL = 32  # weights per block of IQ4_NL
+QK_MXFP4 = 32  # weights per block of MXFP4 (one shared E8M0 exponent)
+QK_NVFP4 = 64  # weights per block of NVFP4 ...
+QK_NVFP4_SUB = 16  # ... in 4 sub-blocks, each with its own UE4M3 scale
 # --8<-- [end:constants]
 
 
-# --8<-- [start:QuantError]
-class QuantError(LlamarefError, ValueError):
-    """A block format cannot be read or written: unsupported type, or sizes that do not fit."""
-
-
-# --8<-- [end:QuantError]
 
 
 # --8<-- [start:BlockLayout]
@@ -107,9 +119,22 @@ BLOCK_LAYOUTS: dict[GGMLQuantizationType, BlockLayout] = {
     T.Q5_1: BlockLayout(QK5_1, 2 * F16_SIZE + 4 + QK5_1 // 2),
     T.Q8_0: BlockLayout(QK8_0, F16_SIZE + QK8_0),
     # K-quants: super-blocks of 256 weights with quantized sub-block scales.
+    T.Q2_K: BlockLayout(QK_K, QK_K // 16 + QK_K // 4 + 2 * F16_SIZE),
+    T.Q3_K: BlockLayout(QK_K, QK_K // 8 + QK_K // 4 + 12 + F16_SIZE),
     T.Q4_K: BlockLayout(QK_K, 2 * F16_SIZE + K_SCALE_SIZE + QK_K // 2),
     T.Q5_K: BlockLayout(QK_K, 2 * F16_SIZE + K_SCALE_SIZE + QK_K // 8 + QK_K // 2),
     T.Q6_K: BlockLayout(QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + F16_SIZE),
+    # Q8_K: a float32 scale and 16 int16 sums (ggml quantizes activations to it for K-quant dots)
+    T.Q8_K: BlockLayout(QK_K, 4 + QK_K + QK_K // 16 * 2),
+    # Ternary quants: weights in {-1, 0, 1} times one f16 scale per 256.
+    T.TQ1_0: BlockLayout(QK_K, (QK_K - 4 * QK_K // 64) // 5 + QK_K // 64 + F16_SIZE),
+    T.TQ2_0: BlockLayout(QK_K, QK_K // 4 + F16_SIZE),
+    # Non-linear 4-bit quants: a 4-bit index into a fixed table of 16 levels.
+    T.IQ4_NL: BlockLayout(QK4_NL, F16_SIZE + QK4_NL // 2),
+    T.IQ4_XS: BlockLayout(QK_K, F16_SIZE + 2 + QK_K // 64 + QK_K // 2),
+    # FP4 (E2M1) values with a power-of-two (E8M0) or small-float (UE4M3) scale.
+    T.MXFP4: BlockLayout(QK_MXFP4, 1 + QK_MXFP4 // 2),
+    T.NVFP4: BlockLayout(QK_NVFP4, QK_NVFP4 // QK_NVFP4_SUB + QK_NVFP4 // 2),
 }
 # --8<-- [end:BLOCK_LAYOUTS]
 
@@ -869,6 +894,566 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 # --8<-- [end:dequantize_q6_k]
 
 
+def _two_bit_quants(qs: np.ndarray) -> np.ndarray:
+    """2-bit field ``(..., 64)`` -> quants ``(..., 256)`` in weight order (Q2_K, Q3_K, TQ2_0).
+
+    Each 32 bytes hold 128 weights: byte ``32h + l`` holds weight ``128h + 32s + l`` in its
+    bits ``2s, 2s + 1`` (``s = 0..3``), so each shift reads 32 consecutive weights.
+    """
+    chunks = qs.reshape(*qs.shape[:-1], 2, 1, 32)  # (..., 2, 1, 32)
+    q = (chunks >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # (..., 2, 4, 32)
+    return q.reshape(*qs.shape[:-1], QK_K)  # (..., 256)
+
+
+# --8<-- [start:dequantize_q2_k]
+def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q2_K``: 16 sub-blocks of 16 with 4-bit scales and mins (2.625 bits/weight).
+
+    ``block_q2_K`` (84 bytes, 256 weights):
+
+    | byte offset | field    | type       | meaning                                              |
+    |------------:|----------|------------|------------------------------------------------------|
+    | 0           | `scales` | uint8[16]  | byte $g$: $sc_g$ in bits 0-3, $m_g$ in bits 4-7      |
+    | 16          | `qs`     | uint8[64]  | 2-bit quants $q$, 128 weights per 32 bytes           |
+    | 80          | `d`      | f16        | super-block scale of the sub-block scales            |
+    | 82          | `dmin`   | f16        | super-block scale of the sub-block mins              |
+
+    In ``qs``, byte $32h + l$ holds weight $128h + 32s + l$ in its bits $2s$ and $2s + 1$
+    ($s = 0 \ldots 3$): each shift of a 32-byte half reads 32 consecutive weights.
+
+    For weight $j$ of sub-block $g$ (weight $16g + j$ of the super-block):
+
+    $$w_{16g+j} = (d \cdot sc_g) \cdot q_{16g+j} - (d_{\min} \cdot m_g), \qquad q \in [0, 3]$$
+
+    Args:
+        blocks: uint8 ``(..., 84)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Examples:
+        >>> block = np.zeros(84, dtype=np.uint8)
+        >>> block[80:84] = np.array([0.5, 0.25], dtype="<f2").view(np.uint8)   # d, dmin
+        >>> block[0], block[2] = 0x32, 0x01    # sc_0 = 2, m_0 = 3; sc_2 = 1, m_2 = 0
+        >>> block[16] = 0b01_11                # q_0 = 3 (bits 0-1), q_32 = 1 (bits 2-3)
+        >>> w = dequantize_q2_k(block)
+        >>> float(w[0]), float(w[1]), float(w[32])   # 0.5*2*3 - 0.25*3, -0.75, 0.5*1*1 - 0
+        (2.25, -0.75, 0.5)
+    """
+    lead = blocks.shape[:-1]
+    scales = blocks[..., 0:16, None]  # (..., 16, 1)
+    q = _two_bit_quants(blocks[..., 16:80]).reshape(*lead, 16, 16)  # (..., 16, 16)
+    d = _f16(blocks[..., 80:82])[..., None]  # (..., 1, 1)
+    dmin = _f16(blocks[..., 82:84])[..., None]  # (..., 1, 1)
+    dl = d * (scales & 0x0F).astype(np.float32)  # (..., 16, 1)
+    ml = dmin * (scales >> 4).astype(np.float32)  # (..., 16, 1)
+    w = dl * q.astype(np.float32) - ml  # (..., 16, 16)
+    return w.reshape(*lead, QK_K)  # (..., 256)
+
+
+# --8<-- [end:dequantize_q2_k]
+
+
+# --8<-- [start:q3_k_scales]
+def q3_k_scales(scales: np.ndarray) -> np.ndarray:
+    r"""The 16 signed 6-bit sub-block scales of ``block_q3_K``, from its 12 bytes of ``scales``.
+
+    ggml unpacks them with four masked 32-bit words (``kmask1``, ``kmask2`` in
+    ``dequantize_row_q3_K``); per scale $g$ that is: bits 0-3 of the stored $sc_g$ are the low
+    nibble of byte $g$ ($g < 8$) or the high nibble of byte $g - 8$; bits 4-5 are bits
+    $2\lfloor g/4 \rfloor$ and $2\lfloor g/4 \rfloor + 1$ of byte $8 + (g \bmod 4)$. The scale
+    used is $sc_g - 32$.
+
+    | byte $k$ | bits 7-6         | bits 5-4         | bits 3-2         | bits 1-0         |
+    |---------:|------------------|------------------|------------------|------------------|
+    | 0-7      | $sc_{k+8}$ 3-2   | $sc_{k+8}$ 1-0   | $sc_k$ 3-2       | $sc_k$ 1-0       |
+    | 8-11     | $sc_{k+4}$ 5-4   | $sc_{k}$ 5-4     | $sc_{k-4}$ 5-4   | $sc_{k-8}$ 5-4   |
+
+    So byte $8 + c$ holds bits 5-4 of $sc_{c}$, $sc_{c+4}$, $sc_{c+8}$ and $sc_{c+12}$,
+    from its low bits up.
+
+    Args:
+        scales: uint8 ``(..., 12)``, the ``scales`` field of ``block_q3_K``.
+
+    Returns:
+        int8 ``(..., 16)`` with values in ``[-32, 31]``.
+
+    Examples:
+        >>> scales = np.zeros(12, dtype=np.uint8)
+        >>> scales[0], scales[8] = 0x51, 0b10   # sc_0 low 1, sc_8 low 5; sc_0 bits 5-4 = 2
+        >>> q3_k_scales(scales)[[0, 1, 8]]      # 33 - 32, 0 - 32, 5 - 32
+        array([  1, -32, -27], dtype=int8)
+    """
+    low = _nibbles(scales[..., 0:8])  # (..., 16)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    high = (scales[..., None, 8:12] >> shifts) & 3  # (..., 4, 4): [g // 4, g % 4]
+    sc = low | (high.reshape(*scales.shape[:-1], 16) << 4)  # (..., 16) in [0, 63]
+    return sc.astype(np.int8) - np.int8(32)
+
+
+# --8<-- [end:q3_k_scales]
+
+
+# --8<-- [start:dequantize_q3_k]
+def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q3_K``: 3-bit quants, 16 sub-blocks with 6-bit scales (3.4375 bits/weight).
+
+    ``block_q3_K`` (110 bytes, 256 weights):
+
+    | byte offset | field    | type       | meaning                                              |
+    |------------:|----------|------------|------------------------------------------------------|
+    | 0           | `hmask`  | uint8[32]  | bit 2 of $q$: bit $i$ of byte $l$ for $q_{32i+l}$     |
+    | 32          | `qs`     | uint8[64]  | bits 0-1 of $q$, packed as Q2_K's `qs`               |
+    | 96          | `scales` | uint8[12]  | 6-bit $sc_g$ of the 16 sub-blocks ([`q3_k_scales`][]) |
+    | 108         | `d`      | f16        | super-block scale                                    |
+
+    $$w_{16g+j} = \bigl(d \cdot (sc_g - 32)\bigr) \cdot (q_{16g+j} - 4), \qquad q \in [0, 7]$$
+
+    (ggml writes $q - 4$ as "the 2 low bits, minus 4 when the `hmask` bit is *clear*".)
+
+    Args:
+        blocks: uint8 ``(..., 110)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Examples:
+        >>> block = np.zeros(110, dtype=np.uint8)
+        >>> block[108:110] = np.array([0.5], dtype="<f2").view(np.uint8)   # d
+        >>> block[96], block[104] = 0x01, 0b10   # sc_0 = 0b10_0001 = 33; the others 0
+        >>> block[0], block[32] = 0b1, 0b11      # q_0 = 4 + 3
+        >>> w = dequantize_q3_k(block)
+        >>> float(w[0]), float(w[1]), float(w[16])   # 0.5*1*(7-4), 0.5*1*(0-4), 0.5*-32*(0-4)
+        (1.5, -2.0, 64.0)
+    """
+    lead = blocks.shape[:-1]
+    hmask = blocks[..., None, 0:32]  # (..., 1, 32)
+    high = (hmask >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (..., 8, 32)
+    q = _two_bit_quants(blocks[..., 32:96]) | (high.reshape(*lead, QK_K) << 2)  # (..., 256)
+    sc = q3_k_scales(blocks[..., 96:108])  # (..., 16)
+    d = _f16(blocks[..., 108:110])[..., None]  # (..., 1, 1)
+    dl = d * sc[..., None].astype(np.float32)  # (..., 16, 1)
+    q = (q.astype(np.int8) - np.int8(4)).reshape(*lead, 16, 16)  # (..., 16, 16)
+    w = dl * q.astype(np.float32)  # (..., 16, 16)
+    return w.reshape(*lead, QK_K)  # (..., 256)
+
+
+# --8<-- [end:dequantize_q3_k]
+
+
+# --8<-- [start:dequantize_q8_k]
+def dequantize_q8_k(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_q8_K``: 8-bit quants with a float32 scale per 256 (9.125 bits/weight).
+
+    ggml quantizes *activations* to Q8_K inside the K-quant dot products; it is rarely a
+    weight type. ``gguf.quants`` does not read it (ggml's C is the only oracle).
+
+    ``block_q8_K`` (292 bytes, 256 weights):
+
+    | byte offset | field   | type       | meaning                                           |
+    |------------:|---------|------------|---------------------------------------------------|
+    | 0           | `d`     | f32        | scale                                             |
+    | 4           | `qs`    | int8[256]  | quant $q_j$ of weight $j$                         |
+    | 260         | `bsums` | int16[16]  | sums of the quants of each group of 16 (unread)   |
+
+    $$w_j = d \cdot q_j, \qquad q_j \in [-128, 127]$$
+
+    Args:
+        blocks: uint8 ``(..., 292)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Examples:
+        >>> block = np.zeros(292, dtype=np.uint8)
+        >>> block[0:4] = np.array([0.25], dtype="<f4").view(np.uint8)   # d
+        >>> block[4:6] = np.array([-128, 127], dtype=np.int8).view(np.uint8)
+        >>> dequantize_q8_k(block)[:3]
+        array([-32.  ,  31.75,   0.  ], dtype=float32)
+    """
+    d = np.ascontiguousarray(blocks[..., 0:4]).view("<f4").astype(np.float32)  # (..., 1)
+    q = blocks[..., 4:260].view(np.int8)  # (..., 256)
+    return d * q.astype(np.float32)
+
+
+# --8<-- [end:dequantize_q8_k]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ternary quants: TQ1_0 and TQ2_0
+# ---------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:trits]
+def trits(packed: np.ndarray, n: int) -> np.ndarray:
+    r"""The ``n`` base-3 digits (trits) packed in each byte of TQ1_0, most significant first.
+
+    ``quantize_row_tq1_0_ref`` writes 5 (or 4) trits $t_0 \ldots t_{n-1} \in \{0, 1, 2\}$ as
+    a fixed-point fraction of 256: $b = \lceil 256 \cdot v / 243 \rceil$ with
+    $v = \sum_k t_k 3^{4-k}$ (the 4-trit bytes are padded with $t_4 = 0$). Multiplying by
+    $3^k$ modulo 256 shifts trit $k$ to the front, and times 3 over 256 reads it:
+
+    $$t_k = \left\lfloor \frac{3 \cdot (b \cdot 3^k \bmod 256)}{256} \right\rfloor$$
+
+    (uint8 arithmetic wraps, as in ggml's ``uint8_t q = x * pow3[n]``.)
+
+    Args:
+        packed: uint8 ``(..., m)``.
+        n: trits per byte, 5 or 4.
+
+    Returns:
+        uint8 ``(..., n, m)``: ``[..., k, i]`` is trit ``k`` of byte ``i``.
+
+    Examples:
+        >>> trits(np.array([171, 128], dtype=np.uint8), 5)[:, 0]   # 162 = 2*81; 121 = 11111_3
+        array([2, 0, 0, 0, 0], dtype=uint8)
+        >>> trits(np.array([128], dtype=np.uint8), 5)[:, 0]
+        array([1, 1, 1, 1, 1], dtype=uint8)
+    """
+    pow3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)[:n, None]  # (n, 1)
+    shifted = packed[..., None, :] * pow3  # (..., n, m), modulo 256
+    return ((shifted.astype(np.uint16) * 3) >> 8).astype(np.uint8)
+
+
+# --8<-- [end:trits]
+
+
+# --8<-- [start:dequantize_tq1_0]
+def dequantize_tq1_0(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_tq1_0``: ternary weights, 5 per byte (1.6875 bits/weight).
+
+    ``block_tq1_0`` (54 bytes, 256 weights):
+
+    | byte offset | field | type       | meaning                                               |
+    |------------:|-------|------------|-------------------------------------------------------|
+    | 0           | `qs`  | uint8[48]  | 5 trits per byte ([`trits`][]), weights 0-239         |
+    | 48          | `qh`  | uint8[4]   | 4 trits per byte, weights 240-255                     |
+    | 52          | `d`   | f16        | scale                                                 |
+
+    Trit $k$ of byte $i$ is weight $32k + i$ for ``qs`` bytes $i < 32$, weight
+    $160 + 16k + (i - 32)$ for ``qs`` bytes $32 \le i < 48$, and weight $240 + 4k + i$ for
+    ``qh`` byte $i$.
+
+    $$w_j = d \cdot (t_j - 1), \qquad t_j \in \{0, 1, 2\}$$
+
+    Args:
+        blocks: uint8 ``(..., 54)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Examples:
+        >>> block = np.zeros(54, dtype=np.uint8)
+        >>> block[52:54] = np.array([0.5], dtype="<f2").view(np.uint8)   # d
+        >>> block[0], block[1] = 171, 128   # trits 2,0,0,0,0 and 1,1,1,1,1
+        >>> w = dequantize_tq1_0(block)
+        >>> float(w[0]), float(w[32]), float(w[1]), float(w[33])
+        (0.5, -0.5, 0.0, 0.0)
+    """
+    lead = blocks.shape[:-1]
+    t = np.concatenate(
+        [
+            trits(blocks[..., 0:32], 5).reshape(*lead, 160),  # weights 0..159
+            trits(blocks[..., 32:48], 5).reshape(*lead, 80),  # weights 160..239
+            trits(blocks[..., 48:52], 4).reshape(*lead, 16),  # weights 240..255
+        ],
+        axis=-1,
+    )  # (..., 256)
+    d = _f16(blocks[..., 52:54])  # (..., 1)
+    return (t.astype(np.int8) - np.int8(1)).astype(np.float32) * d
+
+
+# --8<-- [end:dequantize_tq1_0]
+
+
+# --8<-- [start:dequantize_tq2_0]
+def dequantize_tq2_0(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_tq2_0``: ternary weights in 2 bits each (2.0625 bits/weight).
+
+    ``block_tq2_0`` (66 bytes, 256 weights):
+
+    | byte offset | field | type       | meaning                                              |
+    |------------:|-------|------------|------------------------------------------------------|
+    | 0           | `qs`  | uint8[64]  | 2-bit $q$, packed as Q2_K's `qs`                     |
+    | 64          | `d`   | f16        | scale                                                |
+
+    $$w_j = d \cdot (q_j - 1), \qquad q_j \in [0, 3]$$
+
+    The quantizer only writes $q \in \{0, 1, 2\}$; $q = 3$ reads $2d$.
+
+    Args:
+        blocks: uint8 ``(..., 66)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Examples:
+        >>> block = np.zeros(66, dtype=np.uint8)
+        >>> block[64:66] = np.array([0.5], dtype="<f2").view(np.uint8)   # d
+        >>> block[0] = 0b10_01_00_11           # q_0 = 3, q_32 = 0, q_64 = 1, q_96 = 2
+        >>> dequantize_tq2_0(block)[[0, 32, 64, 96]]
+        array([ 1. , -0.5,  0. ,  0.5], dtype=float32)
+    """
+    q = _two_bit_quants(blocks[..., 0:64])  # (..., 256)
+    d = _f16(blocks[..., 64:66])  # (..., 1)
+    return (q.astype(np.int8) - np.int8(1)).astype(np.float32) * d
+
+
+# --8<-- [end:dequantize_tq2_0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-linear 4-bit quants: IQ4_NL and IQ4_XS
+# ---------------------------------------------------------------------------------------------
+
+# --8<-- [start:KVALUES_IQ4NL]
+# ``kvalues_iq4nl`` (ggml-common.h): 16 levels, denser near 0, where most weights are.
+KVALUES_IQ4NL = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
+)
+# --8<-- [end:KVALUES_IQ4NL]
+
+
+# --8<-- [start:dequantize_iq4_nl]
+def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_iq4_nl``: a 4-bit index into `KVALUES_IQ4NL` per weight (4.5 bits/weight).
+
+    ``block_iq4_nl`` (18 bytes, 32 weights), laid out as Q4_0:
+
+    | byte offset | field | type       | meaning                                          |
+    |------------:|-------|------------|--------------------------------------------------|
+    | 0           | `d`   | f16        | scale                                            |
+    | 2           | `qs`  | uint8[16]  | byte $j$: $q_j$ in bits 0-3, $q_{j+16}$ in 4-7   |
+
+    $$w_j = d \cdot K[q_j], \qquad K = \texttt{kvalues\_iq4nl}$$
+
+    Args:
+        blocks: uint8 ``(..., 18)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Examples:
+        >>> block = np.zeros(18, dtype=np.uint8)
+        >>> block[0:2] = np.array([0.5], dtype="<f2").view(np.uint8)   # d
+        >>> block[2] = 0xF8                    # q_0 = 8, q_16 = 15
+        >>> dequantize_iq4_nl(block)[[0, 1, 16]]   # 0.5*1, 0.5*-127, 0.5*113
+        array([  0.5, -63.5,  56.5], dtype=float32)
+    """
+    d = _f16(blocks[..., 0:2])  # (..., 1)
+    q = _nibbles(blocks[..., 2:18])  # (..., 32)
+    return d * KVALUES_IQ4NL[q].astype(np.float32)
+
+
+# --8<-- [end:dequantize_iq4_nl]
+
+
+# --8<-- [start:dequantize_iq4_xs]
+def dequantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_iq4_xs``: IQ4_NL's levels, 6-bit scales per 32 (4.25 bits/weight).
+
+    ``block_iq4_xs`` (136 bytes, 256 weights):
+
+    | byte offset | field      | type       | meaning                                             |
+    |------------:|------------|------------|-----------------------------------------------------|
+    | 0           | `d`        | f16        | super-block scale                                   |
+    | 2           | `scales_h` | uint16     | bits $2i, 2i{+}1$: bits 4-5 of $ls_i$               |
+    | 4           | `scales_l` | uint8[4]   | bits 0-3 of $ls_i$: nibble $i \bmod 2$ of byte $i/2$ |
+    | 8           | `qs`       | uint8[128] | 16 bytes per sub-block, packed as IQ4_NL's `qs`     |
+
+    Sub-block $i$ (32 weights) has the 6-bit scale $ls_i$; ``scales_l`` holds $ls_0$ in the
+    *low* nibble of byte 0 and $ls_1$ in its high nibble (not the all-low-then-all-high order
+    of the quants).
+
+    $$w_{32i+j} = \bigl(d \cdot (ls_i - 32)\bigr) \cdot K[q_{32i+j}],
+      \qquad K = \texttt{kvalues\_iq4nl}$$
+
+    Args:
+        blocks: uint8 ``(..., 136)``.
+
+    Returns:
+        float32 ``(..., 256)``.
+
+    Examples:
+        >>> block = np.zeros(136, dtype=np.uint8)
+        >>> block[0:2] = np.array([1.0], dtype="<f2").view(np.uint8)   # d
+        >>> block[2], block[4] = 0b10_00, 0x10  # ls_1 = 0b10_0001 = 33; ls_0 = 0
+        >>> block[24] = 0x08                    # sub-block 1: q_32 = 8, q_48 = 0
+        >>> w = dequantize_iq4_xs(block)
+        >>> float(w[0]), float(w[32]), float(w[48])   # -32*-127, 1*1, 1*-127
+        (4064.0, 1.0, -127.0)
+    """
+    lead = blocks.shape[:-1]
+    d = _f16(blocks[..., 0:2])[..., None]  # (..., 1, 1)
+    scales_h = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")  # (..., 1)
+    scales_l = blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # (..., 4, 2)
+    low = scales_l.reshape(*lead, 8) & 0x0F  # (..., 8)
+    high = (scales_h >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # (..., 8)
+    ls = low.astype(np.int8) | (high.astype(np.int8) << 4)  # (..., 8) in [0, 63]
+    dl = d * (ls - np.int8(32))[..., None].astype(np.float32)  # (..., 8, 1)
+    q = _nibbles(blocks[..., 8:136].reshape(*lead, 8, 16))  # (..., 8, 32)
+    w = dl * KVALUES_IQ4NL[q].astype(np.float32)  # (..., 8, 32)
+    return w.reshape(*lead, QK_K)  # (..., 256)
+
+
+# --8<-- [end:dequantize_iq4_xs]
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 with microscaling: MXFP4 and NVFP4
+# ---------------------------------------------------------------------------------------------
+
+# --8<-- [start:KVALUES_MXFP4]
+# ``kvalues_mxfp4`` (ggml-common.h): the 16 FP4 (E2M1) values, *doubled* so they are integers.
+# Code 8 is E2M1's -0, read as 0. The scales below are halved to make up for the doubling.
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+# --8<-- [end:KVALUES_MXFP4]
+
+
+# --8<-- [start:e8m0_to_fp32_half]
+def e8m0_to_fp32_half(e: np.ndarray) -> np.ndarray:
+    r"""``ggml_e8m0_to_fp32_half``: an E8M0 byte (a bare exponent, bias 127), halved.
+
+    $$\operatorname{e8m0}(e) / 2 = 2^{e - 127} / 2 = 2^{e - 128}, \qquad e \in [0, 255]$$
+
+    exactly, as a float32 ($e = 0, 1$ give the subnormals $2^{-128}, 2^{-127}$; ggml builds
+    the bits). The OCP MX format reserves $e = 255$ for NaN; ggml does not, and reads
+    $2^{127}$.
+
+    Args:
+        e: uint8 ``(...)``.
+
+    Returns:
+        float32 ``(...)``.
+
+    Examples:
+        >>> e8m0_to_fp32_half(np.array([127, 130, 0], dtype=np.uint8))
+        array([5.000000e-01, 4.000000e+00, 2.938736e-39], dtype=float32)
+    """
+    return np.ldexp(np.float32(1), e.astype(np.int32) - 128)
+
+
+# --8<-- [end:e8m0_to_fp32_half]
+
+
+# --8<-- [start:ue4m3_to_fp32]
+def ue4m3_to_fp32(x: np.ndarray) -> np.ndarray:
+    r"""``ggml_ue4m3_to_fp32``: an unsigned E4M3 byte, *halved* (like E8M0 for MXFP4).
+
+    | bits | field    | meaning                                       |
+    |------|----------|-----------------------------------------------|
+    | 7    | (unused) | ignored: the scale is unsigned                |
+    | 6-3  | exponent | bias 7; 0 is subnormal                        |
+    | 2-0  | mantissa | 3 bits                                        |
+
+    $$\operatorname{ue4m3}(x) / 2 = \begin{cases}
+      0 & x = \texttt{0x00} \text{ or } x = \texttt{0x7F} \text{ (E4M3's NaN)} \\
+      m \cdot 2^{-9} / 2 & e = 0 \\
+      (1 + m/8) \cdot 2^{e - 7} / 2 & \text{otherwise}
+    \end{cases}$$
+
+    Only the byte ``0x7F`` reads 0: ``0xFF`` (the same code with bit 7 set) reads
+    $1.875 \cdot 2^8 / 2 = 240$, as in ggml. Every value is exact in float32.
+
+    Args:
+        x: uint8 ``(...)``.
+
+    Returns:
+        float32 ``(...)``.
+
+    Examples:
+        >>> ue4m3_to_fp32(np.array([0x38, 0x7E, 0x7F, 0xFF, 0x01], dtype=np.uint8))
+        array([5.000000e-01, 2.240000e+02, 0.000000e+00, 2.400000e+02,
+               9.765625e-04], dtype=float32)
+    """
+    exp = ((x >> 3) & 0x0F).astype(np.int32)
+    man = (x & 0x07).astype(np.float32)
+    raw = np.where(
+        exp == 0,
+        np.ldexp(man, -9),  # subnormal
+        np.ldexp(np.float32(1) + man / np.float32(8), exp - 7),
+    )
+    return np.where((x == 0) | (x == 0x7F), np.float32(0), raw * np.float32(0.5))
+
+
+# --8<-- [end:ue4m3_to_fp32]
+
+
+# --8<-- [start:dequantize_mxfp4]
+def dequantize_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_mxfp4``: 32 FP4 (E2M1) values sharing a power of two (4.25 bits/weight).
+
+    ``block_mxfp4`` (17 bytes, 32 weights), the OCP Microscaling MXFP4 block:
+
+    | byte offset | field | type       | meaning                                          |
+    |------------:|-------|------------|--------------------------------------------------|
+    | 0           | `e`   | E8M0       | shared exponent: scale $2^{e - 127}$             |
+    | 1           | `qs`  | uint8[16]  | byte $j$: $q_j$ in bits 0-3, $q_{j+16}$ in 4-7   |
+
+    $$w_j = \frac{2^{e - 127}}{2} \cdot K[q_j]
+         = 2^{e - 127} \cdot \operatorname{E2M1}(q_j), \qquad K = \texttt{kvalues\_mxfp4}$$
+
+    Args:
+        blocks: uint8 ``(..., 17)``.
+
+    Returns:
+        float32 ``(..., 32)``.
+
+    Examples:
+        >>> block = np.zeros(17, dtype=np.uint8)
+        >>> block[0] = 127                     # scale 2^0
+        >>> block[1] = 0xF7                    # q_0 = 7 (E2M1 6.0), q_16 = 15 (-6.0)
+        >>> dequantize_mxfp4(block)[[0, 1, 16]]
+        array([ 6.,  0., -6.], dtype=float32)
+    """
+    d = e8m0_to_fp32_half(blocks[..., 0:1])  # (..., 1)
+    q = _nibbles(blocks[..., 1:17])  # (..., 32)
+    with np.errstate(over="ignore"):  # e = 254 and |K| = 12 overflow to inf, as in ggml
+        return KVALUES_MXFP4[q].astype(np.float32) * d
+
+
+# --8<-- [end:dequantize_mxfp4]
+
+
+# --8<-- [start:dequantize_nvfp4]
+def dequantize_nvfp4(blocks: np.ndarray) -> np.ndarray:
+    r"""``dequantize_row_nvfp4``: FP4 (E2M1) values, a UE4M3 scale per 16 (4.5 bits/weight).
+
+    ``block_nvfp4`` (36 bytes, 64 weights = 4 sub-blocks $s$ of 16):
+
+    | byte offset | field | type       | meaning                                                |
+    |------------:|-------|------------|--------------------------------------------------------|
+    | 0           | `d`   | UE4M3[4]   | scale of sub-block $s$ ([`ue4m3_to_fp32`][])           |
+    | 4           | `qs`  | uint8[32]  | byte $8s{+}j$: $q_{16s+j}$ in bits 0-3, $q_{16s+j+8}$ 4-7 |
+
+    $$w_{16s+j} = \frac{\operatorname{ue4m3}(d_s)}{2} \cdot K[q_{16s+j}],
+      \qquad K = \texttt{kvalues\_mxfp4}$$
+
+    NVIDIA's format also has a float32 scale per tensor; ggml's block has none.
+
+    Args:
+        blocks: uint8 ``(..., 36)``.
+
+    Returns:
+        float32 ``(..., 64)``.
+
+    Examples:
+        >>> block = np.zeros(36, dtype=np.uint8)
+        >>> block[0], block[1] = 0x38, 0x40    # d_0 = 1.0, d_1 = 2.0
+        >>> block[4], block[12] = 0x71, 0x0D   # q_0 = 1, q_8 = 7; q_16 = 13
+        >>> dequantize_nvfp4(block)[[0, 8, 16]]   # 0.5*1, 0.5*12, 1.0*-6
+        array([ 0.5,  6. , -6. ], dtype=float32)
+    """
+    lead = blocks.shape[:-1]
+    d = ue4m3_to_fp32(blocks[..., 0:4])[..., None]  # (..., 4, 1)
+    q = _nibbles(blocks[..., 4:36].reshape(*lead, 4, 8))  # (..., 4, 16)
+    w = KVALUES_MXFP4[q].astype(np.float32) * d  # (..., 4, 16)
+    return w.reshape(*lead, QK_NVFP4)  # (..., 64)
+
+
+# --8<-- [end:dequantize_nvfp4]
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch by type
 # ---------------------------------------------------------------------------------------------
@@ -883,9 +1468,22 @@ DEQUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q5_0: dequantize_q5_0,
     T.Q5_1: dequantize_q5_1,
     T.Q8_0: dequantize_q8_0,
+    T.Q2_K: dequantize_q2_k,
+    T.Q3_K: dequantize_q3_k,
     T.Q4_K: dequantize_q4_k,
     T.Q5_K: dequantize_q5_k,
     T.Q6_K: dequantize_q6_k,
+    T.Q8_K: dequantize_q8_k,
+    T.TQ1_0: dequantize_tq1_0,
+    T.TQ2_0: dequantize_tq2_0,
+    T.IQ4_NL: dequantize_iq4_nl,
+    T.IQ4_XS: dequantize_iq4_xs,
+    T.MXFP4: dequantize_mxfp4,
+    T.NVFP4: dequantize_nvfp4,
+    # ---- grid I-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) ----
+    # from reference/quants_iq.py (their block sizes come from gguf's table through _layout,
+    # so BLOCK_LAYOUTS need not list them)
+    **{t: fn for t, (fn, _) in IQ_DEQUANTIZERS.items()},
 }
 
 QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
@@ -895,6 +1493,7 @@ QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_0: quantize_q4_0,
     T.Q4_1: quantize_q4_1,
     T.Q8_0: quantize_q8_0,
+    **K_QUANTIZERS,  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K from reference/quants_k.py
 }
 # --8<-- [end:dispatch]
 
@@ -946,7 +1545,7 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
             f"{qtype.name} data must be raw bytes: a uint8 array with at least one dimension, "
             f"got {data.dtype} of shape {data.shape}"
         )
-    layout = BLOCK_LAYOUTS[qtype]
+    layout = _layout(qtype)
     n_bytes = data.shape[-1]
     if n_bytes % layout.type_size != 0:
         raise QuantError(
@@ -985,10 +1584,10 @@ def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         >>> x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
         >>> quantize(x, GGMLQuantizationType.Q4_1).shape
         (2, 20)
-        >>> quantize(x, GGMLQuantizationType.Q6_K)  # doctest: +ELLIPSIS
+        >>> quantize(x, GGMLQuantizationType.IQ2_XXS)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        reference.quants.QuantError: quantizing to Q6_K is not implemented; supported: F32, ...
+        reference.common.QuantError: quantizing to IQ2_XXS is not implemented; supported: F32, ...
     """
     qtype = _check_qtype(qtype)
     if qtype not in QUANTIZE:
@@ -1047,7 +1646,7 @@ class QuantizedTensor:
         >>> QuantizedTensor(GGMLQuantizationType.Q4_0, (2, 48), bad)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        reference.quants.QuantError: a row of 48 weights is not a whole number of Q4_0 blocks ...
+        reference.common.QuantError: a row of 48 weights is not a whole number of Q4_0 blocks ...
     """
 
     qtype: GGMLQuantizationType

@@ -3,9 +3,10 @@ r"""Tiny random models and the twin verdict: what doctests, docs pages and tests
 A specification needs examples that run, and examples need models. This module makes them
 in memory, seeded, in a few milliseconds:
 
-- [`tiny_hparams`][] / [`random_weights`][]: a Llama (or Qwen2, or a sliding-window
-  Llama) with GGUF tensor names; [`tiny_gemma_hparams`][] / [`random_gemma_weights`][]: a
-  Gemma, Gemma 2 or Gemma 3 (with its SWA pattern and soft-caps);
+- [`tiny_hparams`][] / [`random_weights`][]: a Llama (or Qwen2, Qwen3, a sliding-window
+  Llama, a Mixtral or a Qwen3-MoE) with GGUF tensor names;
+  [`tiny_gemma_hparams`][] / [`random_gemma_weights`][]: a Gemma, Gemma 2 or Gemma 3 (with
+  its SWA pattern and soft-caps);
   [`tiny_mamba_hparams`][] / [`random_mamba_weights`][]: a Mamba or Mamba-2;
 - [`write_tiny_gguf`][] / [`write_tiny_mamba_gguf`][]: the same written as a float32
   GGUF that llama.cpp can load (with the dummy vocabulary of
@@ -36,6 +37,7 @@ from reference.arch import llama_metadata, mamba_metadata
 from reference.gguf import write_gguf
 from reference.hparams import (
     GEMMA_ARCHS,
+    QWEN3_ARCHS,
     ROPE_TYPE_NEOX,
     ROPE_TYPE_NORM,
     SWA_TYPE_NONE,
@@ -66,10 +68,21 @@ def tiny_hparams(
     tied: bool = False,
     eps: float = 1e-5,
     n_ctx_train: int = 128,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
+    n_ff_exp: int = 0,
 ) -> LlamaHParams:
-    """A small [`LlamaHParams`][]; ``qwen2`` gets NeoX RoPE, ``llama`` normal RoPE.
+    """A small [`LlamaHParams`][]; ``qwen2``, ``qwen3`` and ``qwen3moe`` get NeoX RoPE,
+    ``llama`` normal RoPE.
 
+    ``n_expert > 0`` makes a mixture of experts (``llama``: Mixtral; ``qwen3moe``), with
+    ``n_expert_used`` experts per token and, for ``qwen3moe``, experts ``n_ff_exp`` wide.
     For a Gemma model as llama.cpp reads it, use [`tiny_gemma_hparams`][].
+
+    Examples:
+        >>> hp = tiny_hparams("qwen3moe", n_expert=4, n_expert_used=2, n_ff_exp=8)
+        >>> hp.rope_type, hp.n_ff_expert()
+        (2, 8)
     """
     head_dim = head_dim or n_embd // n_head
     return LlamaHParams(
@@ -85,11 +98,14 @@ def tiny_hparams(
         n_rot=n_rot or head_dim,
         n_ff=n_ff,
         f_norm_rms_eps=eps,
-        rope_type=ROPE_TYPE_NEOX if arch == "qwen2" else ROPE_TYPE_NORM,
+        rope_type=ROPE_TYPE_NORM if arch == "llama" else ROPE_TYPE_NEOX,
         rope_freq_base_train=freq_base,
         n_swa=n_swa,
         swa_type=SWA_TYPE_STANDARD if n_swa > 0 else SWA_TYPE_NONE,
         tied_output=tied,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=n_ff_exp,
     )
 
 
@@ -226,7 +242,10 @@ def random_weights(
     """Seeded random weights with GGUF names.
 
     ``qkv_bias`` (default: for qwen2) adds ``attn_q/k/v.bias``; ``out_ffn_bias`` adds
-    ``attn_output.bias`` and the three FFN biases (llama's optional tensors).
+    ``attn_output.bias`` and the three FFN biases (llama's optional tensors). ``qwen3`` and
+    ``qwen3moe`` get ``attn_q_norm``/``attn_k_norm`` gains ``(d,)``; a model with experts
+    gets the router ``ffn_gate_inp`` and the 3-D ``ffn_{gate,up,down}_exps`` instead of the
+    dense FFN (the draws of a dense llama/qwen2 are as they always were).
     """
     rng = np.random.default_rng(seed)
     qkv_bias = hp.arch == "qwen2" if qkv_bias is None else qkv_bias
@@ -250,7 +269,13 @@ def random_weights(
             w[b + "attn_q.bias"] = 0.1 * rng.normal(size=hp.n_head * d)
             w[b + "attn_k.bias"] = 0.1 * rng.normal(size=hp.n_head_kv * d)
             w[b + "attn_v.bias"] = 0.1 * rng.normal(size=hp.n_head_kv * d)
+        if hp.arch in QWEN3_ARCHS:
+            w[b + "attn_q_norm.weight"] = gain(d)
+            w[b + "attn_k_norm.weight"] = gain(d)
         w[b + "ffn_norm.weight"] = gain(hp.n_embd)
+        if hp.n_expert:
+            w.update(_random_experts(hp, b, mat))
+            continue
         w[b + "ffn_gate.weight"] = mat(hp.n_ff, hp.n_embd)
         w[b + "ffn_up.weight"] = mat(hp.n_ff, hp.n_embd)
         w[b + "ffn_down.weight"] = mat(hp.n_embd, hp.n_ff)
@@ -263,6 +288,17 @@ def random_weights(
     if not hp.tied_output:
         w["output.weight"] = mat(hp.n_vocab, hp.n_embd)
     return {k: v.astype(dtype) for k, v in w.items()}
+
+
+def _random_experts(hp: LlamaHParams, b: str, mat) -> dict:
+    """The router and the experts of one block (prefix ``b``), each expert drawn as a matrix."""
+    n_ff = hp.n_ff_expert()
+    return {
+        b + "ffn_gate_inp.weight": mat(hp.n_expert, hp.n_embd),
+        b + "ffn_gate_exps.weight": np.stack([mat(n_ff, hp.n_embd) for _ in range(hp.n_expert)]),
+        b + "ffn_up_exps.weight": np.stack([mat(n_ff, hp.n_embd) for _ in range(hp.n_expert)]),
+        b + "ffn_down_exps.weight": np.stack([mat(hp.n_embd, n_ff) for _ in range(hp.n_expert)]),
+    }
 
 
 def write_tiny_gguf(path: str | Path, hp: LlamaHParams, weights: dict) -> Path:

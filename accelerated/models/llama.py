@@ -1,14 +1,17 @@
 r"""Twin of [`reference.models.llama`][reference.models.llama]: ``llm_build_llama`` /
-``llm_build_qwen2`` on MLX.
+``llm_build_qwen2`` / ``llm_build_qwen3`` / ``llm_build_qwen3moe`` on MLX.
 
 The same graph, function for function, on ``accelerated.ops``. What differs:
 
-- weights are prepared once by [`prepare_weights`][]: GGUF Q4_0/Q4_1/Q8_0 tensors become
+- weights are prepared once by [`prepare_weights`][]: GGUF tensors of the types MLX holds
+  exactly ([`accelerated.quants.EXACT_TYPES`][accelerated.quants.EXACT_TYPES]: Q4_0, Q4_1, Q5_0,
+  Q5_1, Q8_0, Q4_K, Q5_K, Q3_K, IQ4_NL, IQ4_XS, TQ2_0, MXFP4) become
   [`accelerated.quants.MLXQuantized`][accelerated.quants.MLXQuantized] (lossless) and every matmul
   with them is [`accelerated.quants.quantized_matmul`][accelerated.quants.quantized_matmul]; other
   tensors are ``mx.array`` (float32; other GGUF types dequantized once at load);
 - ``get_rows`` on a quantized ``token_embd`` gathers the *packed* rows of the needed tokens
-  and dequantizes only those (``mx.dequantize``), the same values as the reference's full
+  and dequantizes only those ([`accelerated.quants.take_rows`][accelerated.quants.take_rows]),
+  the same values as the reference's full
   dequantization; a tied lm_head runs quantized on the packed table;
 - on the CPU device the matmul weights are dequantized once and stored *transposed*,
   ``(n_in, n_out)`` ([`TransposedWeight`][], ``matmul="dense"``): MLX's Linux CPU backend
@@ -28,6 +31,9 @@ The same graph, function for function, on ``accelerated.ops``. What differs:
   [`gpu_paths`][accelerated.device.gpu_paths]: the environment variable
   ``LLAMAREF_MLX_GPU_PATHS=1`` makes the CPU device take the GPU forms too, so that CI,
   which has no GPU, runs the code that Metal and CUDA run;
+- a mixture of experts runs its experts through ``mx.gather_mm`` / ``mx.gather_qmm``
+  ([`accelerated.ops.moe`][accelerated.ops.moe]): the 3-D ``ffn_*_exps`` stay as prepared
+  (packed when their type is exact) and a token reads only its experts;
 - the result is a lazy ``mx.array`` (the caller evaluates it, e.g. ``np.array(logits)``).
 
 Compute is float32 (MLX's dtype), whatever the dtype of the reference weights.
@@ -50,24 +56,40 @@ from accelerated.ops import add, mul, mul_mat, rms_norm, swiglu
 from accelerated.ops import softcap as softcap_op
 from accelerated.ops.attention import build_attn_mha_heads, stream_blocks, stream_mask
 from accelerated.ops.convert import as_mx, mx_dtype
+from accelerated.ops.moe import build_moe_ffn
 from accelerated.ops.rope import fast_rope_fits, rope_cache, rope_fused, rotate_pairs
-from accelerated.quants import MLXQuantized, dequantize_mlx, load_weight, quantized_matmul
+from accelerated.quants import (
+    MLXQuantized,
+    dequantize_mlx,
+    load_weight,
+    quantized_matmul,
+    take_rows,
+)
 from reference.batch import Batch, BatchAllocr
-from reference.hparams import LlamaHParams
+from reference.hparams import QWEN3_ARCHS, LlamaHParams
 from reference.models.llama import (  # host-side pieces, imported as they are
+    EXPERT_TENSORS,
     LLAMA_LAYER_TENSORS,
+    MOE_LAYER_TENSORS,
+    QWEN3_LAYER_TENSORS,
     SUPPORTED_ARCHS,
     AttnInput,
     LlamaForwardError,
     check_forward_inputs,
     check_ubatch_inputs,
+    get_expert_weight,
+    layer_tensors,
     model_dtype,
     rope_cparams,
 )
 from reference.ops.rope import RopeParams
 
 __all__ = [
+    "EXPERT_TENSORS",
     "LINEAR_TENSORS",
+    "LLAMA_LAYER_TENSORS",
+    "MOE_LAYER_TENSORS",
+    "QWEN3_LAYER_TENSORS",
     "SUPPORTED_ARCHS",
     "AttnInput",
     "LlamaForwardError",
@@ -79,6 +101,7 @@ __all__ = [
     "build_norm",
     "build_qkv",
     "check_ubatch_inputs",
+    "get_expert_weight",
     "get_weight",
     "greedy",
     "layer_weights",
@@ -149,7 +172,8 @@ def prepare_weights(weights: dict, matmul: str = "quantized") -> dict:
             [`reference.quants.QuantizedTensor`][reference.quants.QuantizedTensor] or already
             prepared values (kept as they are).
         matmul: how the matmul weights (`LINEAR_TENSORS`) are held: ``"quantized"``
-            (Q4_0/Q4_1/Q8_0 as [`MLXQuantized`][], other types dense float32) or
+            (the exact types of [`accelerated.quants.load_weight`][accelerated.quants.load_weight]
+            as [`MLXQuantized`][], other types dense float32) or
             ``"dense"`` (every one dequantized to float32 and stored as a
             [`TransposedWeight`][]; [`accelerated.context.Context`][accelerated.context.Context]
             picks [`default_matmul`][]). With ``"dense"`` and tied embeddings (no
@@ -251,9 +275,11 @@ def linear(w: Weight, cur: mx.array) -> mx.array:
 
 
 # --8<-- [start:layer_weights]
-def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
+def layer_weights(
+    weights: dict, il: int, dtype: DTypeLike, hparams: LlamaHParams | None = None
+) -> dict:
     """Twin of [`reference.models.llama.layer_weights`][reference.models.llama.layer_weights].
-    Prepared weights, same fields.
+    Prepared weights, same fields (the experts as prepared: ``mx.array`` or ``MLXQuantized``).
 
     Examples:
         >>> layer_weights({}, 0, np.float32)
@@ -263,7 +289,7 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
     """
     return {
         field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
-        for field, (name, required) in LLAMA_LAYER_TENSORS.items()
+        for field, (name, required) in layer_tensors(hparams).items()
     }
 # --8<-- [end:layer_weights]
 
@@ -524,10 +550,7 @@ def build_inp_embd(
     tok_embd = get_weight(weights, "token_embd.weight", dtype)
     idx = index_array(tokens)  # (n_tokens,)
     if isinstance(tok_embd, MLXQuantized):
-        m = tok_embd
-        return mx.dequantize(
-            m.w_q[idx], m.scales[idx], m.biases[idx], group_size=m.group_size, bits=m.bits
-        )  # (n_tokens, n_embd)
+        return take_rows(tok_embd, idx)  # (n_tokens, n_embd)
     return mx.take(weight_values(tok_embd), idx, axis=0)  # (n_tokens, n_embd)
 # --8<-- [end:build_inp_embd]
 
@@ -619,6 +642,18 @@ def graph_rope(
 # --8<-- [end:graph_rope]
 
 
+# --8<-- [start:build_moe]
+def build_moe(cur: mx.array, layer: dict, hparams: LlamaHParams) -> mx.array:
+    """Twin of [`reference.models.llama.build_moe`][reference.models.llama.build_moe].
+
+    The experts run through ``mx.gather_mm`` / ``mx.gather_qmm``
+    ([`accelerated.ops.moe.build_moe_ffn`][accelerated.ops.moe.build_moe_ffn])."""
+    return build_moe_ffn(cur, weight_values(layer["ffn_gate_inp"]), layer["ffn_up_exps"],
+                         layer["ffn_gate_exps"], layer["ffn_down_exps"],
+                         hparams.n_expert_used, norm_w=hparams.expert_weights_norm)
+# --8<-- [end:build_moe]
+
+
 # --8<-- [start:llm_build_llama]
 def llm_build_llama(
     weights: dict,
@@ -659,10 +694,13 @@ def llm_build_llama(
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     turn = graph_rope(pos, rope, rope_factors)  # RoPE for every q and k
     for il in range(hparams.n_layer):
-        layer = layer_weights(weights, il, dtype)
+        layer = layer_weights(weights, il, dtype, hparams)
         inpSA = inpL
         cur = build_norm(inpL, layer["attn_norm"], eps)
         q, k, v = build_qkv(layer, cur, n_embd_head, hparams.n_head, hparams.n_head_kv)
+        if hparams.arch in QWEN3_ARCHS:  # per head, before RoPE
+            q = build_norm(q, layer["attn_q_norm"], eps)  # (n_tokens, n_head, d)
+            k = build_norm(k, layer["attn_k_norm"], eps)  # (n_tokens, n_head_kv, d)
         q = turn(q)  # (n_tokens, n_head, d)
         k = turn(k)  # (n_tokens, n_head_kv, d)
         cur = build_attn(inp_attn, layer["wo"], layer["bo"], q, k, v, kq_scale, il)
@@ -672,7 +710,7 @@ def llm_build_llama(
             inpSA = mx.take(inpSA, out_ids, axis=0)  # (n_outputs, n_embd)
         ffn_inp = add(cur, inpSA)
         cur = build_norm(ffn_inp, layer["ffn_norm"], eps)
-        cur = build_ffn(cur, layer)
+        cur = build_moe(cur, layer, hparams) if hparams.n_expert else build_ffn(cur, layer)
         inpL = add(cur, ffn_inp)
     cur = build_norm(inpL, get_weight(weights, "output_norm.weight", dtype), eps)
     output = get_weight(weights, "output.weight", dtype, required=False)

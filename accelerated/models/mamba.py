@@ -5,10 +5,10 @@ The same graph, function for function, with the operators of [`accelerated.ops`]
 (``ssm_conv``, ``ssm_scan``, ``rms_norm``, ``mul_mat``, ...). What differs:
 
 - **Weights** are MLX arrays, prepared once by [`prepare_weights`][] (each GGUF tensor
-  through [`accelerated.quants.load_weight`][accelerated.quants.load_weight]: Q4_0, Q4_1 and Q8_0
-  stay quantized and run in ``mx.quantized_matmul``, other types are dequantized once). A dict that
-  still holds NumPy arrays or quantized tensors is converted tensor by tensor on each call, which is
-  correct but slower.
+  through [`accelerated.quants.load_weight`][accelerated.quants.load_weight]: the types MLX
+  holds exactly stay quantized and run in ``mx.quantized_matmul``, other types are dequantized
+  once). A dict that still holds NumPy arrays or quantized tensors is converted tensor by tensor
+  on each call, which is correct but slower.
 - **Compute dtype** is float32 (MLX's float64 is CPU-only); float64 weights are rounded.
 - **Laziness**: the forward builds one lazy graph per ubatch; [`mamba_forward`][] evaluates
   the logits, and the states written back through the [`RecurrentInput`][] stay lazy until

@@ -143,16 +143,17 @@ def mlx_lm_model(hparams: LlamaHParams | MambaHParams, weights: dict,
 
     def quantize_as_ours(path, module):  # nn.quantize's predicate: our bits per layer
         q = by_path.get(path + ".weight")
-        return {"group_size": q.group_size, "bits": q.bits} if isinstance(q, MLXQuantized) \
-            else False
+        return {"group_size": q.group_size, "bits": q.bits, "mode": q.mode} \
+            if isinstance(q, MLXQuantized) else False
 
     nn.quantize(model, class_predicate=quantize_as_ours)
     params = []
     for path, value in by_path.items():
         if isinstance(value, MLXQuantized):
             prefix = path.removesuffix(".weight")
-            params += [(path, value.w_q), (prefix + ".scales", value.scales),
-                       (prefix + ".biases", value.biases)]
+            params += [(path, value.w_q), (prefix + ".scales", value.scales)]
+            if value.biases is not None:  # MXFP4 has none
+                params.append((prefix + ".biases", value.biases))
         else:
             params.append((path, value.astype(mx.float32)))
     model.load_weights(params, strict=True)

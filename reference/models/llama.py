@@ -1,4 +1,4 @@
-r"""The Llama block: llama.cpp's ``llm_build_llama`` (and ``llm_build_qwen2``) in NumPy.
+r"""The Llama block: llama.cpp's ``llm_build_llama`` (and qwen2, qwen3, qwen3moe) in NumPy.
 
 The graph of ``src/models/llama.cpp`` built from the helpers of ``src/llama-graph.cpp``
 (``build_norm``, ``build_qkv``, ``build_attn``, ``build_ffn``, ``build_inp_out_ids``). For a
@@ -20,9 +20,21 @@ x^{(l+1)} &= y + \left(\mathrm{silu}(u W_{gate}^T) \odot u W_{up}^T\right) W_{do
 \end{aligned}
 $$
 
-Two architectures share this graph: ``llama`` (interleaved "normal" RoPE, optional
-``attn_output``/FFN biases, Mistral's sliding window through the mask) and ``qwen2`` (Q/K/V
-biases, NeoX RoPE, optional ``output.bias``). The RoPE mode comes from ``hparams.rope_type``.
+Four architectures share this graph: ``llama`` (interleaved "normal" RoPE, optional
+``attn_output``/FFN biases, Mistral's sliding window through the mask), ``qwen2`` (Q/K/V
+biases, NeoX RoPE, optional ``output.bias``), ``qwen3`` (``llm_build_qwen3``: NeoX RoPE, no
+biases, and an RMS norm of every query and key *head* before RoPE, with gains
+``attn_q_norm``/``attn_k_norm`` of one head's width $d$):
+
+$$ q_h \leftarrow \mathrm{rms\_norm}(q_h) \odot g_q, \qquad
+   k_h \leftarrow \mathrm{rms\_norm}(k_h) \odot g_k \qquad (q_h, k_h \in \mathbb{R}^d), $$
+
+and ``qwen3moe`` (``llm_build_qwen3moe``: qwen3's attention, a mixture of experts for the FFN).
+A ``llama`` model with experts (``n_expert > 0``) is Mixtral. The experts' FFN is
+[`reference.ops.moe.build_moe_ffn`][reference.ops.moe.build_moe_ffn] (softmax router, top-k,
+weights normalised, SwiGLU experts through ``mul_mat_id``); its expert tensors
+``ffn_{gate,up,down}_exps`` stay as stored (quantized ones dequantize one expert at a time,
+only for the experts a token chose). The RoPE mode comes from ``hparams.rope_type``.
 
 Only the *output rows* (``out_ids``) go through the last layer's residual add, the FFN of
 the last layer, the final norm and the lm_head: llama.cpp ``get_rows``'s them out right
@@ -49,12 +61,13 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from reference.common import LlamarefError
-from reference.hparams import LlamaHParams, rope_cparams
+from reference.hparams import QWEN3_ARCHS, LlamaHParams, rope_cparams
 from reference.models.simple_cache import SimpleKVCache
 from reference.ops import add, build_attn_mha, get_rows, mul, mul_mat, rms_norm, swiglu
+from reference.ops.moe import build_moe_ffn
 from reference.ops.rope import RopeParams, check_rope_args, rope_cache, rope_dtype, rotate_pairs
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 
 class LlamaForwardError(LlamarefError, ValueError):
@@ -165,14 +178,70 @@ LLAMA_LAYER_TENSORS = {
 # --8<-- [end:LLAMA_LAYER_TENSORS]
 
 
+# --8<-- [start:MOE_LAYER_TENSORS]
+# qwen3/qwen3moe: the per-head norms of Q and K, each (n_embd_head_k,).
+QWEN3_LAYER_TENSORS = {
+    "attn_q_norm": ("attn_q_norm.weight", True),
+    "attn_k_norm": ("attn_k_norm.weight", True),
+}
+# A mixture-of-experts FFN (n_expert > 0) instead of ffn_gate/ffn_up/ffn_down and their
+# biases: the router (n_expert, n_embd) and the experts (n_expert, n_ff_exp, n_embd) /
+# (n_expert, n_embd, n_ff_exp). llama's gate experts are optional (then silu(up)).
+MOE_LAYER_TENSORS = {
+    "ffn_gate_inp": ("ffn_gate_inp.weight", True),
+    "ffn_gate_exps": ("ffn_gate_exps.weight", True),
+    "ffn_up_exps": ("ffn_up_exps.weight", True),
+    "ffn_down_exps": ("ffn_down_exps.weight", True),
+}
+# The experts are kept as stored: mul_mat_id reads one expert at a time.
+EXPERT_TENSORS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
+# --8<-- [end:MOE_LAYER_TENSORS]
+
+
+# --8<-- [start:layer_tensors]
+def layer_tensors(hparams: LlamaHParams | None = None) -> dict:
+    """The tensors of a block of ``hparams``' model: field -> (GGUF name, required).
+
+    [`LLAMA_LAYER_TENSORS`][] (``None``: a dense llama), with qwen3's Q/K norms, and with a
+    mixture of experts (``n_expert > 0``) in place of the dense FFN (``load_arch_tensors``
+    of ``src/models/llama.cpp``, ``qwen3.cpp``, ``qwen3moe.cpp``).
+
+    Examples:
+        >>> from reference.testing import tiny_hparams
+        >>> hp = tiny_hparams("qwen3moe", n_expert=4, n_expert_used=2)
+        >>> sorted(set(layer_tensors(hp)) - set(LLAMA_LAYER_TENSORS))[:3]
+        ['attn_k_norm', 'attn_q_norm', 'ffn_down_exps']
+        >>> sorted(set(LLAMA_LAYER_TENSORS) - set(layer_tensors(hp)))[:3]
+        ['ffn_down', 'ffn_down_b', 'ffn_gate']
+    """
+    table = dict(LLAMA_LAYER_TENSORS)
+    if hparams is None:
+        return table
+    if hparams.arch in QWEN3_ARCHS:
+        table.update(QWEN3_LAYER_TENSORS)
+    if hparams.n_expert:
+        for field in ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_b", "ffn_up_b", "ffn_down_b"):
+            del table[field]
+        table.update(MOE_LAYER_TENSORS)
+        if hparams.arch == "llama":  # TENSOR_NOT_REQUIRED in llama's loader
+            table["ffn_gate_exps"] = ("ffn_gate_exps.weight", False)
+    return table
+# --8<-- [end:layer_tensors]
+
+
 # --8<-- [start:layer_weights]
-def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
+def layer_weights(
+    weights: dict, il: int, dtype: DTypeLike, hparams: LlamaHParams | None = None
+) -> dict:
     """The weights of block ``il`` under ``llama_layer``'s field names (None when absent).
 
     ``attn_norm``/``ffn_norm`` ``(n_embd,)``; ``wq`` ``(n_head * d, n_embd)``, ``wk``/``wv``
     ``(n_head_kv * d, n_embd)``, ``wo`` ``(n_embd, n_head * d)``; ``ffn_gate``/``ffn_up``
     ``(n_ff, n_embd)``, ``ffn_down`` ``(n_embd, n_ff)``; biases ``bq``, ``bk``, ``bv``,
-    ``bo``, ``ffn_gate_b``, ``ffn_up_b``, ``ffn_down_b`` are optional.
+    ``bo``, ``ffn_gate_b``, ``ffn_up_b``, ``ffn_down_b`` are optional. With ``hparams``, the
+    tables of [`layer_tensors`][]: qwen3's ``attn_q_norm``/``attn_k_norm`` ``(d,)``, and
+    for experts ``ffn_gate_inp`` (dequantized) and the ``*_exps`` tensors as stored
+    (arrays or quantized, read one expert at a time by ``mul_mat_id``).
 
     Examples:
         >>> sorted(layer_weights({}, 0, np.float32))[:3]
@@ -180,11 +249,30 @@ def layer_weights(weights: dict, il: int, dtype: DTypeLike) -> dict:
         ...
         reference.models.llama.LlamaForwardError: missing weight 'blk.0.attn_norm.weight'
     """
-    return {
-        field: get_weight(weights, f"blk.{il}.{name}", dtype, required)
-        for field, (name, required) in LLAMA_LAYER_TENSORS.items()
-    }
+    layer = {}
+    for field, (name, required) in layer_tensors(hparams).items():
+        if field in EXPERT_TENSORS:
+            layer[field] = get_expert_weight(weights, f"blk.{il}.{name}", required)
+        else:
+            layer[field] = get_weight(weights, f"blk.{il}.{name}", dtype, required)
+    return layer
 # --8<-- [end:layer_weights]
+
+
+def get_expert_weight(weights: dict, name: str, required: bool):
+    """A 3-D expert tensor as stored (not dequantized), or None when absent and optional.
+
+    Raises:
+        LlamaForwardError: a required tensor is missing, or it is not 3-D.
+    """
+    w = weights.get(name)
+    if w is None:
+        if required:
+            raise LlamaForwardError(f"missing weight {name!r}")
+        return None
+    if len(w.shape) != 3:
+        raise LlamaForwardError(f"{name!r} must be 3-D (n_expert, rows, cols), got {w.shape}")
+    return w
 
 
 
@@ -330,6 +418,26 @@ def build_ffn(cur: np.ndarray, layer: dict) -> np.ndarray:
 # --8<-- [end:build_ffn]
 
 
+# --8<-- [start:build_moe]
+def build_moe(cur: np.ndarray, layer: dict, hparams: LlamaHParams) -> np.ndarray:
+    """The FFN of a block with experts: ``build_moe_ffn(..., LLM_FFN_SILU, norm_w = true,
+    expert_weights_scale, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX)`` as ``llm_build_llama``
+    (Mixtral) and ``llm_build_qwen3moe`` call it.
+
+    Args:
+        cur: normed activations ``(n_tokens, n_embd)``.
+        layer: [`layer_weights`][] of the block (``ffn_gate_inp`` and the ``*_exps``).
+        hparams: ``n_expert_used`` and ``expert_weights_norm``.
+
+    Returns:
+        ``(n_tokens, n_embd)``.
+    """
+    return build_moe_ffn(cur, layer["ffn_gate_inp"], layer["ffn_up_exps"],
+                         layer["ffn_gate_exps"], layer["ffn_down_exps"],
+                         hparams.n_expert_used, norm_w=hparams.expert_weights_norm)
+# --8<-- [end:build_moe]
+
+
 # --8<-- [start:build_inp_embd]
 def build_inp_embd(
     weights: dict, tokens: np.ndarray | None, embd: np.ndarray | None, dtype: DTypeLike
@@ -420,7 +528,8 @@ def llm_build_llama(
     out_ids: np.ndarray,
     embd: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The graph of ``llm_build_llama`` / ``llm_build_qwen2`` for one ubatch.
+    """The graph of ``llm_build_llama`` / ``llm_build_qwen2`` / ``llm_build_qwen3`` /
+    ``llm_build_qwen3moe`` for one ubatch.
 
     Args:
         weights: GGUF-named weights (arrays or quantized tensors).
@@ -442,10 +551,14 @@ def llm_build_llama(
 
     inpL = build_inp_embd(weights, tokens, embd, dtype)  # (n_tokens, n_embd)
     for il in range(hparams.n_layer):
-        layer = layer_weights(weights, il, dtype)
+        layer = layer_weights(weights, il, dtype, hparams)
         inpSA = inpL
         cur = build_norm(inpL, layer["attn_norm"], hparams.f_norm_rms_eps)
         q, k, v = build_qkv(layer, cur, n_embd_head, hparams.n_head, hparams.n_head_kv)
+        if hparams.arch in QWEN3_ARCHS:  # per head, before RoPE
+            eps = hparams.f_norm_rms_eps
+            q = build_norm(q, layer["attn_q_norm"], eps)  # (n_tokens, n_head, d)
+            k = build_norm(k, layer["attn_k_norm"], eps)  # (n_tokens, n_head_kv, d)
         q = rope(q)  # rope_ext(q, pos, ...): (n_tokens, n_head, d)
         k = rope(k)  # rope_ext(k, pos, ...): (n_tokens, n_head_kv, d)
         cur = build_attn(inp_attn, layer["wo"], layer["bo"], q, k, v, kq_scale, il)
@@ -455,7 +568,7 @@ def llm_build_llama(
             inpSA = get_rows(inpSA, out_ids)  # (n_outputs, n_embd)
         ffn_inp = add(cur, inpSA)
         cur = build_norm(ffn_inp, layer["ffn_norm"], hparams.f_norm_rms_eps)
-        cur = build_ffn(cur, layer)
+        cur = build_moe(cur, layer, hparams) if hparams.n_expert else build_ffn(cur, layer)
         inpL = add(cur, ffn_inp)
 
     cur = build_norm(inpL, get_weight(weights, "output_norm.weight", dtype), hparams.f_norm_rms_eps)
@@ -559,7 +672,7 @@ def llama_forward(
     Args:
         weights: GGUF-named weights; their dtype (``token_embd.weight``'s) is the compute
             dtype, float32 for quantized weights.
-        hparams: hyperparameters; ``hparams.arch`` must be ``"llama"`` or ``"qwen2"``.
+        hparams: hyperparameters; ``hparams.arch`` must be one of `SUPPORTED_ARCHS`.
         tokens: token ids ``(n_tokens,)``, or None when ``embd`` is given.
         pos: positions ``(n_tokens,)``.
         inp_attn: the memory's attention input for this ubatch (e.g.

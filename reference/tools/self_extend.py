@@ -531,12 +531,18 @@ def self_extend_forward(weights: dict, hparams: LlamaHParams, tokens: ArrayLike,
     Returns:
         logits ``(n_tokens, n_vocab)``.
 
+    Raises:
+        SelfExtendError: another architecture (this graph has no Q/K norms, no experts).
+
     Examples:
         >>> from reference.testing import tiny_hparams, random_weights
         >>> hp = tiny_hparams()
         >>> self_extend_forward(random_weights(hp), hp, [1, 2, 3], 2, 2).shape
         (3, 32)
     """
+    if hparams.arch not in ("llama", "qwen2") or hparams.n_expert:
+        raise SelfExtendError(f"self_extend_forward builds a dense llama / qwen2 graph, not "
+                              f"{hparams.arch!r}" + (" with experts" if hparams.n_expert else ""))
     dtype = model_dtype(weights)
     tokens = np.asarray(tokens, dtype=np.int64)  # (n_tokens,)
     pos = np.arange(len(tokens))  # (n_tokens,)

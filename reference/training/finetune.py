@@ -150,7 +150,7 @@ def check_finetune(
 
     Raises:
         FinetuneError: bad batch sizes ([`finetune_batch_sizes`][]).
-        TrainGraphError: an architecture other than llama / qwen2.
+        TrainGraphError: an architecture other than llama / qwen2, or experts.
         OptParamsError: an unknown optimizer, or a learning rate / weight decay out of range.
         DatasetError: a text too short for one datapoint (with the count needed) or a
             split out of range.
@@ -163,6 +163,9 @@ def check_finetune(
     """
     if hparams.arch not in TRAINABLE_ARCHS:
         raise TrainGraphError(f"fine-tuning runs {TRAINABLE_ARCHS} models, not {hparams.arch!r}")
+    if hparams.n_expert:
+        raise TrainGraphError(f"fine-tuning runs dense models; this {hparams.arch} has "
+                              f"{hparams.n_expert} experts (no gradient of mul_mat_id here)")
     finetune_batch_sizes(params.n_ctx, params.n_batch, params.n_ubatch)
     if params.optimizer not in OPTIMIZERS:
         check_optimizer_params(opt_lr_pars(params.lr, 0), params.optimizer)  # names it

@@ -133,3 +133,20 @@ def test_nmse_fails_on_nan_and_mismatched_infinities():
     assert nmse([1.0, np.nan], [1.0, np.nan]) == math.inf
     assert nmse([1.0, np.inf], [1.0, -np.inf]) == math.inf
     assert nmse([1.0, -np.inf], [1.0, -np.inf]) == 0.0
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch, n_expert", [("qwen3", 0), ("qwen3moe", 4), ("llama", 4)],
+                         ids=["qwen3", "qwen3moe", "mixtral"])
+def test_qwen3_and_mixtures_of_experts_are_verified(tmp_path, arch, n_expert):
+    """Qwen3's Q/K norms and the experts' ``mul_mat_id``: every check passes, the twin and
+    llama.cpp included."""
+    hp = tiny_hparams(arch, n_vocab=300, n_embd=32, n_ff=48, n_head=4, n_head_kv=2,
+                      n_expert=n_expert, n_expert_used=2 if n_expert else 0,
+                      n_ff_exp=24 if arch == "qwen3moe" else 0)
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", hp, random_weights(hp))
+    report, text = verify(path)
+    assert report.passed, text
+    names = statuses(report)
+    assert names["llama.cpp logits (f32 weights, f32 KV, n=64)"] == "PASS"
+    assert names["accelerated vs reference logits (n=12)"] == "PASS"

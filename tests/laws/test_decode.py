@@ -4,7 +4,8 @@ Each law is written once and runs on every flavour of ``tests/support/helpers.py
 reference in float64: max error <= 1e-10, only rounding differs; the reference in float32 and
 the MLX twin: NMSE <= 1e-10, what float32 rounding of a different summation order gives) and
 on every model that has what it needs (``llama``; ``iswa``, a window on some layers, 1:1 as
-Gemma 2, 5:1 as Gemma 3, or every layer; ``mamba`` and ``mamba2``, a recurrent state). Where
+Gemma 2, 5:1 as Gemma 3, or every layer; ``mamba`` and ``mamba2``, a recurrent state;
+``qwen3moe``, Qwen3's per-head Q/K norms and a mixture of experts). Where
 a law decodes a scenario on the twin, the reference decodes it too and the two agree
 (NMSE <= 1e-6). "Alone" is one sequence decoded in one batch on a fresh Context, or for a
 recurrent model the flavour's ``mamba_forward`` on a plain state, without a Context:
@@ -45,6 +46,7 @@ from reference.batch import Batch
 from reference.context import ContextError
 from tests.support.helpers import (
     CELLS,
+    DECODE_MODELS,
     EMBD,
     K_SHIFT,
     N_VOCAB,
@@ -67,7 +69,7 @@ from tests.support.helpers import (
 )
 
 tokens_st = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6)
-every_model = for_models()
+every_model = for_models(models=DECODE_MODELS)
 
 
 def splits_sequentially(model, kv_unified: bool) -> bool:
@@ -214,7 +216,7 @@ ops_st = st.lists(st.one_of(
 ), min_size=1, max_size=3)
 
 
-@for_models(K_SHIFT)
+@for_models(K_SHIFT, models=DECODE_MODELS)
 @every_flavour
 @given(data=st.data(), ops=ops_st, cont=tokens_st, kv_unified=st.booleans())
 def test_shifted_cache_equals_fresh_decode_at_shifted_positions(model, flavour, data, ops,
@@ -242,7 +244,7 @@ def test_shifted_cache_equals_fresh_decode_at_shifted_positions(model, flavour, 
     assert_twins_agree(flavour, got, lambda f: shifted(f)[1])
 
 
-@for_models(K_SHIFT)
+@for_models(K_SHIFT, models=DECODE_MODELS)
 @every_flavour
 @given(data=st.data(), d=st.integers(2, 4), cont=tokens_st)
 def test_seq_div_equals_fresh_decode_at_divided_positions(model, flavour, data, d, cont):
@@ -262,7 +264,7 @@ def test_seq_div_equals_fresh_decode_at_divided_positions(model, flavour, data, 
 # ---- failures change nothing ----------------------------------------------------------------
 
 
-@for_models(CELLS)
+@for_models(CELLS, models=DECODE_MODELS)
 @every_flavour
 @given(data=st.data(), n_ubatch=st.sampled_from([5, 16, 32, 64]), extra=st.integers(57, 120),
        kv_unified=st.booleans())
@@ -367,7 +369,7 @@ def test_invalid_batch_returns_minus_1_and_changes_nothing(model, flavour, bad):
     assert_three_sequences_go_on(model, flavour, ctx)
 
 
-@for_layouts()
+@for_layouts(models=DECODE_MODELS)
 @every_flavour
 def test_a_token_of_coupled_sequences_decodes_or_returns_1(model, kv_unified, flavour):
     """Two sequences with equal ranges (seq 2 is a copy of seq 0) share a token: one stream
@@ -409,7 +411,7 @@ def test_a_batch_of_embeddings_decodes_as_its_tokens_or_is_refused(model, flavou
     assert_same(before, snapshot(ctx))
 
 
-@for_layouts(K_SHIFT)
+@for_layouts(K_SHIFT, models=DECODE_MODELS)
 @every_flavour
 def test_invalid_batch_after_a_pending_shift_keeps_the_shift_pending(model, kv_unified,
                                                                      flavour):

@@ -656,15 +656,16 @@ def test_rewriting_the_file_read_keeps_the_views_valid(tmp_path):
 
 
 def test_a_tensor_type_we_cannot_dequantize_still_reads(tmp_path):
-    """One IQ2_XXS tensor does not make a valid file unreadable: it is held as raw blocks."""
+    """One Q8_1 tensor (ggml has no ``to_float`` for it either) does not make a valid file
+    unreadable: it is held as raw blocks."""
     from reference.quants import QuantError
 
-    raw = np.arange(66 * 2, dtype=np.uint8).reshape(2, 66)  # 2 rows of one 256-weight block
-    iq = QuantizedTensor(GGMLQuantizationType.IQ2_XXS, (2, 256), raw)
-    path = tmp_path / "iq.gguf"
-    write_gguf(path, {"general.architecture": "llama"}, {"w": iq})
+    raw = np.arange(40 * 2, dtype=np.uint8).reshape(2, 40)  # 2 rows of one 32-weight block
+    q81 = QuantizedTensor(GGMLQuantizationType.Q8_1, (2, 32), raw)
+    path = tmp_path / "q81.gguf"
+    write_gguf(path, {"general.architecture": "llama"}, {"w": q81})
     t = read_gguf(path).tensors["w"]
-    assert t.qtype == GGMLQuantizationType.IQ2_XXS and t.shape == (2, 256)
+    assert t.qtype == GGMLQuantizationType.Q8_1 and t.shape == (2, 32)
     np.testing.assert_array_equal(t.data, raw)
-    with pytest.raises(QuantError, match="IQ2_XXS"):
+    with pytest.raises(QuantError, match="Q8_1"):
         t.dequantize()

@@ -13,6 +13,7 @@ Three kinds of evidence:
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from reference.quants import (
 
 T = GGMLQuantizationType
 QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# The rest of the simple types; their oracle tests are in tests/oracle/test_quants.py.
+NEW = [T.Q2_K, T.Q3_K, T.Q8_K, T.TQ1_0, T.TQ2_0, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.NVFP4]
 FLOATS = [T.F32, T.F16, T.BF16]
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1]
 
@@ -49,7 +52,17 @@ F16_FIELDS = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q8_K: (),  # its scale is a float32: F32_FIELDS
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
+    T.MXFP4: (),  # an E8M0 byte: every value is finite
+    T.NVFP4: (),  # four UE4M3 bytes: every value is finite
 }
+F32_FIELDS = {T.Q8_K: (0,)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +95,7 @@ def assert_bits_equal(a: np.ndarray, b: np.ndarray) -> None:
 def random_blocks(
     rng: np.random.Generator, qtype: GGMLQuantizationType, lead: tuple[int, ...], n_blocks: int
 ) -> np.ndarray:
-    """Random bytes ``(*lead, n_blocks * type_size)`` whose float16 fields are finite.
+    """Random bytes ``(*lead, n_blocks * type_size)`` whose float16 and float32 scales are finite.
 
     Every quant bit is random; the scales are drawn from a normal of random magnitude (so
     subnormal, tiny and large float16 scales all occur) and written into their fields.
@@ -96,6 +109,10 @@ def random_blocks(
         magnitude = 10.0 ** rng.integers(-7, 4, (*lead, n_blocks, 1))
         scale = (rng.standard_normal((*lead, n_blocks, 1)) * magnitude).astype("<f2")
         raw[..., offset : offset + 2] = scale.view(np.uint8)
+    for offset in F32_FIELDS.get(qtype, ()):
+        magnitude = 10.0 ** rng.integers(-30, 30, (*lead, n_blocks, 1))
+        scale = (rng.standard_normal((*lead, n_blocks, 1)) * magnitude).astype("<f4")
+        raw[..., offset : offset + 4] = scale.view(np.uint8)
     return raw.reshape(*lead, n_blocks * layout.type_size)
 
 
@@ -174,6 +191,21 @@ def test_bits_per_weight_of_the_common_formats():
         T.Q6_K: 6.5625,
     }
     assert QK_K == 256
+
+
+def test_bits_per_weight_of_the_other_simple_formats():
+    bpw = {t: BLOCK_LAYOUTS[t].bits_per_weight for t in NEW}
+    assert bpw == {
+        T.Q2_K: 2.625,
+        T.Q3_K: 3.4375,
+        T.Q8_K: 9.125,
+        T.TQ1_0: 1.6875,
+        T.TQ2_0: 2.0625,
+        T.IQ4_NL: 4.5,
+        T.IQ4_XS: 4.25,
+        T.MXFP4: 4.25,
+        T.NVFP4: 4.5,
+    }
 
 
 def test_row_size():
@@ -366,15 +398,155 @@ def c_dequantize_row_q6_K(b: bytes) -> list[np.float32]:  # noqa: N802 (ggml's n
     return y
 
 
+def c_dequantize_row_q2_K(b: bytes) -> list[np.float32]:  # noqa: N802 (ggml's name)
+    d, dmin = _f16_at(b, 80), _f16_at(b, 82)
+    scales = b[0:16]
+    y = []
+    is_ = 0
+    for n in range(2):
+        q = b[16 + 32 * n : 16 + 32 * n + 32]
+        for shift in (0, 2, 4, 6):
+            for half in range(2):
+                sc = scales[is_]
+                is_ += 1
+                dl, ml = d * np.float32(sc & 0xF), dmin * np.float32(sc >> 4)
+                y += [dl * np.float32((q[16 * half + l] >> shift) & 3) - ml for l in range(16)]
+    return y
+
+
+def c_dequantize_row_q3_K(b: bytes) -> list[np.float32]:  # noqa: N802 (ggml's name)
+    d_all = _f16_at(b, 108)
+    hm = b[0:32]
+    kmask1, kmask2 = 0x03030303, 0x0F0F0F0F
+    aux = [int(v) for v in np.frombuffer(b[96:108] + bytes(4), "<u4")]  # memcpy(aux, scales, 12)
+    tmp = aux[2]
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4)
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4)
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4)
+    scales = np.array(aux, "<u4").view(np.int8).astype(int)
+    y = []
+    is_, m = 0, 1
+    for n in range(2):
+        q = b[32 + 32 * n : 32 + 32 * n + 32]
+        for shift in (0, 2, 4, 6):
+            for half in range(2):
+                dl = d_all * np.float32(scales[is_] - 32)
+                is_ += 1
+                y += [
+                    dl * np.float32(((q[16 * half + l] >> shift) & 3)
+                                    - (0 if hm[16 * half + l] & m else 4))
+                    for l in range(16)
+                ]
+            m <<= 1
+    return y
+
+
+def c_dequantize_row_q8_K(b: bytes) -> list[np.float32]:  # noqa: N802 (ggml's name)
+    d = np.frombuffer(b[0:4], "<f4")[0]
+    return [d * np.float32(q) for q in np.frombuffer(b[4:260], np.int8)]
+
+
+def _c_trit(byte: int, n: int) -> int:
+    q = (byte * (1, 3, 9, 27, 81, 243)[n]) & 0xFF  # uint8_t q = x * pow3[n]
+    return (q * 3) >> 8
+
+
+def c_dequantize_row_tq1_0(b: bytes) -> list[np.float32]:
+    d = _f16_at(b, 52)
+    qs, qh = b[0:48], b[48:52]
+    y = []
+    for n in range(5):
+        y += [np.float32(_c_trit(qs[m], n) - 1) * d for m in range(32)]
+    for n in range(5):
+        y += [np.float32(_c_trit(qs[32 + m], n) - 1) * d for m in range(16)]
+    for n in range(4):
+        y += [np.float32(_c_trit(qh[j], n) - 1) * d for j in range(4)]
+    return y
+
+
+def c_dequantize_row_tq2_0(b: bytes) -> list[np.float32]:
+    d = _f16_at(b, 64)
+    y = []
+    for j in (0, 32):
+        for l in range(4):
+            y += [np.float32(((b[j + m] >> (2 * l)) & 3) - 1) * d for m in range(32)]
+    return y
+
+
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def c_dequantize_row_iq4_nl(b: bytes) -> list[np.float32]:
+    d, qs = _f16_at(b, 0), b[2:18]
+    return [d * np.float32(KVALUES_IQ4NL[c & 0xF]) for c in qs] + [
+        d * np.float32(KVALUES_IQ4NL[c >> 4]) for c in qs
+    ]
+
+
+def c_dequantize_row_iq4_xs(b: bytes) -> list[np.float32]:
+    d = _f16_at(b, 0)
+    scales_h = int.from_bytes(b[2:4], "little")
+    scales_l = b[4:8]
+    y = []
+    for ib in range(8):
+        ls = ((scales_l[ib // 2] >> 4 * (ib % 2)) & 0xF) | (((scales_h >> 2 * ib) & 3) << 4)
+        dl = d * np.float32(ls - 32)
+        qs = b[8 + 16 * ib : 8 + 16 * ib + 16]
+        y += [dl * np.float32(KVALUES_IQ4NL[c & 0xF]) for c in qs]
+        y += [dl * np.float32(KVALUES_IQ4NL[c >> 4]) for c in qs]
+    return y
+
+
+def _c_e8m0_to_fp32_half(x: int) -> np.float32:
+    bits = 0x00200000 << x if x < 2 else (x - 1) << 23
+    return np.array([bits], np.uint32).view(np.float32)[0]
+
+
+def _c_ue4m3_to_fp32(x: int) -> np.float32:
+    if x == 0 or x == 0x7F:
+        return np.float32(0)
+    exp, man = (x >> 3) & 0xF, x & 0x7
+    raw = math.ldexp(man, -9) if exp == 0 else math.ldexp(1.0 + man / 8.0, exp - 7)
+    return np.float32(raw) * np.float32(0.5)
+
+
+def c_dequantize_row_mxfp4(b: bytes) -> list[np.float32]:
+    d, qs = _c_e8m0_to_fp32_half(b[0]), b[1:17]
+    return [np.float32(KVALUES_MXFP4[c & 0xF]) * d for c in qs] + [
+        np.float32(KVALUES_MXFP4[c >> 4]) * d for c in qs
+    ]
+
+
+def c_dequantize_row_nvfp4(b: bytes) -> list[np.float32]:
+    y = []
+    for s in range(4):
+        d, qs = _c_ue4m3_to_fp32(b[s]), b[4 + 8 * s : 4 + 8 * s + 8]
+        y += [np.float32(KVALUES_MXFP4[c & 0xF]) * d for c in qs]
+        y += [np.float32(KVALUES_MXFP4[c >> 4]) * d for c in qs]
+    return y
+
+
 C_PORTS = {
     T.Q5_0: c_dequantize_row_q5_0,
     T.Q5_1: c_dequantize_row_q5_1,
     T.Q4_K: c_dequantize_row_q4_K,
     T.Q5_K: c_dequantize_row_q5_K,
     T.Q6_K: c_dequantize_row_q6_K,
+    T.Q2_K: c_dequantize_row_q2_K,
+    T.Q3_K: c_dequantize_row_q3_K,
+    T.Q8_K: c_dequantize_row_q8_K,
+    T.TQ1_0: c_dequantize_row_tq1_0,
+    T.TQ2_0: c_dequantize_row_tq2_0,
+    T.IQ4_NL: c_dequantize_row_iq4_nl,
+    T.IQ4_XS: c_dequantize_row_iq4_xs,
+    T.MXFP4: c_dequantize_row_mxfp4,
+    T.NVFP4: c_dequantize_row_nvfp4,
 }
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # MXFP4's e >= 253
 @pytest.mark.parametrize("qtype", list(C_PORTS))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_dequantize_matches_a_literal_port_of_ggml_c(qtype, seed):
@@ -584,7 +756,7 @@ def test_dequantize_keeps_leading_dimensions():
     assert np.array_equal(w[1, 2], dequantize(data[1, 2], T.Q4_1))
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED + FLOATS)
+@pytest.mark.parametrize("qtype", QUANTIZED + NEW + FLOATS)
 def test_per_format_functions_accept_strided_blocks(qtype):
     """A transposed (non-contiguous) array of blocks reads the same as a contiguous copy."""
     layout = BLOCK_LAYOUTS[qtype]
@@ -609,19 +781,143 @@ def test_quantize_computes_in_float32():
 
 
 # ---------------------------------------------------------------------------------------------
-# Errors
+# Laws of the other simple formats (their oracles: tests/oracle/test_quants.py)
 # ---------------------------------------------------------------------------------------------
 
 
-def test_quantize_unsupported_type_names_the_supported_ones():
-    with pytest.raises(QuantError, match=r"quantizing to Q4_K is not implemented; supported: "):
-        quantize(np.zeros(256, np.float32), T.Q4_K)
+@pytest.mark.parametrize("qtype", NEW, ids=lambda t: t.name)
+def test_all_zero_bytes_read_as_zeros(qtype):
+    """A zero scale (or E8M0's smallest, times the zero FP4 code) makes every weight 0."""
+    layout = BLOCK_LAYOUTS[qtype]
+    w = dequantize(np.zeros((2, 3 * layout.type_size), np.uint8), qtype)
+    assert w.shape == (2, 3 * layout.block_size)
+    assert (w == 0).all()
+
+
+def test_trits_invert_the_tq1_0_packing():
+    """Every 5-trit and 4-trit group packed as ``quantize_row_tq1_0_ref`` packs it reads back."""
+    for n in (5, 4):
+        groups = np.array(np.meshgrid(*[np.arange(3)] * n, indexing="ij")).reshape(n, -1)
+        v = sum(groups[k].astype(int) * 3 ** (4 - k) for k in range(n))  # t_4 = 0 when n = 4
+        packed = ((v * 256 + 242) // 243).astype(np.uint8)  # ceil(256 v / 243)
+        assert np.array_equal(quants.trits(packed, n), groups)
+
+
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0], ids=lambda t: t.name)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_ternary_weights_are_multiples_of_the_scale(qtype, seed):
+    """TQ1_0 reads -d, 0 or d; TQ2_0 also 2d (its code 3, which its quantizer never writes)."""
+    raw = random_blocks(np.random.default_rng(seed), qtype, (), 2)
+    w = dequantize(raw, qtype).reshape(2, QK_K)
+    offset = F16_FIELDS[qtype][0]
+    d = raw.reshape(2, -1)[:, offset : offset + 2].copy().view("<f2").astype(np.float32)
+    levels = (-1, 0, 1) if qtype == T.TQ1_0 else (-1, 0, 1, 2)
+    on_a_level = np.zeros_like(w, dtype=bool)
+    for k in levels:
+        on_a_level |= w == np.float32(k) * d
+    assert on_a_level.all()
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_q8_k_bsums_are_not_read(seed):
+    raw = random_blocks(np.random.default_rng(seed), T.Q8_K, (), 1)
+    other = raw.copy()
+    other[260:292] = np.random.default_rng(seed + 1).integers(0, 256, 32, dtype=np.uint8)
+    assert_bits_equal(dequantize(raw, T.Q8_K), dequantize(other, T.Q8_K))
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_iq4_xs_with_unit_sub_block_scales_is_iq4_nl(seed):
+    """With every ``ls_i = 33`` (scale 1), an IQ4_XS block reads as 8 IQ4_NL blocks."""
+    rng = np.random.default_rng(seed)
+    nl = random_blocks(rng, T.IQ4_NL, (), 8).reshape(8, 18)
+    nl[:, 0:2] = nl[0, 0:2]  # one d for the 8 blocks
+    xs = np.zeros(136, np.uint8)
+    xs[0:2] = nl[0, 0:2]
+    xs[2:4] = np.array([0b10_10_10_10_10_10_10_10], "<u2").view(np.uint8)  # ls_i bits 5-4: 2
+    xs[4:8] = 0x11  # ls_i bits 3-0: 1
+    xs[8:136] = nl[:, 2:18].reshape(-1)
+    assert_bits_equal(dequantize(xs, T.IQ4_XS), dequantize(nl.reshape(-1), T.IQ4_NL))
+
+
+def test_q3_k_scales_unpack_every_6_bit_value():
+    """Scale g set to v (all others 0), for every g and v: only scale g reads v - 32."""
+    for g in range(16):
+        for v in range(64):
+            packed = np.zeros(12, np.uint8)
+            packed[g % 8] |= (v & 0x0F) << (4 * (g // 8))
+            packed[8 + g % 4] |= (v >> 4) << (2 * (g // 4))
+            expected = np.full(16, -32, np.int8)
+            expected[g] = v - 32
+            assert np.array_equal(quants.q3_k_scales(packed), expected), (g, v)
+
+
+def test_e8m0_and_ue4m3_scales_of_every_code_are_ggml_s():
+    """All 256 codes of both scale encodings, against the C helpers' literal ports."""
+    codes = np.arange(256, dtype=np.uint8)
+    e8m0 = np.array([_c_e8m0_to_fp32_half(int(c)) for c in codes], np.float32)
+    ue4m3 = np.array([_c_ue4m3_to_fp32(int(c)) for c in codes], np.float32)
+    assert_bits_equal(quants.e8m0_to_fp32_half(codes), e8m0)
+    assert_bits_equal(quants.ue4m3_to_fp32(codes), ue4m3)
+    assert quants.e8m0_to_fp32_half(codes)[0] == 2.0**-128  # a float32 subnormal, exact
+    assert np.isfinite(quants.ue4m3_to_fp32(codes)).all()
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: dequantize(np.zeros(66, np.uint8), T.IQ2_XXS), "dequantizing IQ2_XXS"),
+        (
+            lambda: dequantize(np.zeros(85, np.uint8), T.Q2_K),
+            r"^Q2_K rows of 85 bytes are not a whole number of blocks \(84 bytes each\)$",
+        ),
+        (
+            lambda: dequantize(np.zeros((2, 293), np.uint8), T.Q8_K),
+            r"^Q8_K rows of 293 bytes are not a whole number of blocks \(292 bytes each\)$",
+        ),
+        (
+            lambda: dequantize(np.zeros(35, np.uint8), T.NVFP4),
+            r"^NVFP4 rows of 35 bytes are not a whole number of blocks \(36 bytes each\)$",
+        ),
+        (
+            lambda: dequantize(np.zeros(17, np.int8), T.MXFP4),
+            r"^MXFP4 data must be raw bytes: a uint8 array",
+        ),
+        (
+            lambda: QuantizedTensor(T.Q3_K, (2, 128), np.zeros((2, 55), np.uint8)),
+            r"^a row of 128 weights is not a whole number of Q3_K blocks \(256 weights each\)$",
+        ),
+        (
+            lambda: QuantizedTensor(T.IQ4_NL, (2, 48), np.zeros((2, 27), np.uint8)),
+            r"^a row of 48 weights is not a whole number of IQ4_NL blocks \(32 weights each\)$",
+        ),
+        (
+            lambda: QuantizedTensor(T.TQ1_0, (2, 256), np.zeros((2, 55), np.uint8)),
+            r"^TQ1_0 data of logical shape \(2, 256\) must have shape \(2, 54\), got \(2, 55\)$",
+        ),
+    ],
+)
+def test_malformed_tensors_of_the_other_simple_formats_are_refused(call, message):
+    with pytest.raises(QuantError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_quantize_unsupported_type_names_the_supported_ones():
+    with pytest.raises(QuantError, match=r"^quantizing to IQ4_NL is not implemented; "
+                                         r"supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, "
+                                         r"Q3_K, Q4_K, Q5_K, Q6_K$"):
+        quantize(np.zeros(256, np.float32), T.IQ4_NL)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # Q8_1 (activations of the legacy-quant dot products) has no to_float in ggml either
+        (lambda: dequantize(np.zeros(40, np.uint8), T.Q8_1), "dequantizing Q8_1"),
         (lambda: dequantize(np.zeros(34, np.int8), T.Q8_0), "uint8"),
         (lambda: dequantize(np.zeros(35, np.uint8), T.Q8_0), "whole number of blocks"),
         (lambda: dequantize(np.zeros(34, np.uint8), 8), "GGMLQuantizationType"),
@@ -683,10 +979,11 @@ def test_quantized_tensor_is_frozen():
 
 
 def test_a_type_we_cannot_dequantize_is_held_and_refused_only_when_used():
-    """A GGUF may hold a type we do not read (IQ1_S); it loads, and only dequantize refuses."""
-    t = QuantizedTensor(T.IQ1_S, (1, 256), np.zeros((1, 50), np.uint8))
-    assert t.shape == (1, 256)
-    with pytest.raises(QuantError, match="IQ1_S"):
+    """A GGUF may hold a type we do not read (Q8_1, which ggml cannot read either); it loads,
+    and only dequantize refuses."""
+    t = QuantizedTensor(T.Q8_1, (1, 64), np.zeros((1, 80), np.uint8))
+    assert t.shape == (1, 64)
+    with pytest.raises(QuantError, match="dequantizing Q8_1 is not implemented"):
         t.dequantize()
     with pytest.raises(QuantError, match="must have shape"):
-        QuantizedTensor(T.IQ1_S, (1, 256), np.zeros((1, 49), np.uint8))
+        QuantizedTensor(T.Q8_1, (1, 64), np.zeros((1, 79), np.uint8))

@@ -684,3 +684,14 @@ def test_unpermuted_gradients_do_not_match(tmp_path):
     _, ref = _hf_grads(path, "llama", ids[:-1], ids[1:], "float32", permute_qk=False)
     g = ref["blk.0.attn_q.weight"]
     assert np.abs(grads["blk.0.attn_q.weight"] - g).max() > 1e-3 * np.abs(g).max()
+
+
+def test_a_mixture_of_experts_is_refused_before_training():
+    """Mixtral loads as ``llama``, but its FFN is ``mul_mat_id``: fine-tuning refuses it up
+    front, by name, instead of failing on a missing dense FFN weight."""
+    from reference.training.finetune import FinetuneParams, check_finetune
+
+    hp = tiny_hparams(n_expert=4, n_expert_used=2)
+    with pytest.raises(TrainGraphError, match="^fine-tuning runs dense models; this llama has "
+                                              "4 experts"):
+        check_finetune(hp, 200, FinetuneParams(n_ctx=16))

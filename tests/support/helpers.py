@@ -16,6 +16,7 @@ whose ``supports_op`` says yes:
 | ``llama`` | ``KVCache`` | cells, partial ``seq_rm``, K-shift, streams, embeddings |
 | ``iswa`` | ``KVCacheISWA`` (window on some layers) | the same, and SWA |
 | ``mamba``, ``mamba2`` | ``RecurrentMemory`` | recurrent |
+| ``qwen3moe`` | ``KVCache`` | as ``llama`` (Qwen3's Q/K norms; 4 experts, 2 per token) |
 
 A twin flavour names the reference flavour it is held to (``mlx`` -> ``ref-f32``): where a
 law decodes a scenario on the twin, :func:`assert_twins_agree` decodes it on the reference
@@ -404,6 +405,15 @@ class Model:
         return st.lists(st.integers(0, N_VOCAB - 1), min_size=lo, max_size=hi)
 
 
+@functools.cache
+def _llama_like(arch: str, n_layer: int, dtype: np.dtype):
+    """A tiny model of ``arch`` for the laws (seed 13): a Qwen3-MoE has per-head Q/K norms
+    and 4 experts, 2 per token, each 8 wide."""
+    experts = dict(n_expert=4, n_expert_used=2, n_ff_exp=8) if arch == "qwen3moe" else {}
+    hp = tiny_hparams(arch, n_vocab=N_VOCAB, n_layer=n_layer, n_ctx_train=4096, **experts)
+    return hp, random_weights(hp, seed=13, dtype=dtype)
+
+
 def _mamba_build(arch: str) -> Callable[[int, np.dtype], tuple]:
     """The ``build`` of :func:`mamba_model` for ``arch``: variants are ``n_layer``."""
     return lambda n_layer, dtype: mamba_model(arch, dtype, n_layer)
@@ -430,37 +440,47 @@ MAMBA, MAMBA2 = (
           other=1, forward=_mamba_forward)
     for arch in ARCHS)
 MODELS = (LLAMA, ISWA, MAMBA, MAMBA2)
+#: Qwen3's per-head Q/K norms and a mixture of experts in one model (qwen3moe's attention is
+#: qwen3's): one more model rather than two keeps the laws' time down. The decode laws run
+#: on it (``DECODE_MODELS``); the state laws need its foreign model first (``FOREIGN`` in
+#: ``tests/laws/test_state.py``)
+QWEN3MOE = Model("qwen3moe", functools.partial(_llama_like, "qwen3moe"), variants=(2,),
+                 capabilities=_KV, memory="KVCache", sizes=_LLAMA_SIZES, one_layer=(1,), other=1)
+DECODE_MODELS = (*MODELS, QWEN3MOE)
 
 
-def for_models(*needs: str, lacking: tuple[str, ...] = ()):
+def for_models(*needs: str, lacking: tuple[str, ...] = (), models: tuple = MODELS):
     """Parametrize a law over the models that have every capability of ``needs`` and none of
-    ``lacking``, one case each (works under ``@given``). The others get no case at all: the
+    ``lacking`` (among ``models``), one case each (works under ``@given``). The others get no
+    case at all: the
     capability is checked here, when the cases are built, the way test-backend-ops asks
     ``supports_op`` before it builds a case, not by a skip when the case runs.
 
     >>> [m.name for m in for_models(K_SHIFT).args[1]]
     ['llama', 'iswa']
+    >>> [m.name for m in for_models(K_SHIFT, models=DECODE_MODELS).args[1]]
+    ['llama', 'iswa', 'qwen3moe']
     >>> [m.name for m in for_models(lacking=(PARTIAL_SEQ_RM,)).args[1]]
     ['mamba', 'mamba2']
     """
-    return pytest.mark.parametrize("model", _models(needs, lacking), ids=str)
+    return pytest.mark.parametrize("model", _models(needs, lacking, models), ids=str)
 
 
-def for_layouts(*needs: str, lacking: tuple[str, ...] = ()):
+def for_layouts(*needs: str, lacking: tuple[str, ...] = (), models: tuple = MODELS):
     """As :func:`for_models`, over ``(model, kv_unified)``: one unified stream for every
     model, and one stream per sequence for the models with :data:`STREAMS`.
 
-    >>> [f"{m}-{u}" for m, u in for_layouts(K_SHIFT).args[1]]
+    >>> [f"{m}-{u}" for m, u in for_layouts(K_SHIFT).args[1]][:4]
     ['llama-True', 'llama-False', 'iswa-True', 'iswa-False']
     """
-    cases = [(m, u) for m in _models(needs, lacking)
+    cases = [(m, u) for m in _models(needs, lacking, models)
              for u in ((True, False) if m.has(STREAMS) else (True,))]
     return pytest.mark.parametrize(("model", "kv_unified"), cases,
                                    ids=[f"{m}-{'unified' if u else 'streams'}" for m, u in cases])
 
 
-def _models(needs, lacking) -> list[Model]:
-    models = [m for m in MODELS if m.has(*needs) and not set(lacking) & m.capabilities]
+def _models(needs, lacking, pool=MODELS) -> list[Model]:
+    models = [m for m in pool if m.has(*needs) and not set(lacking) & m.capabilities]
     assert models, f"no model has {needs} without {lacking}"
     return models
 

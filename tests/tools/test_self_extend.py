@@ -204,6 +204,19 @@ def test_rope_cparams_feed_the_paper_attention():
 
 # ---- errors -------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("arch, n_expert, message", [
+    ("qwen3", 0, "not 'qwen3'"),
+    ("llama", 4, "not 'llama' with experts"),
+])
+def test_the_papers_forward_refuses_what_its_graph_lacks(arch, n_expert, message):
+    """``self_extend_forward`` is llama / qwen2's dense graph: Qwen3's Q/K norms and experts
+    are not in it, so such a model is refused, not silently computed wrong."""
+    from reference.testing import random_weights, tiny_hparams
+    hp = tiny_hparams(arch, n_expert=n_expert, n_expert_used=2 if n_expert else 0)
+    with pytest.raises(SelfExtendError, match=message):
+        self_extend_forward(random_weights(hp), hp, [1, 2, 3], 2, 2)
+
+
 @pytest.mark.parametrize("ga_n, ga_w", [(0, 512), (-1, 4), (3, 512), (2, 0), (2, -4)])
 def test_bad_parameters_are_typed_errors(ga_n, ga_w):
     with pytest.raises(SelfExtendError):
