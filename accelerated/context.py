@@ -17,7 +17,7 @@ differs:
   is inherited;
 - the weights are prepared once
   ([`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights]: dense and
-  transposed on the CPU device, Q4_0/Q4_1/Q8_0 quantized on a GPU; ``matmul`` chooses);
+  transposed on the CPU device, the types MLX holds quantized on a GPU; ``matmul`` chooses);
 - each Llama/Qwen2/Gemma ubatch runs one **graph**:
   [`accelerated.models.llama.llm_build_llama`][accelerated.models.llama.llm_build_llama] (or
   [`accelerated.models.gemma.llm_build_gemma`][accelerated.models.gemma.llm_build_gemma]) as a pure

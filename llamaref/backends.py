@@ -21,6 +21,7 @@ import numpy as np
 
 from accelerated import sampling as accelerated_sampling
 from accelerated.context import Context as AcceleratedContext
+from accelerated.models.llama import default_matmul
 from accelerated.models.llama import prepare_weights as accelerated_prepare_weights
 from reference import sampling as reference_sampling
 from reference.common import LlamarefError
@@ -79,19 +80,25 @@ def mlx_has_gpu() -> bool:
 
 # --8<-- [start:prepare_weights]
 def prepare_weights(weights: dict, backend: str,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
+                    progress: Callable[[int, int], None] | None = None,
+                    bounded: bool | None = None) -> dict:
     """The weights as ``backend``'s Context wants them, converted once, tensor by tensor.
 
     ``reference``: every tensor a float32 array (quantized ones dequantized, the values the
     forward computes with); ``accelerated``:
-    [`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights] (Q4_0 /
-    Q4_1 / Q8_0 stay packed).
+    [`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights] (the
+    types MLX holds exactly stay packed).
 
     Args:
         weights: GGUF-named weights from
             [`reference.model_loader.load_model`][reference.model_loader.load_model].
         backend: ``"reference"`` or ``"accelerated"``.
         progress: called with ``(tensors done, tensors in all)`` after each tensor.
+        bounded: keep Q6_K and Q2_K packed too, within their stated bound (``accelerated``
+            only). None: where the Context will run quantized matmuls
+            ([`accelerated.models.llama.default_matmul`][accelerated.models.llama.default_matmul]
+            is ``"quantized"``: a GPU), so that a ``Q4_K_M`` file stays packed there; on the
+            CPU the weights are dense, and exact.
 
     Examples:
         >>> w = prepare_weights({"a": np.ones(2, np.float16)}, "reference")
@@ -99,7 +106,10 @@ def prepare_weights(weights: dict, backend: str,
         dtype('float32')
     """
     if backend == "accelerated":
-        prepare_one = accelerated_prepare_weights
+        keep = default_matmul() == "quantized" if bounded is None else bounded
+
+        def prepare_one(w):
+            return accelerated_prepare_weights(w, bounded=keep)
     else:
         def prepare_one(w):
             return {name: _dense(t) for name, t in w.items()}

@@ -544,7 +544,7 @@ def run_verify(path: str | Path, backend: str = "auto", n_tokens: int = 12,
     emit(f"prompt: {n_tokens} tokens ({source}); properties on the {backend} backend")
     weights_ref = prepare_weights(weights, "reference")
     weights_acc = None if is_recurrent(hparams) or not _has_mlx() else prepare_weights(
-        weights, "accelerated")
+        weights, "accelerated", bounded=False)  # the twin holds the reference's values
     groups = [
         lambda: op_checks(hparams, weights, tokens) if _has_mlx() else [
             Check("ops", "op twins", "-", "-", "skipped (MLX not installed)")],

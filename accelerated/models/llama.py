@@ -164,7 +164,7 @@ def default_matmul() -> str:
 
 
 # --8<-- [start:prepare_weights]
-def prepare_weights(weights: dict, matmul: str = "quantized") -> dict:
+def prepare_weights(weights: dict, matmul: str = "quantized", bounded: bool = False) -> dict:
     """The weights as the MLX forward uses them, converted once.
 
     Args:
@@ -179,6 +179,9 @@ def prepare_weights(weights: dict, matmul: str = "quantized") -> dict:
             picks [`default_matmul`][]). With ``"dense"`` and tied embeddings (no
             ``output.weight``), ``output.weight`` is added: the transposed dense ``token_embd``
             (which stays as it is for the row gather).
+        bounded: with ``"quantized"``, keep Q6_K and Q2_K packed too, requantized within the
+            bound [`accelerated.quants.load_weight`][accelerated.quants.load_weight] states
+            (their values change); otherwise they are dequantized, exactly.
 
     Returns:
         The same keys (plus a tied ``output.weight`` for ``"dense"``); values
@@ -204,7 +207,7 @@ def prepare_weights(weights: dict, matmul: str = "quantized") -> dict:
         elif isinstance(w, np.ndarray) and not np.issubdtype(w.dtype, np.floating):
             out[name] = mx.array(w)
         else:
-            out[name] = load_weight(w, mx.float32)
+            out[name] = load_weight(w, mx.float32, bounded=bounded and matmul == "quantized")
         if matmul == "dense" and _is_linear(name) and not isinstance(out[name], TransposedWeight):
             out[name] = _transposed(out[name])
     if matmul == "dense" and "output.weight" not in out and "token_embd.weight" in out:

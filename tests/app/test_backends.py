@@ -64,3 +64,28 @@ def test_generate_runs_a_mamba_on_the_twin(tmp_path, capsys, arch):
         assert f"llamaref: backend {backend}\n" in err
         texts[backend] = out
     assert texts["accelerated"] == texts["reference"]
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_bounded_types_stay_packed_only_where_matmuls_run_quantized(monkeypatch, gpu):
+    """A Q4_K_M file's Q6_K tensors: packed within their bound where the Context multiplies
+    quantized (a GPU), dequantized exactly where it multiplies dense (the CPU), and exact
+    whenever asked (``verify``); Q4_K stays packed and exact everywhere."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    import accelerated.models.llama as AL
+    from accelerated.quants import MLXQuantized
+    from reference.quants import QuantizedTensor
+
+    monkeypatch.setattr(AL, "gpu_paths", lambda: gpu)
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    weights = {name: QuantizedTensor.from_float(x, t) for name, t in
+               (("blk.0.attn_v.weight", T.Q6_K), ("blk.0.attn_q.weight", T.Q4_K))}
+    got = backends.prepare_weights(weights, "accelerated")
+    assert isinstance(got["blk.0.attn_q.weight"], MLXQuantized)
+    assert isinstance(got["blk.0.attn_v.weight"], MLXQuantized) == gpu
+    exact = backends.prepare_weights(weights, "accelerated", bounded=False)
+    assert not isinstance(exact["blk.0.attn_v.weight"], MLXQuantized)
+    np.testing.assert_array_equal(np.array(exact["blk.0.attn_v.weight"]),
+                                  weights["blk.0.attn_v.weight"].dequantize())
