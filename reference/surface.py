@@ -334,6 +334,11 @@ _GGML_OP = [
     ("ggml_ssm_scan", "reference.ops.ssm.ssm_scan", "ops/ssm.md#the-scan",
      "Mamba-1 and Mamba-2"),
     ("ggml_tanh", "reference.ops.softcap.tanh", "gemma.md#soft-capping", ""),
+    ("ggml_mul_mat_id", "reference.ops.moe.mul_mat_id", "moe.md#mul_mat_id-one-matrix-per-row", ""),
+    ("ggml_argsort", "reference.ops.moe.argsort", "moe.md#ties-which-expert-wins",
+     "CPU kernel: libstdc++'s std::sort"),
+    ("ggml_argsort_top_k", "reference.ops.moe.argsort_top_k", "moe.md#ties-which-expert-wins",
+     ""),
 ]
 
 _GGML_H = [

@@ -11,6 +11,7 @@ from accelerated.ops.elementwise import add, mul, scale
 from accelerated.ops.ffn import geglu, gelu, silu, swiglu
 from accelerated.ops.loss import cross_entropy_loss, cross_entropy_loss_back
 from accelerated.ops.matmul import mul_mat
+from accelerated.ops.moe import argsort, argsort_top_k, mul_mat_id
 from accelerated.ops.norm import norm, rms_norm
 from accelerated.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM, rope_back, rope_ext
 from accelerated.ops.rows import get_rows, get_rows_back, set_rows
@@ -21,6 +22,8 @@ __all__ = [
     "ROPE_TYPE_NEOX",
     "ROPE_TYPE_NORM",
     "add",
+    "argsort",
+    "argsort_top_k",
     "build_attn_mha",
     "cross_entropy_loss",
     "cross_entropy_loss_back",
@@ -30,6 +33,7 @@ __all__ = [
     "get_rows_back",
     "mul",
     "mul_mat",
+    "mul_mat_id",
     "norm",
     "rms_norm",
     "rope_back",

@@ -15,6 +15,7 @@ from reference.ops.elementwise import add, mul, scale
 from reference.ops.ffn import geglu, gelu, silu, swiglu
 from reference.ops.loss import cross_entropy_loss, cross_entropy_loss_back
 from reference.ops.matmul import mul_mat
+from reference.ops.moe import argsort, argsort_top_k, mul_mat_id
 from reference.ops.norm import norm, rms_norm
 from reference.ops.rope import ROPE_TYPE_NEOX, ROPE_TYPE_NORM, rope_back, rope_ext
 from reference.ops.rows import get_rows, get_rows_back, set_rows
@@ -25,6 +26,8 @@ __all__ = [
     "ROPE_TYPE_NEOX",
     "ROPE_TYPE_NORM",
     "add",
+    "argsort",
+    "argsort_top_k",
     "build_attn_mha",
     "cross_entropy_loss",
     "cross_entropy_loss_back",
@@ -34,6 +37,7 @@ __all__ = [
     "get_rows_back",
     "mul",
     "mul_mat",
+    "mul_mat_id",
     "norm",
     "rms_norm",
     "rope_back",
