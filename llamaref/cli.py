@@ -61,6 +61,7 @@ from llamaref.finetune import add_finetune_command
 from llamaref.parallel import add_parallel_commands
 from llamaref.passkey import add_passkey_command
 from llamaref.perplexity import add_perplexity_command
+from llamaref.quantize import add_quantize_command
 from llamaref.server.main import add_serve_command
 from llamaref.speculative import add_speculative_commands
 from llamaref.verify import run_verify
@@ -455,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_commands(sub)
     add_parallel_commands(sub)
     add_finetune_command(sub)
+    add_quantize_command(sub)
     add_serve_command(sub)
     sub.add_parser("bench-server", add_help=False,
                    help="load benchmark of `serve` (--vs mlx-lm: mlx_lm.server on the same "

@@ -695,6 +695,85 @@ def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
 # --8<-- [end:dequantize_q5_1]
 
 
+def _qh_bytes(q: np.ndarray) -> np.ndarray:
+    """5-bit quants ``(..., 32)`` -> their fifth bits as a little-endian uint32 ``(..., 4)``:
+    bit ``j`` of ``qh`` is the high bit of weight ``j``."""
+    bits = ((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)  # (..., 32)
+    qh = np.bitwise_or.reduce(bits, axis=-1, keepdims=True)  # (..., 1)
+    return qh.astype("<u4").view(np.uint8)  # (..., 4)
+
+
+# --8<-- [start:quantize_q5_0]
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    r"""``quantize_row_q5_0_ref``: float32 blocks of 32 -> ``block_q5_0`` bytes.
+
+    Q4_0 with one more bit: ``max`` is the weight of largest magnitude with its sign,
+    $d = \mathrm{max} / -16$, quants truncated after adding 16.5 and clipped to 31:
+
+    $$q_j = \min\bigl(31, \operatorname{trunc}(x_j \cdot d^{-1} + 16.5)\bigr)$$
+
+    The low 4 bits are packed as Q4_0's nibbles, the fifth bits into the 32-bit ``qh``.
+
+    Args:
+        x: float ``(..., 32)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 22)``.
+
+    Examples:
+        >>> x = np.zeros(32, dtype=np.float32)
+        >>> x[0], x[16] = -4.0, 2.0
+        >>> dequantize_q5_0(quantize_q5_0(x))[[0, 1, 16]]
+        array([-4.,  0.,  2.], dtype=float32)
+    """
+    x = np.asarray(x, dtype=np.float32)
+    imax = np.argmax(np.abs(x), axis=-1, keepdims=True)  # (..., 1) the first of the largest
+    max = np.take_along_axis(x, imax, axis=-1)  # (..., 1)
+    max = np.where(max == 0, np.float32(0.0), max)  # C starts from max = 0.0f: +0, never -0
+    d = max / np.float32(-16)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # as C, silently
+        xi = np.trunc(x * _inverse(d) + np.float32(16.5)).astype(np.int8)  # (..., 32)
+    q = np.minimum(xi, 31).astype(np.uint8)
+    qs = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # (..., 16)
+    return np.concatenate([_f16_bytes(d), _qh_bytes(q), qs], axis=-1)  # (..., 22)
+# --8<-- [end:quantize_q5_0]
+
+
+# --8<-- [start:quantize_q5_1]
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    r"""``quantize_row_q5_1_ref``: float32 blocks of 32 -> ``block_q5_1`` bytes.
+
+    Q4_1 with one more bit: 32 levels over the block's range,
+
+    $$d = \frac{\max_j x_j - \min_j x_j}{31}, \qquad
+      q_j = \operatorname{trunc}((x_j - \min_j x_j) \cdot d^{-1} + 0.5), \qquad m = \min_j x_j$$
+
+    (no clipping in ggml: the largest weight lands on 31, or 32 by float32 rounding, which
+    then loses its fifth bit; we keep ggml's bytes).
+
+    Args:
+        x: float ``(..., 32)``, converted to float32 first.
+
+    Returns:
+        uint8 ``(..., 24)``.
+
+    Examples:
+        >>> x = np.linspace(-1.0, 2.1, 32, dtype=np.float32)
+        >>> bool(np.abs(dequantize_q5_1(quantize_q5_1(x)) - x).max() <= 0.05 + 2e-3)
+        True
+    """
+    x = np.asarray(x, dtype=np.float32)
+    # C keeps the first weight that is strictly smaller (larger): of equal zeros, the first
+    min = np.take_along_axis(x, np.argmin(x, axis=-1, keepdims=True), axis=-1)  # (..., 1)
+    max = np.take_along_axis(x, np.argmax(x, axis=-1, keepdims=True), axis=-1)  # (..., 1)
+    d = (max - min) / np.float32(31)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # as C, silently
+        q = np.trunc((x - min) * _inverse(d) + np.float32(0.5)).astype(np.uint8)  # (..., 32)
+    qs = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # (..., 16)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(min), _qh_bytes(q), qs], axis=-1)  # (..., 24)
+# --8<-- [end:quantize_q5_1]
+
+
 # ---------------------------------------------------------------------------------------------
 # K-quants: super-blocks of QK_K = 256
 # ---------------------------------------------------------------------------------------------
@@ -1493,6 +1572,8 @@ QUANTIZE: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_0: quantize_q4_0,
     T.Q4_1: quantize_q4_1,
     T.Q8_0: quantize_q8_0,
+    T.Q5_0: quantize_q5_0,
+    T.Q5_1: quantize_q5_1,
     **K_QUANTIZERS,  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K from reference/quants_k.py
 }
 # --8<-- [end:dispatch]

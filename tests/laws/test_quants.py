@@ -908,8 +908,8 @@ def test_malformed_tensors_of_the_other_simple_formats_are_refused(call, message
 
 def test_quantize_unsupported_type_names_the_supported_ones():
     with pytest.raises(QuantError, match=r"^quantizing to IQ4_NL is not implemented; "
-                                         r"supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, "
-                                         r"Q3_K, Q4_K, Q5_K, Q6_K$"):
+                                         r"supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, "
+                                         r"Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K$"):
         quantize(np.zeros(256, np.float32), T.IQ4_NL)
 
 

@@ -297,3 +297,24 @@ def test_ggml_turns_a_nan_weight_into_a_valid_but_wrong_block(qtype):
     spoiled = ggml_dequantize(raw, qtype)[0, 1:]
     error, clean_error = np.abs(spoiled - x[0, 1:]).max(), np.abs(clean[0, 1:] - x[0, 1:]).max()
     assert error > 2 * clean_error
+
+
+# ---- Q5_0 and Q5_1: llama-quantize's fallbacks for Q4_K / Q5_K rows of no whole super-block ----
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", KINDS)
+def test_q5_quantizers_are_ggmls(qtype, kind):
+    """``quantize_row_q5_0_ref`` / ``quantize_row_q5_1_ref`` byte for byte against ggml's C,
+    and against ``gguf.quants`` but for the sign of a zero scale or minimum: ggml keeps the
+    first of equal zeros (and starts Q5_0's search from +0), NumPy's min/max may not."""
+    import gguf.quants as gq
+
+    from reference.quants import quantize
+
+    x = np.stack([family_row(kind, 256, e, seed) for seed, e in enumerate((0, -3, 3))])
+    ours = quantize(x, qtype)
+    assert_bytes_equal(ours, ggml_quantize_chunk(x, qtype), qtype)
+    with np.errstate(all="ignore"):
+        theirs = gq.quantize(x, qtype)
+    if kind != "zero":
+        assert ours.tobytes() == theirs.tobytes()
