@@ -400,7 +400,10 @@ class Context(ref.Context):
             ([`accelerated.models.llama.prepare_weights`][accelerated.models.llama.prepare_weights]);
             None:
             [`accelerated.models.llama.default_matmul`][accelerated.models.llama.default_matmul]
-            (dense on the CPU device).
+            (dense on the CPU device). With ``"quantized"``, Q6_K and Q2_K weights not yet
+            prepared stay packed within their stated bound (``bounded``,
+            [`accelerated.quants.load_weight`][accelerated.quants.load_weight]), as every
+            other GGUF type MLX holds exactly.
         graph_cache_size: how many compiled graphs to keep (least recently used out).
 
     Raises:
@@ -443,7 +446,8 @@ class Context(ref.Context):
         super().__init__(hparams, weights, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                          n_seq_max=n_seq_max, kv_unified=kv_unified, swa_full=swa_full,
                          dtype=dtype, abort_callback=abort_callback)
-        self.mlx_weights = prepare_weights(self.weights, matmul or default_matmul())
+        matmul = matmul or default_matmul()
+        self.mlx_weights = prepare_weights(self.weights, matmul, bounded=matmul == "quantized")
         disabled = os.environ.get("LLAMA_GRAPH_REUSE_DISABLE", "0").strip() or "0"
         self.graph_reuse = bool(graph_reuse) and not int(disabled)
         self.graph_cache_size = graph_cache_size

@@ -95,8 +95,9 @@ def mlx_lm_model(hparams: LlamaHParams | MambaHParams, weights: dict,
     A llama: ``rope_traditional=True``: GGUF stores Q and K permuted for the interleaved
     RoPE (llama.cpp's "normal" mode), which is MLX's ``traditional`` RoPE. Each weight goes
     through [`accelerated.quants.load_weight`][accelerated.quants.load_weight]: with
-    ``matmul="quantized"`` a Q4_0, Q4_1 or Q8_0 tensor becomes
-    [`accelerated.quants.MLXQuantized`][accelerated.quants.MLXQuantized] (lossless) and its layer
+    ``matmul="quantized"`` a tensor of a type MLX holds (exactly, or Q6_K and Q2_K within their
+    bound, as the twin holds them) becomes
+    [`accelerated.quants.MLXQuantized`][accelerated.quants.MLXQuantized] and its layer
     ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` with that ``w_q``, ``scales`` and ``biases``;
     with ``matmul="dense"`` every weight is dequantized (exactly) to float32 and the layers stay
     ``nn.Linear`` / ``nn.Embedding``. Other weights are float32 either way. A Mamba or Mamba-2:
@@ -124,7 +125,8 @@ def mlx_lm_model(hparams: LlamaHParams | MambaHParams, weights: dict,
     check_mlx_lm_model(hparams)
     if hparams.arch in MAMBA_ARCHS:
         return mlx_lm_mamba_model(hparams, weights)
-    w = {name: load_weight(t, mx.float32, keep_quantized=matmul == "quantized")
+    w = {name: load_weight(t, mx.float32, keep_quantized=matmul == "quantized",
+                           bounded=matmul == "quantized")
          for name, t in weights.items()}
     if any(name.endswith(".bias") for name in w):
         raise PeerError("--vs mlx-lm: this llama has biases; mlx-lm's llama has none")
