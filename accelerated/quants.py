@@ -24,7 +24,7 @@ biases:
 | Q3_K | $(d (sc - 32)) q_3$, $q_3 \in [-4, 3]$ | $(sc - 32) q_3 + 124$ | 8, 128 | $d$ | $-124d$ |
 | MXFP4 | $\mathrm{e2m1}(q) \cdot 2^{e - 127}$ | $q$ | 4, 32 | $e$ | (mxfp4 mode) |
 | IQ4_NL | $d\,K[q]$, $K$ = ``kvalues_iq4nl`` | $K[q] + 128$ | 8, 32 | $d$ | $-128d$ |
-| IQ4_XS | $(d (ls - 32)) K[q]$ | $K[q] + 128$ | 8, 32 | $d (ls - 32)$ | $-128 s$ |
+| IQ4_XS | $(d (ls - 32)) K[q]$ | $K[q] + 128$ | 8, 32 | $d (ls - 32)$ | $-128 \cdot s$ |
 | TQ2_0 | $d (q - 1)$, $q \in [0, 3]$ | $q$ | 2, 128 | $d$ | $-d$ |
 
 ($d$, $m$, $d_{\min}$ float16; $sc$, $m$ of Q4_K/Q5_K 6-bit from ``get_scale_min_k4``, one per
