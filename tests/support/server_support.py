@@ -61,6 +61,11 @@ def model(kind: str = "llama"):
     if kind in ("mamba", "mamba2"):
         hp = dataclasses.replace(tiny_mamba_hparams(kind), n_vocab=N_VOCAB)
         return hp, random_mamba_weights(hp, seed=3)
+    if kind == "qwen3moe":  # Qwen3's Q/K norms and 4 experts, 2 per token
+        hp = dataclasses.replace(tiny_hparams("qwen3moe", n_vocab=N_VOCAB, n_embd=32, n_ff=48,
+                                              n_expert=4, n_expert_used=2, n_ff_exp=24),
+                                 n_ctx_train=4096)
+        return hp, random_weights(hp, seed=3)
     raise ValueError(kind)
 
 

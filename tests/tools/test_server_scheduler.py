@@ -59,6 +59,20 @@ def test_batched_answers_equal_each_prompt_alone(backend, unified):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mixture_of_experts_serves_as_it_generates(backend):
+    """Qwen3-MoE (Q/K norms, 4 experts, 2 per token): 6 requests on 3 slots, greedy, each
+    answer is a fresh generation of its prompt; a token's experts do not depend on the other
+    slots' rows in its batch."""
+    ps = prompts(6)
+    sched = make_scheduler(backend, kind="qwen3moe", n_slots=3, n_ctx=512)
+    out: dict = {}
+    run_scheduler(sched, [Task(i + 1, p, greedy(8), collect(out, i)) for i, p in enumerate(ps)])
+    got = finals(out)
+    for i, p in enumerate(ps):
+        assert got[i].tokens == alone(backend, p, 8, kind="qwen3moe")[: len(got[i].tokens)], i
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_long_prompt_joins_running_streams_in_chunks(backend):
     """A prompt longer than n_batch is spread over several steps while a stream generates;
     the stream gets a token at every one of those steps."""
