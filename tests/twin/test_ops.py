@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import accelerated.ops as A
 import reference.ops as R
 from accelerated.ops import attention as A_attn
+from accelerated.ops import moe as A_moe
 from accelerated.ops import rope as A_rope
 from accelerated.ops import ssm as A_ssm
 from reference.ops import attention as R_attn
@@ -92,6 +93,29 @@ def _(rng):
     a, base = _normal(rng, (2, 48, 16)), _normal(rng, (4, 16, 9))
     # b is a transposed (non-contiguous) view (4, 9, 16) on both sides
     return (a, base.swapaxes(-1, -2)), (a, mx.array(base).swapaxes(-1, -2)), {}
+
+
+# --- MUL_MAT_ID, ARGSORT, ARGSORT_TOP_K (mixtures of experts) ---------------------------------
+for n_b in (1, 2):
+    @case(f"MUL_MAT_ID(as=[4,6,8],b=[5,{n_b},8],ids=[5,2])", R.mul_mat_id, A.mul_mat_id, 5e-4)
+    def _(rng, n_b=n_b):
+        ids = np.stack([rng.permutation(4)[:2] for _ in range(5)]).astype(np.int32)
+        return _same(_normal(rng, (4, 6, 8)), _normal(rng, (5, n_b, 8)), ids) + ({},)
+
+
+@case("ARGSORT_TOP_K(a=[7,8],k=2)", R.argsort_top_k, A.argsort_top_k)
+def _(rng):
+    return _same(_normal(rng, (7, 8))) + ({"k": 2},)
+
+
+def _argsort_on_the_host(a, order="desc"):
+    """The twin's argsort is the reference's (ties as ``std::sort``), on host values."""
+    return mx.array(A_moe.argsort(np.asarray(a), order))
+
+
+@case("ARGSORT(a=[3,20],desc)", R.argsort, _argsort_on_the_host)
+def _(rng):
+    return _same(_normal(rng, (3, 20))) + ({},)
 
 
 # --- GET_ROWS / SET_ROWS -----------------------------------------------------------------------
