@@ -227,7 +227,9 @@ def make_qkx2_quants(
         x: float32 ``(..., n)``, the sub-blocks (any leading dimensions).
         weights: float32 ``(..., n)``, $w_i$.
         nmax: the largest quant (3 for Q2_K, 15 for Q4_K, 31 for Q5_K).
-        rmin, rdelta, nstep: the grids tried (``-1, 0.1, 20`` for Q4_K).
+        rmin: the first grid offset tried (-1 for Q4_K).
+        rdelta: the step between offsets (0.1 for Q4_K).
+        nstep: how many offsets (20 for Q4_K).
         use_mad: absolute error instead of squared error (Q2_K).
 
     Returns:
@@ -447,7 +449,8 @@ def pack_scale_min_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
     | 8-11     | bits 3-0 of $m_{k-4}$ (7-4)  | bits 3-0 of $sc_{k-4}$ (3-0)             |
 
     Args:
-        ls, lm: uint8 ``(..., 8)`` with values in ``[0, 63]``.
+        ls: uint8 ``(..., 8)`` scales in ``[0, 63]``.
+        lm: uint8 ``(..., 8)`` mins in ``[0, 63]``.
 
     Returns:
         uint8 ``(..., 12)``.

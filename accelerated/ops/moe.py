@@ -20,6 +20,8 @@ What differs:
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 
@@ -71,7 +73,7 @@ def _shape(as_) -> tuple[int, ...]:
 
 
 # --8<-- [start:mul_mat_id]
-def mul_mat_id(as_, b: mx.array, ids: mx.array) -> mx.array:
+def mul_mat_id(as_: Any, b: mx.array, ids: mx.array) -> mx.array:
     """Twin of [`reference.ops.moe.mul_mat_id`][reference.ops.moe.mul_mat_id]. One
     ``mx.gather_mm`` (``mx.gather_qmm`` for quantized experts).
 
@@ -126,13 +128,16 @@ SORT_MIN_ROWS = 64
 
 
 # --8<-- [start:experts_ffn]
-def experts_ffn(x: mx.array, up_exps, gate_exps, down_exps, selected: mx.array) -> mx.array:
+def experts_ffn(x: mx.array, up_exps: Any, gate_exps: Any, down_exps: Any,
+                selected: mx.array) -> mx.array:
     """The chosen experts' SwiGLU FFNs of every token, before their weights: ``mul_mat_id``
     for up and gate, ``swiglu`` (``silu`` of up without gate experts), ``mul_mat_id`` for down.
 
     Args:
         x: ``(n_tokens, 1, n_embd)``, or ``(n_tokens, k, n_embd)`` (weighted before the FFN).
-        up_exps, gate_exps, down_exps: the experts (``gate_exps`` may be None).
+        up_exps: the up experts.
+        gate_exps: the gate experts (may be None).
+        down_exps: the down experts.
         selected: ``(n_tokens, k)`` expert ids.
 
     Returns:

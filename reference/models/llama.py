@@ -202,7 +202,7 @@ EXPERT_TENSORS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 def layer_tensors(hparams: LlamaHParams | None = None) -> dict:
     """The tensors of a block of ``hparams``' model: field -> (GGUF name, required).
 
-    [`LLAMA_LAYER_TENSORS`][] (``None``: a dense llama), with qwen3's Q/K norms, and with a
+    ``LLAMA_LAYER_TENSORS`` (``None``: a dense llama), with qwen3's Q/K norms, and with a
     mixture of experts (``n_expert > 0``) in place of the dense FFN (``load_arch_tensors``
     of ``src/models/llama.cpp``, ``qwen3.cpp``, ``qwen3moe.cpp``).
 

@@ -53,8 +53,10 @@ models, but happen (a zero router row gives every expert $1/E$).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from reference.ops.attention import soft_max_ext
 from reference.ops.errors import OpIndexError, OpShapeError, OpTypeError, OpValueError
@@ -322,7 +324,7 @@ def _as_shape(as_) -> tuple[int, ...]:
 
 
 # --8<-- [start:expert_matrix]
-def expert_matrix(as_, e: int, dtype) -> np.ndarray:
+def expert_matrix(as_: Any, e: int, dtype: DTypeLike) -> np.ndarray:
     """Expert ``e``'s matrix ``(M, K)`` of ``as_``, in ``dtype``: only that expert's weights
     are read (a quantized 3-D tensor dequantizes its ``e``-th block of rows alone).
 
@@ -376,7 +378,7 @@ def check_mul_mat_id(as_shape: tuple, b_shape: tuple, ids: np.ndarray) -> None:
 
 
 # --8<-- [start:mul_mat_id]
-def mul_mat_id(as_, b: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def mul_mat_id(as_: Any, b: np.ndarray, ids: np.ndarray) -> np.ndarray:
     r"""``ggml_mul_mat_id(as, b, ids)``: each row of ``b`` times the expert ``ids`` names.
 
     $\mathrm{out}_{t,e} = \mathrm{mul\_mat}(\mathrm{as}_{\mathrm{ids}_{t,e}},
@@ -462,9 +464,9 @@ def moe_weights(
 def build_moe_ffn(
     cur: np.ndarray,
     gate_inp: np.ndarray,
-    up_exps,
-    gate_exps,
-    down_exps,
+    up_exps: Any,
+    gate_exps: Any,
+    down_exps: Any,
     n_expert_used: int,
     norm_w: bool = True,
     w_scale: float = 0.0,
