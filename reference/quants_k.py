@@ -213,11 +213,10 @@ def make_qkx2_quants(
     2. Try ``nstep + 1`` other grids: for $k = 0 \ldots$ ``nstep``, the inverse scale
        $(n_{\max} + r_{\min} + k\,r_\delta) / (\max_i x_i - b)$ rounds the weights to quants
        $q_i$, and for these quants the weighted least-squares line is
-       $$s = \frac{S_w S_{xq} - S_x S_q}{D}, \quad b = \frac{S_{qq} S_x - S_q S_{xq}}{D},
-         \quad D = S_w S_{qq} - S_q^2$$
-       (sums of $w_i$, $w_i x_i$, $w_i q_i$, $w_i q_i^2$, $w_i q_i x_i$); if $b > 0$ it
-       is clamped to 0 and $s = S_{xq}/S_{qq}$. The candidate replaces the best so far when
-       $D > 0$ and its error $E$ is strictly smaller.
+       $s = (S_w S_{xq} - S_x S_q)/D$, $b = (S_{qq} S_x - S_q S_{xq})/D$ with
+       $D = S_w S_{qq} - S_q^2$ (sums of $w_i$, $w_i x_i$, $w_i q_i$, $w_i q_i^2$,
+       $w_i q_i x_i$); if $b > 0$ it is clamped to 0 and $s = S_{xq}/S_{qq}$. The candidate
+       replaces the best so far when $D > 0$ and its error $E$ is strictly smaller.
 
     A sub-block with $\max_i x_i = b$ (a constant $\le 0$, zeros included) gets $s = 0$
     and all quants 0. The minimum is returned negated, as the C's ``the_min``:
@@ -510,8 +509,9 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     $m_i \ge 0$. They are quantized to 6 bits against the largest of each:
 
     $$d = \frac{\max_i s_i}{63}, \quad sc_i = \min\Bigl(63, \mathrm{nearest\_int}
-      \Bigl(\frac{63\,s_i}{\max_i s_i}\Bigr)\Bigr), \qquad
-      d_{\min} = \frac{\max_i m_i}{63}, \quad mq_i = \min\Bigl(63, \mathrm{nearest\_int}
+      \Bigl(\frac{63\,s_i}{\max_i s_i}\Bigr)\Bigr),$$
+
+    $$d_{\min} = \frac{\max_i m_i}{63}, \quad mq_i = \min\Bigl(63, \mathrm{nearest\_int}
       \Bigl(\frac{63\,m_i}{\max_i m_i}\Bigr)\Bigr)$$
 
     ($sc_i = 0$ when no scale is positive, and likewise $mq_i$), packed by

@@ -27,12 +27,13 @@ from reference.hf import HFLoadError, hparams_from_hf, load_hf
 from reference.model_loader import load_model
 from reference.ops.moe import argsort_top_k
 from reference.quants import GGMLQuantizationType, QuantizedTensor
-from tests.oracle.test_qwen3 import N_TOKENS, check_against, hf_logits, save_random_hf
+from tests.oracle.test_qwen3 import N_TOKENS, check_against, hf_logits
 from tests.support.tiny_models import (
     llamacpp_logits,
     nmse,
     random_weights,
     reference_logits,
+    save_random_hf,
     tiny_hparams,
     write_tiny_gguf,
 )

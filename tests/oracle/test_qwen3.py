@@ -7,8 +7,8 @@ ubatch, token by token, in chunks, and through the Context. The model is then wr
 GGUF by our writer: read back it gives the same logits bit for bit, and llama.cpp on that file
 agrees to NMSE <= 1e-6 (f32 KV cache).
 
-:func:`save_random_hf` (any HF causal LM class, parameters redrawn in NumPy from a seed, as
-``tests/support/tiny_models.py``'s ``save_tiny_hf``) is shared with ``test_moe.py``.
+The random HF folders come from ``tests/support/tiny_models.py``'s ``save_random_hf``
+(any HF causal LM class, parameters redrawn in NumPy from a seed).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.support.tiny_models import (
     llamacpp_logits,
     nmse,
     reference_logits,
+    save_random_hf,
     write_tiny_gguf,
 )
 
@@ -36,36 +37,6 @@ transformers = pytest.importorskip("transformers")
 
 N_TOKENS = 24
 CHUNKS = [5, 1, 7, 11]
-
-
-def save_random_hf(path: str | Path, cls_name: str, seed: int = 0, **config) -> Path:
-    """Build a ``transformers.<cls_name>`` from ``config`` (plus small defaults), redraw every
-    parameter in NumPy from ``seed`` (norm gains ~1, embeddings N(0, 1), matrices and experts
-    with std ``1/sqrt(n_in)``) and ``save_pretrained`` it."""
-    config = dict(dict(vocab_size=40, hidden_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-                       max_position_embeddings=256, rms_norm_eps=1e-6), **config)
-    cfg = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**config)
-    cfg._attn_implementation = "eager"
-    model = getattr(transformers, cls_name)(cfg)
-    rng = np.random.default_rng(seed)
-    tied = cfg.tie_word_embeddings
-    state = {}
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and tied:
-            continue
-        if name.endswith("norm.weight"):
-            x = 1.0 + 0.1 * rng.normal(size=p.shape)
-        elif name.endswith("embed_tokens.weight"):
-            x = rng.normal(size=p.shape)
-        else:
-            x = rng.normal(0.0, 1.0 / np.sqrt(p.shape[-1]), size=p.shape)
-        state[name] = torch.tensor(x, dtype=torch.float32)
-    if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state)
-    model.save_pretrained(str(path))
-    return Path(path)
 
 
 def hf_logits(path: str | Path, tokens) -> np.ndarray:

@@ -65,7 +65,6 @@ def save_tiny_hf(
     All parameters are redrawn in NumPy from ``seed`` (see the module docstring), so the
     folder's contents depend on the seed only, not on torch's RNG.
     """
-    import torch
     import transformers
 
     cfg_cls = getattr(transformers, HF_CLASSES[kind].replace("ForCausalLM", "Config"))
@@ -91,13 +90,24 @@ def save_tiny_hf(
     config = cfg_cls(**kwargs)
     config._attn_implementation = "eager"
     model = getattr(transformers, HF_CLASSES[kind])(config)
+    return save_redrawn(model, path, seed)
+
+
+def save_redrawn(model, path: str | Path, seed: int, norm_center: float = 1.0) -> Path:
+    """Redraw every parameter of the transformers ``model`` in NumPy from ``seed`` and
+    ``save_pretrained`` it to ``path``: norm gains ``norm_center`` + N(0, 0.1²) (Gemma stores
+    ``1 + w``: centre 0), biases N(0, 0.1²), embeddings N(0, 1), matrices and experts
+    N(0, 1/n_in); a tied ``lm_head`` is the embeddings themselves."""
+    import torch
+
     rng = np.random.default_rng(seed)
+    tied = model.config.tie_word_embeddings
     state = {}
     for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and tie_word_embeddings:
+        if name == "lm_head.weight" and tied:
             continue  # the same tensor as embed_tokens
         if name.endswith("norm.weight"):
-            x = 1.0 + 0.1 * rng.normal(size=p.shape)
+            x = norm_center + 0.1 * rng.normal(size=p.shape)
         elif name.endswith(".bias"):
             x = 0.1 * rng.normal(size=p.shape)
         elif name.endswith("embed_tokens.weight"):
@@ -105,11 +115,24 @@ def save_tiny_hf(
         else:
             x = rng.normal(0.0, 1.0 / np.sqrt(p.shape[-1]), size=p.shape)
         state[name] = torch.tensor(x, dtype=torch.float32)
-    if tie_word_embeddings:
+    if tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state)
     model.save_pretrained(str(path))
     return Path(path)
+
+
+def save_random_hf(path: str | Path, cls_name: str, seed: int = 0, **config) -> Path:
+    """Build a ``transformers.<cls_name>`` from ``config`` (plus small defaults) and save it
+    with every parameter redrawn from ``seed`` ([`save_redrawn`][])."""
+    import transformers
+
+    config = dict(dict(vocab_size=40, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                       max_position_embeddings=256, rms_norm_eps=1e-6), **config)
+    cfg = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**config)
+    cfg._attn_implementation = "eager"
+    return save_redrawn(getattr(transformers, cls_name)(cfg), path, seed)
 
 
 def save_tiny_gemma_hf(
@@ -132,7 +155,6 @@ def save_tiny_gemma_hf(
     ``query_pre_attn_scalar`` (default: ``head_dim``), the soft-caps ...). Norm weights are
     HF's $w$ of $x (1 + w)$, drawn around 0; the rest as in :func:`save_tiny_hf`.
     """
-    import torch
     import transformers
 
     cls = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[kind]
@@ -153,24 +175,7 @@ def save_tiny_gemma_hf(
     config._attn_implementation = "eager"
     model_cls = "Gemma3ForCausalLM" if kind == "gemma3" else f"{cls}ForCausalLM"
     model = getattr(transformers, model_cls)(config)
-    rng = np.random.default_rng(seed)
-    state = {}
-    tied = config.tie_word_embeddings
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and tied:
-            continue
-        if name.endswith("norm.weight"):
-            x = 0.1 * rng.normal(size=p.shape)
-        elif name.endswith("embed_tokens.weight"):
-            x = rng.normal(size=p.shape)
-        else:
-            x = rng.normal(0.0, 1.0 / np.sqrt(p.shape[-1]), size=p.shape)
-        state[name] = torch.tensor(x, dtype=torch.float32)
-    if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state)
-    model.save_pretrained(str(path))
-    return Path(path)
+    return save_redrawn(model, path, seed, norm_center=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
